@@ -1,0 +1,96 @@
+"""Checkpoints: HF folder -> orbax folder conversion, and loading from either."""
+from __future__ import annotations
+
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from rich.progress import Progress
+
+from glint.export.hf import name_table, read_hf
+from glint.model import transformer
+from glint.model.config import ModelConfig
+
+GLINT_CONFIG = "glint.json"
+PARAMS_DIR = "params"
+# Files copied next to the converted weights so the orbax folder is self-contained.
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json")
+
+
+def flatten(params) -> dict[str, jax.Array]:
+    """Nested parameter dict -> {"layers.0.attn.wq.kernel": array}."""
+    flat = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        flat[".".join(str(getattr(k, "key", k)) for k in path)] = leaf
+    return flat
+
+
+def unflatten(flat: dict[str, jax.Array], like):
+    """Inverse of `flatten`, taking the tree structure from `like`."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(like)
+    keys = [".".join(str(getattr(k, "key", k)) for k in path) for path, _ in paths]
+    return jax.tree_util.tree_unflatten(treedef, [flat[k] for k in keys])
+
+
+def abstract_params(cfg: ModelConfig):
+    return transformer.split(transformer.abstract_model(cfg))[1]
+
+
+def read_hf_params(hf_dir: pathlib.Path, cfg: ModelConfig, *, show_progress: bool = False) -> dict[str, np.ndarray]:
+    """Flat, cast, shape-checked parameters of an HF folder."""
+    like = flatten(abstract_params(cfg))
+    shapes = {k: v.shape for k, v in like.items()}
+    flat: dict[str, np.ndarray] = {}
+    with Progress(disable=not show_progress, transient=True) as bar:
+        task = bar.add_task(f"reading {hf_dir.name}", total=len(name_table(cfg)))
+        for path, x in read_hf(hf_dir, cfg, shapes, progress=lambda: bar.advance(task)):
+            flat[path] = np.asarray(x, dtype=like[path].dtype)
+    return flat
+
+
+def convert(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str = "bfloat16",
+            show_progress: bool = True) -> ModelConfig:
+    """Convert an HF checkpoint folder to an orbax folder (params/ + glint.json + side files)."""
+    hf_dir, out_dir = pathlib.Path(hf_dir), pathlib.Path(out_dir).absolute()
+    cfg = ModelConfig.from_hf(hf_dir, dtype=dtype)
+    flat = read_hf_params(hf_dir, cfg, show_progress=show_progress)
+    if (out_dir / PARAMS_DIR).exists():
+        raise ValueError(f"{out_dir / PARAMS_DIR} already exists; remove it or choose another output folder")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(out_dir / PARAMS_DIR, flat)
+    (out_dir / GLINT_CONFIG).write_text(cfg.to_json())
+    for name in SIDE_FILES:
+        if (hf_dir / name).exists():
+            shutil.copy(hf_dir / name, out_dir / name)
+    return cfg
+
+
+def load_checkpoint(path: str | pathlib.Path, dtype: str | None = None, *, show_progress: bool = False):
+    """(ModelConfig, params) from an orbax folder written by `convert` or from an HF folder.
+
+    `dtype` overrides the stored dtype (norm weights stay float32).
+    """
+    path = pathlib.Path(path)
+    if (path / GLINT_CONFIG).exists():
+        cfg = ModelConfig.from_json((path / GLINT_CONFIG).read_text())
+        stored = flatten(abstract_params(cfg))
+        with ocp.StandardCheckpointer() as ckpt:
+            flat = ckpt.restore(path.absolute() / PARAMS_DIR, {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
+                                                             for k, v in stored.items()})
+        if dtype is not None and dtype != cfg.dtype:
+            cfg = cfg.replace(dtype=dtype)
+    elif (path / "config.json").exists():
+        cfg = ModelConfig.from_hf(path, dtype=dtype or "bfloat16")
+        flat = read_hf_params(path, cfg, show_progress=show_progress)
+    else:
+        raise ValueError(f"{path} is neither a glint (orbax) checkpoint nor an HF folder (no {GLINT_CONFIG} "
+                         "or config.json)")
+    like = abstract_params(cfg)
+    flat_like = flatten(like)
+    params = {k: jnp.asarray(v, dtype=flat_like[k].dtype) for k, v in flat.items()}
+    return cfg, unflatten(params, like)

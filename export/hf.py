@@ -1,0 +1,124 @@
+"""Hugging Face safetensors -> glint parameters, through one explicit name table per family."""
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+from safetensors import safe_open
+
+from glint.model.config import ModelConfig
+
+# Tensors that HF checkpoints may carry but that hold no parameters (RoPE caches).
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One checkpoint tensor: its HF name, our flat parameter path, and how to transform it."""
+
+    hf_name: str
+    path: str  # dotted glint parameter path, e.g. "layers.0.attn.wq.kernel"
+    transpose: bool = False  # HF Linear weights are [out, in]; ours are [in, out]
+    norm: bool = False  # norm weight: kept in float32, +1 when the checkpoint stores deltas
+
+
+def _layer_table(cfg: ModelConfig, i: int) -> list[Entry]:
+    hf, ours = f"model.layers.{i}.", f"layers.{i}."
+    table = [Entry(hf + "input_layernorm.weight", ours + "attn_norm.weight", norm=True)]
+    for proj, name in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo")):
+        table.append(Entry(f"{hf}self_attn.{proj}.weight", f"{ours}attn.{name}.kernel", transpose=True))
+    for proj, name in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+        table.append(Entry(f"{hf}mlp.{proj}.weight", f"{ours}mlp.{name}.kernel", transpose=True))
+    if cfg.qk_norm == "rms":
+        table += [Entry(f"{hf}self_attn.q_norm.weight", ours + "attn.q_norm.weight", norm=True),
+                  Entry(f"{hf}self_attn.k_norm.weight", ours + "attn.k_norm.weight", norm=True)]
+    if cfg.sandwich_norm:  # Gemma: post_attention_layernorm is the attention output's norm
+        table += [Entry(hf + "post_attention_layernorm.weight", ours + "attn_post_norm.weight", norm=True),
+                  Entry(hf + "pre_feedforward_layernorm.weight", ours + "mlp_norm.weight", norm=True),
+                  Entry(hf + "post_feedforward_layernorm.weight", ours + "mlp_post_norm.weight", norm=True)]
+    else:  # Llama: post_attention_layernorm is the MLP's input norm
+        table.append(Entry(hf + "post_attention_layernorm.weight", ours + "mlp_norm.weight", norm=True))
+    return table
+
+
+def name_table(cfg: ModelConfig) -> list[Entry]:
+    """Every tensor a checkpoint of this config must hold."""
+    if cfg.model_type not in ("llama", "mistral", "qwen3", "gemma2", "gemma3_text"):
+        raise ValueError(f"no HF name table for model_type {cfg.model_type!r}")
+    table = [Entry("model.embed_tokens.weight", "embed"), Entry("model.norm.weight", "norm.weight", norm=True)]
+    if not cfg.tie_embeddings:
+        table.append(Entry("lm_head.weight", "head.kernel", transpose=True))
+    for i in range(cfg.num_layers):
+        table += _layer_table(cfg, i)
+    return table
+
+
+def safetensors_files(hf_dir: pathlib.Path) -> list[pathlib.Path]:
+    index = hf_dir / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (hf_dir / n).exists()]
+        if missing:
+            raise ValueError(f"{index} names shard files that are not there: {missing}")
+        return [hf_dir / n for n in names]
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {hf_dir}")
+    return files
+
+
+def _locate(files: list[pathlib.Path]) -> dict[str, pathlib.Path]:
+    where: dict[str, pathlib.Path] = {}
+    for f in files:
+        with safe_open(f, "numpy") as st:
+            for key in st.keys():
+                if key in where:
+                    raise ValueError(f"tensor {key!r} appears twice: in {where[key].name} and {f.name}")
+                where[key] = f
+    return where
+
+
+def _read(f: pathlib.Path, key: str) -> np.ndarray:
+    with safe_open(f, "flax") as st:  # the flax reader handles bfloat16, which numpy's does not
+        return np.asarray(st.get_tensor(key))
+
+
+def read_hf(hf_dir: pathlib.Path, cfg: ModelConfig, expected_shapes: dict[str, tuple[int, ...]],
+            progress=None) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (glint path, array) for every tensor, checked against the table and `expected_shapes`.
+
+    Raises ValueError naming every missing, unknown or mis-shaped tensor before yielding anything.
+    """
+    table = name_table(cfg)
+    where = _locate(safetensors_files(hf_dir))
+    wanted = {e.hf_name for e in table}
+    ignored = {k for k in where if k.endswith(IGNORED_SUFFIXES)}
+    if cfg.tie_embeddings:  # some tied checkpoints also store the (identical) head
+        ignored.add("lm_head.weight")
+    missing = sorted(wanted - set(where))
+    unknown = sorted(set(where) - wanted - ignored)
+    if missing or unknown:
+        raise ValueError(f"checkpoint {hf_dir} does not match {cfg.model_type} "
+                         f"({cfg.num_layers} layers): missing {missing[:20]}, unknown {unknown[:20]}")
+    bad = []
+    for e in table:
+        with safe_open(where[e.hf_name], "numpy") as st:
+            shape = tuple(st.get_slice(e.hf_name).get_shape())
+        if e.transpose:
+            shape = shape[::-1]
+        if shape != tuple(expected_shapes[e.path]):
+            bad.append(f"{e.hf_name}: {shape} vs expected {tuple(expected_shapes[e.path])}")
+    if bad:
+        raise ValueError(f"mis-shaped tensors in {hf_dir}: " + "; ".join(bad))
+    for e in table:
+        x = _read(where[e.hf_name], e.hf_name)
+        if e.transpose:
+            x = x.T
+        if e.norm:
+            x = x.astype(np.float32) + (1.0 if cfg.norm_delta else 0.0)
+        yield e.path, x
+        if progress is not None:
+            progress()

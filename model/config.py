@@ -1,0 +1,258 @@
+"""Model configuration: one frozen dataclass for every supported family, mapped from HF config.json."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from dataclasses import dataclass
+from typing import Any
+
+ROPE_KINDS = ("default", "linear", "llama3")
+ACTIVATIONS = ("silu", "gelu_tanh")
+QK_NORMS = ("none", "rms", "rms_scaleless")
+DTYPES = ("bfloat16", "float32", "float16")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding of one layer; `kind` is the HF rope_type."""
+
+    theta: float
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self):
+        if self.kind not in ROPE_KINDS:
+            raise ValueError(f"rope_type {self.kind!r} is not supported (supported: {ROPE_KINDS})")
+        if not self.theta > 0:
+            raise ValueError(f"rope theta must be > 0, got {self.theta}")
+        if self.kind != "default" and not self.factor > 0:
+            raise ValueError(f"rope factor must be > 0, got {self.factor}")
+
+    @classmethod
+    def from_hf(cls, params: dict[str, Any]) -> RopeConfig:
+        kind = params.get("rope_type", params.get("type", "default")) or "default"
+        if kind not in ROPE_KINDS:
+            raise ValueError(f"rope_type {kind!r} is not supported (supported: {ROPE_KINDS})")
+        known = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+                 "original_max_position_embeddings", "partial_rotary_factor"}
+        if kind == "default":
+            known -= {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"rope parameters {unknown} are not supported for rope_type {kind!r}")
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"partial_rotary_factor {params['partial_rotary_factor']} is not supported (only 1.0)")
+        return cls(theta=float(params["rope_theta"]), kind=kind, factor=float(params.get("factor", 1.0)),
+                   low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+                   high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+                   original_max_position=int(params.get("original_max_position_embeddings", 8192)))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and layout of a decoder-only transformer.
+
+    Per-layer tuples: `layer_windows[i]` is the sliding window of layer i (0 = global attention),
+    `layer_rope[i]` its rotary embedding (None = no RoPE).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    layer_windows: tuple[int, ...] = ()
+    layer_rope: tuple[RopeConfig | None, ...] = ()
+    norm_eps: float = 1e-5
+    activation: str = "silu"
+    tie_embeddings: bool = False
+    qk_norm: str = "none"
+    sandwich_norm: bool = False  # extra norms on the attention and MLP outputs (Gemma 2/3, Glimmer)
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    query_scale: float = 0.0  # 0: head_dim ** -0.5
+    embed_scale: bool = False  # multiply token embeddings by sqrt(hidden_size) (Gemma)
+    embed_norm: bool = False  # RMSNorm on token embeddings (Glimmer)
+    attn_output_gate: bool = False  # sigmoid(x W_g) * attention output (Glimmer)
+    norm_delta: bool = False  # checkpoint stores norm weights as w - 1 (Gemma (1+w), Glimmer)
+    max_position_embeddings: int = 8192
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+        if not self.layer_windows:
+            object.__setattr__(self, "layer_windows", (0,) * self.num_layers)
+        if not self.layer_rope:
+            object.__setattr__(self, "layer_rope", (RopeConfig(10000.0),) * self.num_layers)
+        object.__setattr__(self, "layer_windows", tuple(int(w) for w in self.layer_windows))
+        object.__setattr__(self, "layer_rope", tuple(self.layer_rope))
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        for name in ("layer_windows", "layer_rope"):
+            if len(getattr(self, name)) != self.num_layers:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {self.num_layers} layers")
+        if any(w < 0 for w in self.layer_windows):
+            raise ValueError(f"layer_windows must be >= 0, got {self.layer_windows}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r} is not supported (supported: {ACTIVATIONS})")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm {self.qk_norm!r} is not supported (supported: {QK_NORMS})")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported (supported: {DTYPES})")
+        for name in ("attn_softcap", "final_softcap", "query_scale", "norm_eps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def scale(self) -> float:
+        return self.query_scale or self.head_dim ** -0.5
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count from the shapes alone (checked against the built model in tests)."""
+        d, hd = self.hidden_size, self.head_dim
+        attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
+        attn += d * hd * self.num_heads * self.attn_output_gate
+        attn += 2 * hd * (self.qk_norm == "rms")
+        mlp = 3 * d * self.intermediate_size
+        norms = d * (4 if self.sandwich_norm else 2)
+        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return self.num_layers * (attn + mlp + norms) + embed + d * (1 + self.embed_norm)
+
+    def replace(self, **changes) -> ModelConfig:
+        """dataclasses.replace that also shortens per-layer tuples when num_layers shrinks."""
+        n = changes.get("num_layers", self.num_layers)
+        for name in ("layer_windows", "layer_rope"):
+            if name not in changes and n != self.num_layers:
+                changes[name] = getattr(self, name)[:n]
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelConfig:
+        d = json.loads(text)
+        d["layer_rope"] = tuple(None if r is None else RopeConfig(**r) for r in d["layer_rope"])
+        return cls(**d)
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any] | str | pathlib.Path, dtype: str = "bfloat16") -> ModelConfig:
+        """Map a Hugging Face config.json (dict, file or folder) onto a ModelConfig.
+
+        Raises ValueError for an unknown model_type or a field value we do not implement.
+        """
+        if not isinstance(config, dict):
+            path = pathlib.Path(config)
+            config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+        return _from_hf(config, dtype)
+
+
+def _layer_kinds(c: dict[str, Any], family: str) -> list[str]:
+    n = c["num_hidden_layers"]
+    if c.get("layer_types"):
+        kinds = list(c["layer_types"])
+        if len(kinds) != n:
+            raise ValueError(f"layer_types has {len(kinds)} entries for num_hidden_layers {n}")
+        bad = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise ValueError(f"layer_types {bad} are not supported")
+        return kinds
+    if family == "gemma2":  # before layer_types: even layers slide
+        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    if family == "gemma3_text":
+        pattern = c.get("sliding_window_pattern", c.get("_sliding_window_pattern", 6))
+        return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    if family == "mistral" and c.get("sliding_window"):
+        return ["sliding_attention"] * n
+    if family == "qwen3" and c.get("use_sliding_window"):
+        raise ValueError("qwen3 use_sliding_window=True is not supported")
+    return ["full_attention"] * n
+
+
+def _rope_for(c: dict[str, Any], kind: str) -> RopeConfig:
+    params = c.get("rope_parameters")
+    if params is None:  # transformers < 5: rope_theta + rope_scaling
+        theta = c.get("rope_theta", 10000.0)
+        if kind == "sliding_attention" and "rope_local_base_freq" in c:
+            return RopeConfig(float(c["rope_local_base_freq"]))
+        scaling = c.get("rope_scaling") or {}
+        return RopeConfig.from_hf({"rope_theta": theta, **scaling})
+    if kind in params and isinstance(params[kind], dict):
+        return RopeConfig.from_hf(params[kind])
+    if "full_attention" in params or "sliding_attention" in params:
+        raise ValueError(f"rope_parameters has no entry for layer type {kind!r}")
+    return RopeConfig.from_hf(params)
+
+
+_FAMILIES = ("llama", "mistral", "qwen3", "gemma2", "gemma3_text")
+_UNSUPPORTED_FLAGS = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
+                      "use_bidirectional_attention": False}
+
+
+def _from_hf(c: dict[str, Any], dtype: str) -> ModelConfig:
+    family = c.get("model_type")
+    if family == "gemma3":  # multimodal wrapper: the text model is in text_config
+        c, family = {**c.get("text_config", {}), "model_type": "gemma3_text"}, "gemma3_text"
+    if family not in _FAMILIES:
+        raise ValueError(f"model_type {family!r} is not supported (supported: {_FAMILIES})")
+    for key, ok in _UNSUPPORTED_FLAGS.items():
+        if c.get(key) not in (None, ok):
+            raise ValueError(f"{key}={c[key]!r} is not supported (only {ok!r})")
+    act = c.get("hidden_activation") or c.get("hidden_act", "silu")
+    acts = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+    if act not in acts:
+        raise ValueError(f"activation {act!r} is not supported (supported: {sorted(acts)})")
+    kinds = _layer_kinds(c, family)
+    window = c.get("sliding_window") or 0
+    if "sliding_attention" in kinds and not window:
+        raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+    gemma = family.startswith("gemma")
+    hidden, heads = c["hidden_size"], c["num_attention_heads"]
+    head_dim = c.get("head_dim") or hidden // heads
+    eos = c.get("eos_token_id")
+    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    scalar = c.get("query_pre_attn_scalar") if gemma else None
+    return ModelConfig(
+        model_type=family,
+        vocab_size=c["vocab_size"],
+        hidden_size=hidden,
+        num_layers=c["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=c.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        intermediate_size=c["intermediate_size"],
+        layer_windows=tuple(window if k == "sliding_attention" else 0 for k in kinds),
+        layer_rope=tuple(_rope_for(c, k) for k in kinds),
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        activation=acts[act],
+        tie_embeddings=bool(c.get("tie_word_embeddings", gemma)),
+        qk_norm="rms" if family in ("qwen3", "gemma3_text") else "none",
+        sandwich_norm=gemma,
+        attn_softcap=float(c.get("attn_logit_softcapping") or 0.0),
+        final_softcap=float(c.get("final_logit_softcapping") or 0.0),
+        query_scale=float(scalar) ** -0.5 if scalar else 0.0,
+        embed_scale=gemma,
+        norm_delta=gemma,
+        max_position_embeddings=int(c.get("max_position_embeddings", 8192)),
+        bos_token_id=c.get("bos_token_id"),
+        eos_token_ids=eos,
+        dtype=dtype,
+    )
+

@@ -1,0 +1,206 @@
+"""Decoder-only transformer (Llama, Qwen3, Mistral, Gemma 2/3, Glimmer) as a Flax NNX module.
+
+The forward is a pure function of (params, token ids, positions, attention backend, cache, metadata):
+`forward` merges the module from its graph definition and parameters, so jitted step functions take
+the parameters as an ordinary pytree. Norms, RoPE and softmax run in float32.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from glint.model.attention import AttentionBackend, LayerAttention
+from glint.model.config import ModelConfig, RopeConfig
+
+
+def _init(rngs: nnx.Rngs, shape, dtype, scale: float):
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype))
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel, kernel [in, out]."""
+
+    def __init__(self, d_in: int, d_out: int, *, dtype, rngs: nnx.Rngs):
+        self.kernel = _init(rngs, (d_in, d_out), dtype, d_in ** -0.5)
+
+    def __call__(self, x):
+        return jnp.dot(x, self.kernel[...].astype(x.dtype))
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm in float32; `scaled=False` has no weight (Glimmer's q/k norm)."""
+
+    def __init__(self, dim: int, eps: float, *, scaled: bool = True):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32)) if scaled else None
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.weight is not None:
+            y = y * self.weight[...]
+        return y.astype(x.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def rope_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """Inverse frequencies f64[head_dim // 2] after the rope_type's scaling (HF semantics)."""
+    inv = 1.0 / rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if rope.kind == "linear":
+        inv = inv / rope.factor
+    elif rope.kind == "llama3":
+        low_wavelen = rope.original_max_position / rope.low_freq_factor
+        high_wavelen = rope.original_max_position / rope.high_freq_factor
+        wavelen = 2 * np.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    return inv
+
+
+def apply_rope(x, positions, inv_freq: np.ndarray):
+    """Rotate-half RoPE (HF layout). x [T, H, D], positions i32[T]."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, index: int, *, dtype, rngs: nnx.Rngs):
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+        self.spec = LayerAttention(index, cfg.layer_windows[index], cfg.attn_softcap, cfg.scale)
+        self.rope = cfg.layer_rope[index]
+        self.wq = Linear(d, cfg.num_heads * hd, dtype=dtype, rngs=rngs)
+        self.wk = Linear(d, cfg.num_kv_heads * hd, dtype=dtype, rngs=rngs)
+        self.wv = Linear(d, cfg.num_kv_heads * hd, dtype=dtype, rngs=rngs)
+        self.wo = Linear(cfg.num_heads * hd, d, dtype=dtype, rngs=rngs)
+        self.wg = Linear(d, cfg.num_heads * hd, dtype=dtype, rngs=rngs) if cfg.attn_output_gate else None
+        has_qk_norm, scaled = cfg.qk_norm != "none", cfg.qk_norm == "rms"
+        self.q_norm = RMSNorm(hd, cfg.norm_eps, scaled=scaled) if has_qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps, scaled=scaled) if has_qk_norm else None
+
+    def __call__(self, x, positions, attend: AttentionBackend, cache, meta):
+        t = x.shape[0]
+        q = self.wq(x).reshape(t, self.num_heads, self.head_dim)
+        k = self.wk(x).reshape(t, self.num_kv_heads, self.head_dim)
+        v = self.wv(x).reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
+            inv_freq = rope_frequencies(self.rope, self.head_dim)
+            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        out, cache = attend(self.spec, q, k, v, cache, meta)
+        out = out.reshape(t, self.num_heads * self.head_dim)
+        if self.wg is not None:
+            out = out * jax.nn.sigmoid(self.wg(x).astype(jnp.float32)).astype(out.dtype)
+        return self.wo(out), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.activation = cfg.activation
+        self.gate = Linear(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        self.up = Linear(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        g = self.gate(x)
+        g = jax.nn.silu(g) if self.activation == "silu" else jax.nn.gelu(g, approximate=True)
+        return self.down(g * self.up(x))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, index: int, *, dtype, rngs: nnx.Rngs):
+        eps = cfg.norm_eps
+        self.attn_norm = RMSNorm(cfg.hidden_size, eps)
+        self.attn = Attention(cfg, index, dtype=dtype, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, eps)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+        self.attn_post_norm = RMSNorm(cfg.hidden_size, eps) if cfg.sandwich_norm else None
+        self.mlp_post_norm = RMSNorm(cfg.hidden_size, eps) if cfg.sandwich_norm else None
+
+    def __call__(self, x, positions, attend, cache, meta):
+        h, cache = self.attn(self.attn_norm(x), positions, attend, cache, meta)
+        if self.attn_post_norm is not None:
+            h = self.attn_post_norm(h)
+        x = x + h
+        h = self.mlp(self.mlp_norm(x))
+        if self.mlp_post_norm is not None:
+            h = self.mlp_post_norm(h)
+        return x + h, cache
+
+
+class Transformer(nnx.Module):
+    """Token ids -> final hidden states; `logits` applies the head to selected rows only."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.dtype)
+        self.cfg = cfg
+        self.embed = nnx.Param((jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size))).astype(dtype))
+        self.embed_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.embed_norm else None
+        self.layers = nnx.List([Block(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.head = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, tokens, positions, attend: AttentionBackend, cache, meta):
+        """tokens, positions i32[T]; cache: a per-layer sequence handed to the backend (or None)."""
+        x = self.embed[...][tokens]
+        if self.cfg.embed_scale:  # Gemma rounds the normaliser to the activation dtype
+            x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        new_cache = []
+        for i, block in enumerate(self.layers):
+            x, layer_cache = block(x, positions, attend, None if cache is None else cache[i], meta)
+            new_cache.append(layer_cache)
+        return self.norm(x), (None if cache is None else type(cache)(new_cache))
+
+    def logits(self, hidden):
+        """hidden [R, hidden_size] -> float32 logits [R, vocab]."""
+        w = self.embed[...].T if self.head is None else self.head.kernel[...]
+        out = jnp.dot(hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        if self.cfg.final_softcap:
+            out = self.cfg.final_softcap * jnp.tanh(out / self.cfg.final_softcap)
+        return out
+
+
+def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    return Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+    """The model with ShapeDtypeStruct leaves: costs no memory, for any size."""
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
+def split(model: Transformer):
+    """(graphdef, params) where params is a plain nested dict of arrays."""
+    graphdef, state = nnx.split(model)
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def merge(graphdef, params) -> Transformer:
+    return nnx.merge(graphdef, params)
+
+
+def forward(graphdef, params, tokens, positions, attend: AttentionBackend, cache, meta):
+    """Pure forward: -> (final hidden [T, hidden_size], new cache)."""
+    return merge(graphdef, params)(tokens, positions, attend, cache, meta)
+
+
+def compute_logits(graphdef, params, hidden):
+    return merge(graphdef, params).logits(hidden)
+
+
+def count_params(params) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))

@@ -1,0 +1,100 @@
+"""Per-request sampling parameters: a small frozen dataclass that checks itself.
+
+Frozen and hashable, so a `SamplingParams` can key caches or ride as a static jit
+argument. The device never sees it: `glint.runtime.sampling.SamplerInputs`
+turns a batch of them into per-row arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+MAX_LOGPROBS = 20  # most alternatives a request may ask for per token
+SEED_LIMIT = 2**32  # seeds are uint32 on the device
+
+
+def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
+    # bool is an int subclass, but `top_k=True` is a bug, not a request.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value!r}")
+    return int(value)
+
+
+def _check_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a float, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the tokens of one request.
+
+    max_tokens: tokens to generate at most (>= 1).
+    temperature: logits are divided by it; <= 0 (only 0 is accepted) is greedy argmax.
+    top_k: keep the k most likely tokens; 0 keeps all.
+    top_p: nucleus: keep the smallest set of most likely tokens whose mass is
+      >= top_p (always at least one); 1 keeps all.
+    seed: uint32 seed of the request's random stream, or None to let the engine
+      draw one. A token's randomness depends only on (seed, position).
+    stop_token_ids: generation stops after emitting any of these.
+    ignore_eos: keep generating past the model's EOS token.
+    n: completions to sample for the prompt.
+    logprobs: top alternatives to report per token with their log-probabilities
+      (0 = none, at most MAX_LOGPROBS).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        # Frozen: normalise through object.__setattr__ (numpy ints -> int, lists -> tuples).
+        def store(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        store("max_tokens", _check_int("max_tokens", self.max_tokens, 1))
+        temperature = _check_float("temperature", self.temperature)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        store("temperature", temperature)
+        store("top_k", _check_int("top_k", self.top_k, 0))
+        top_p = _check_float("top_p", self.top_p)
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        store("top_p", top_p)
+        if self.seed is not None:
+            store("seed", _check_int("seed", self.seed, 0, SEED_LIMIT - 1))
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(
+            self.stop_token_ids, (tuple, list)
+        ):
+            raise ValueError(
+                f"stop_token_ids must be a tuple of ints, got {self.stop_token_ids!r}"
+            )
+        store(
+            "stop_token_ids",
+            tuple(_check_int("stop_token_ids entry", t, 0) for t in self.stop_token_ids),
+        )
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        store("n", _check_int("n", self.n, 1))
+        store("logprobs", _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS))
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when tokens are the argmax (temperature <= 0); top_k, top_p and seed are moot."""
+        return self.temperature <= 0

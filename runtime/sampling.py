@@ -1,0 +1,204 @@
+"""Device samplers: greedy argmax, and per-row temperature / top-k / top-p draws.
+
+Every function here is pure and jittable with static shapes (R rows, V vocab);
+the engine jits them once at start (or fuses them into the step) and the token
+ids stay on the device. A row's randomness is a Gumbel vector drawn from
+`fold_in(key(seed), position)` and indexed by token id, so a request replays the
+same tokens whatever batch, row, bucket or filter path it lands in.
+
+Ties resolve to the lower token id everywhere: argmax, the top-k cut (exactly k
+tokens are kept; among equal logits at the k-th place the lower ids win) and the
+nucleus cut (tokens are ranked by descending logit, then ascending id).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from glint.runtime.params import SEED_LIMIT, SamplingParams
+
+_POSITION_LIMIT = 2**31  # positions are int32 on the device
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerInputs:
+    """Per-row sampling controls for one step; a pytree of [R] arrays.
+
+    temperature: f32[R]; <= 0 makes the row greedy.
+    top_k: i32[R]; 0 (or >= V) keeps every token.
+    top_p: f32[R]; in (0, 1], 1 keeps every token.
+    seed: u32[R]; the request's seed.
+    position: i32[R]; position of the token being sampled (the key is
+      `fold_in(key(seed), position)`).
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seed: jax.Array
+    position: jax.Array
+
+    @classmethod
+    def from_params(
+        cls,
+        params_list: Sequence[SamplingParams],
+        positions: Sequence[int],
+        rows: int,
+        seeds: Sequence[int] | None = None,
+    ) -> SamplerInputs:
+        """Builds host-side (NumPy) inputs for `len(params_list)` rows, padded to `rows`.
+
+        Row i samples the token at `positions[i]` under `params_list[i]`. Padding
+        rows are greedy (their tokens are garbage the caller drops). Seeds must be
+        concrete: a request created with `seed=None` needs a seed drawn by the
+        caller, passed through `seeds` (which, when given, overrides every
+        `params.seed`; also the place to give each of n > 1 completions of one
+        request its own stream). Only greedy rows may go without a seed.
+        """
+        num_used = len(params_list)
+        if num_used > rows:
+            raise ValueError(f"{num_used} requests do not fit in rows={rows}")
+        if len(positions) != num_used:
+            raise ValueError(f"got {len(positions)} positions for {num_used} requests")
+        if seeds is not None and len(seeds) != num_used:
+            raise ValueError(f"got {len(seeds)} seeds for {num_used} requests")
+        temperature = np.zeros(rows, np.float32)
+        top_k = np.zeros(rows, np.int32)
+        top_p = np.ones(rows, np.float32)
+        seed = np.zeros(rows, np.uint32)
+        position = np.zeros(rows, np.int32)
+        for i, params in enumerate(params_list):
+            row_seed = params.seed if seeds is None else seeds[i]
+            if row_seed is None:
+                if not params.is_greedy:
+                    raise ValueError(
+                        f"row {i} samples (temperature={params.temperature}) but has no "
+                        "seed: draw one for seed=None requests and pass it in seeds"
+                    )
+                row_seed = 0
+            if not 0 <= row_seed < SEED_LIMIT:
+                raise ValueError(f"row {i}: seed must be in [0, 2**32), got {row_seed!r}")
+            if not 0 <= positions[i] < _POSITION_LIMIT:
+                raise ValueError(f"row {i}: position must be in [0, 2**31), got {positions[i]!r}")
+            temperature[i] = params.temperature
+            top_k[i] = min(params.top_k, np.iinfo(np.int32).max)
+            top_p[i] = params.top_p
+            seed[i] = row_seed
+            position[i] = positions[i]
+        return cls(temperature, top_k, top_p, seed, position)
+
+
+def uses_filters(params_list: Sequence[SamplingParams]) -> bool:
+    """Host-side: whether any sampled (non-greedy) request sets top_k or top_p.
+
+    When False, `sample(..., is_filtered=False)` skips the per-row sort.
+    """
+    return any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1) for p in params_list)
+
+
+def sample_argmax(logits: jax.Array) -> jax.Array:
+    """Greedy tokens: logits f32/bf16[R, V] -> i32[R]; ties go to the lower id."""
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [R, V], got shape {logits.shape}")
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def _gumbel_noise(seed: jax.Array, position: jax.Array, vocab_size: int) -> jax.Array:
+    """u32[R], i32[R] -> f32[R, V]: each row's noise depends only on its (seed, position)."""
+
+    def row_noise(row_seed: jax.Array, row_position: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.key(row_seed), row_position)
+        return jax.random.gumbel(key, (vocab_size,), jnp.float32)
+
+    return jax.vmap(row_noise)(seed, position)
+
+
+def _filtered_draw(
+    scaled: jax.Array, noise: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> jax.Array:
+    """Gumbel-max over the top-k, then top-p, tokens of each row.
+
+    scaled, noise: f32[R, V]; top_k: i32[R]; top_p: f32[R] -> i32[R].
+    """
+    vocab_size = scaled.shape[1]
+    token_ids = lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
+    # One stable ascending sort of -logits per row: descending logits, ties by
+    # ascending id. Negation is exact, so sorted values equal the scaled ones.
+    neg_sorted, order = lax.sort((-scaled, token_ids), dimension=1, num_keys=1, is_stable=True)
+    sorted_logits = -neg_sorted  # [R, V]
+    rank = token_ids  # rank j of sorted column j
+    k = jnp.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)
+    keep = rank < k[:, None]
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    # Keep a token while the mass ranked strictly above it is < top_p: the smallest
+    # prefix reaching top_p, never empty. top_p == 1 keeps all, whatever the rounding.
+    mass_above = jnp.pad(jnp.cumsum(probs, axis=-1)[:, :-1], ((0, 0), (1, 0)))
+    keep &= (mass_above < top_p[:, None]) | (top_p[:, None] >= 1)
+    # Noise is looked up by token id, so an unfiltered row draws the same token here
+    # as on the sort-free path.
+    perturbed = sorted_logits + jnp.take_along_axis(noise, order, axis=1)
+    best_rank = jnp.argmax(jnp.where(keep, perturbed, -jnp.inf), axis=-1)
+    return jnp.take_along_axis(order, best_rank[:, None], axis=1)[:, 0]
+
+
+def sample(logits: jax.Array, inputs: SamplerInputs, *, is_filtered: bool = True) -> jax.Array:
+    """Samples one token per row.
+
+    logits: f32/bf16[R, V]. inputs: `SamplerInputs` of [R] arrays.
+    is_filtered (static): False promises that no sampled row sets top_k / top_p
+      (see `uses_filters`) and skips the [R, V] sort; rows then get the very tokens
+      the filtered path would give them, so it is purely a speed switch.
+    Returns i32[R]: argmax for rows with temperature <= 0; otherwise a draw from
+    softmax(logits / temperature) (in float32) restricted to the top_k tokens, then
+    to the top_p nucleus, with the key `fold_in(key(seed), position)`.
+    """
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [R, V], got shape {logits.shape}")
+    num_rows, vocab_size = logits.shape
+    for field in dataclasses.fields(inputs):
+        shape = getattr(inputs, field.name).shape
+        if shape != (num_rows,):
+            raise ValueError(f"inputs.{field.name} has shape {shape}, logits need ({num_rows},)")
+    greedy = sample_argmax(logits)
+    is_sampled = inputs.temperature > 0
+    temperature = jnp.where(is_sampled, inputs.temperature, 1.0).astype(jnp.float32)
+    scaled = logits.astype(jnp.float32) / temperature[:, None]
+    noise = _gumbel_noise(inputs.seed.astype(jnp.uint32), inputs.position, vocab_size)
+    if is_filtered:
+        drawn = _filtered_draw(scaled, noise, inputs.top_k, inputs.top_p)
+    else:
+        drawn = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+    return jnp.where(is_sampled, drawn, greedy)
+
+
+class Logprobs(NamedTuple):
+    """Log-probabilities under the raw model distribution (before temperature/filters)."""
+
+    token: jax.Array  # f32[R]: of the chosen token
+    top: jax.Array  # f32[R, k]: the k best, descending
+    top_ids: jax.Array  # i32[R, k]: their ids; ties to the lower id
+
+
+def logprobs(logits: jax.Array, token_ids: jax.Array, k: int) -> Logprobs:
+    """Log-softmax (float32) of each row's chosen token and its top-k alternatives.
+
+    logits: f32/bf16[R, V]; token_ids: i32[R]; k (static): 0 <= k <= V.
+    """
+    if logits.ndim != 2 or token_ids.shape != logits.shape[:1]:
+        raise ValueError(
+            f"need logits [R, V] and token_ids [R], got {logits.shape} and {token_ids.shape}"
+        )
+    if not 0 <= k <= logits.shape[1]:
+        raise ValueError(f"k must be in [0, {logits.shape[1]}], got {k}")
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    token = jnp.take_along_axis(log_probs, token_ids.astype(jnp.int32)[:, None], axis=1)[:, 0]
+    top, top_ids = lax.top_k(log_probs, k)
+    return Logprobs(token, top, top_ids.astype(jnp.int32))

@@ -1,0 +1,43 @@
+"""Shared test fixtures: the HF reference checkpoints beside the repo (or GLINT_HF_FIXTURES)."""
+import os
+import pathlib
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+HF_FIXTURES = pathlib.Path(os.environ.get("GLINT_HF_FIXTURES", SHARED / "fixtures" / "hf"))
+STORIES = SHARED / "models" / "stories260K"
+
+
+def fixture_dirs() -> list[pathlib.Path]:
+    if not HF_FIXTURES.is_dir():
+        return []
+    return sorted(p for p in HF_FIXTURES.iterdir() if (p / "config.json").exists())
+
+
+def pytest_generate_tests(metafunc):
+    if "hf_fixture" in metafunc.fixturenames:
+        dirs = fixture_dirs()
+        if not dirs:
+            raise pytest.UsageError(f"no HF fixtures found in {HF_FIXTURES} (set GLINT_HF_FIXTURES)")
+        metafunc.parametrize("hf_fixture", dirs, ids=[p.name for p in dirs])
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """Convert each fixture once per session (float32) and return the orbax folder."""
+    from glint.export.checkpoint import convert
+
+    cache: dict[pathlib.Path, pathlib.Path] = {}
+
+    def get(hf_dir: pathlib.Path) -> pathlib.Path:
+        if hf_dir not in cache:
+            out = tmp_path_factory.mktemp(hf_dir.name)
+            convert(hf_dir, out, dtype="float32", show_progress=False)
+            cache[hf_dir] = out
+        return cache[hf_dir]
+
+    return get

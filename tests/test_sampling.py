@@ -1,0 +1,368 @@
+"""SamplingParams validation and the device samplers (argmax, temperature/top-k/top-p, logprobs)."""
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from glint.runtime.params import MAX_LOGPROBS, SamplingParams
+from glint.runtime.sampling import (
+    SamplerInputs,
+    logprobs,
+    sample,
+    sample_argmax,
+    uses_filters,
+)
+
+sample_jit = jax.jit(sample, static_argnames="is_filtered")
+logprobs_jit = jax.jit(logprobs, static_argnames="k")
+
+
+def case_rng(name: str) -> np.random.Generator:
+    """Fresh inputs per case, reproducible run to run."""
+    return np.random.default_rng(zlib.crc32(name.encode()))
+
+
+def draw(logits: np.ndarray, params: list[SamplingParams], positions, **kwargs) -> np.ndarray:
+    inputs = SamplerInputs.from_params(params, positions, rows=len(params))
+    return np.asarray(sample_jit(jnp.asarray(logits), inputs, **kwargs))
+
+
+# --- SamplingParams -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("max_tokens", 2.5),
+        ("temperature", -0.5),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("temperature", "hot"),
+        ("top_k", -1),
+        ("top_k", True),
+        ("top_p", 0.0),
+        ("top_p", -0.25),
+        ("top_p", 1.5),
+        ("top_p", float("nan")),
+        ("seed", -1),
+        ("seed", 2**32),
+        ("seed", 1.0),
+        ("n", 0),
+        ("logprobs", -1),
+        ("logprobs", MAX_LOGPROBS + 1),
+        ("stop_token_ids", (3, -7)),
+        ("stop_token_ids", ("eos",)),
+        ("stop_token_ids", 5),
+        ("ignore_eos", 1),
+    ],
+)
+def test_params_reject_bad_values(field, value):
+    with pytest.raises(ValueError, match=field.split("_ids")[0]) as info:
+        SamplingParams(**{field: value})
+    shown = value[-1] if isinstance(value, tuple) else value
+    assert repr(shown) in str(info.value)
+
+
+def test_params_limits_named_in_errors():
+    with pytest.raises(ValueError, match=r">= 1.*0"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match=r"<= 20.*21"):
+        SamplingParams(logprobs=21)
+    with pytest.raises(ValueError, match=r"\(0, 1\].*1\.5"):
+        SamplingParams(top_p=1.5)
+
+
+def test_params_normalise_and_hash():
+    params = SamplingParams(
+        temperature=1, top_p=1, seed=np.uint32(2**32 - 1), stop_token_ids=[7, np.int64(9)]
+    )
+    assert params.stop_token_ids == (7, 9)
+    assert type(params.temperature) is float and type(params.seed) is int
+    assert hash(params) == hash(SamplingParams(seed=2**32 - 1, stop_token_ids=(7, 9)))
+    with pytest.raises(AttributeError):
+        params.top_k = 3  # frozen
+    assert SamplingParams(temperature=0.0).is_greedy
+    assert not SamplingParams(temperature=1e-3).is_greedy
+    assert SamplingParams(logprobs=MAX_LOGPROBS).logprobs == MAX_LOGPROBS
+
+
+def test_uses_filters():
+    assert not uses_filters([SamplingParams(), SamplingParams(temperature=0, top_k=5)])
+    assert uses_filters([SamplingParams(), SamplingParams(top_k=5)])
+    assert uses_filters([SamplingParams(top_p=0.9)])
+
+
+# --- SamplerInputs.from_params ----------------------------------------------------------
+
+
+def test_from_params_pads_greedy():
+    params = [SamplingParams(temperature=0.7, top_k=4, top_p=0.8, seed=2**32 - 1)]
+    params.append(SamplingParams(temperature=0.0))  # greedy: seed not needed
+    inputs = SamplerInputs.from_params(params, [11, 12], rows=4)
+    np.testing.assert_array_equal(inputs.temperature, np.float32([0.7, 0, 0, 0]))
+    np.testing.assert_array_equal(inputs.top_k, [4, 0, 0, 0])
+    np.testing.assert_array_equal(inputs.top_p, np.float32([0.8, 1, 1, 1]))
+    np.testing.assert_array_equal(inputs.seed, [2**32 - 1, 0, 0, 0])
+    np.testing.assert_array_equal(inputs.position, [11, 12, 0, 0])
+    dtypes = [leaf.dtype for leaf in jax.tree_util.tree_leaves(inputs)]
+    assert dtypes == [np.float32, np.int32, np.float32, np.uint32, np.int32]
+
+
+def test_from_params_seeds_override_and_errors():
+    params = [SamplingParams(seed=1), SamplingParams()]
+    inputs = SamplerInputs.from_params(params, [0, 5], rows=2, seeds=[40, 41])
+    np.testing.assert_array_equal(inputs.seed, [40, 41])
+    with pytest.raises(ValueError, match="seed"):
+        SamplerInputs.from_params(params, [0, 5], rows=2)  # row 1 samples, no seed
+    with pytest.raises(ValueError, match="rows=1"):
+        SamplerInputs.from_params(params, [0, 5], rows=1, seeds=[1, 2])
+    with pytest.raises(ValueError, match="1 positions"):
+        SamplerInputs.from_params(params, [0], rows=2, seeds=[1, 2])
+    with pytest.raises(ValueError, match="-1"):
+        SamplerInputs.from_params(params, [0, -1], rows=2, seeds=[1, 2])
+    with pytest.raises(ValueError, match="4294967296"):
+        SamplerInputs.from_params(params, [0, 1], rows=2, seeds=[1, 2**32])
+
+
+# --- greedy -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_argmax_ties_go_to_lower_id(dtype):
+    logits = [[0.5, 2.0, -1.0, 2.0], [3.0, 3.0, 3.0, 3.0], [-4.0, -2.0, -9.0, -2.0]]
+    logits = jnp.asarray(logits, dtype)
+    expected = [1, 0, 1]
+    np.testing.assert_array_equal(sample_argmax(logits), expected)
+    greedy = SamplerInputs.from_params([SamplingParams(temperature=0)] * 3, [0, 1, 2], rows=3)
+    np.testing.assert_array_equal(sample_jit(logits, greedy), expected)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_temperature_zero_rows_are_argmax_in_mixed_batch(dtype):
+    rng = case_rng(f"mixed-{dtype}")
+    num_rows, vocab_size = 12, 257
+    logits = jnp.asarray(rng.normal(size=(num_rows, vocab_size)) * 3, dtype)
+    params = [
+        SamplingParams(temperature=0.0, top_k=3, top_p=0.2, seed=5)
+        if i % 3 == 0
+        else SamplingParams(temperature=1.5, top_k=int(rng.integers(0, 9)), top_p=0.9, seed=i)
+        for i in range(num_rows)
+    ]
+    inputs = SamplerInputs.from_params(params, rng.integers(0, 1000, num_rows), rows=num_rows)
+    tokens = np.asarray(sample_jit(logits, inputs))
+    greedy = np.asarray(sample_argmax(logits))
+    np.testing.assert_array_equal(tokens[::3], greedy[::3])
+    assert tokens.dtype == np.int32
+    # High temperature on the other rows: some of them must leave the argmax.
+    assert (tokens != greedy).any()
+
+
+def test_degenerate_filters_are_argmax():
+    rng = case_rng("degenerate")
+    logits = rng.normal(size=(64, 500)).astype(np.float32)
+    greedy = np.asarray(sample_argmax(jnp.asarray(logits)))
+    positions = np.arange(64)
+    for params in (SamplingParams(top_k=1, seed=9), SamplingParams(top_p=1e-6, seed=9)):
+        np.testing.assert_array_equal(draw(logits, [params] * 64, positions), greedy)
+
+
+# --- the random stream --------------------------------------------------------------
+
+
+def test_stream_is_gumbel_max_under_fold_in_key():
+    # Pins the public contract: same (seed, position) -> same token across versions.
+    rng = case_rng("stream")
+    vocab_size, seed = 1000, 2**32 - 7
+    logits = rng.normal(size=vocab_size).astype(np.float32)
+    positions = np.arange(32) * 37
+    params = [SamplingParams(temperature=0.5, seed=seed)] * 32
+    tokens = draw(np.tile(logits, (32, 1)), params, positions)
+    for position, token in zip(positions, tokens):
+        key = jax.random.fold_in(jax.random.key(seed), int(position))
+        noise = jax.random.gumbel(key, (vocab_size,), jnp.float32)
+        assert token == int(jnp.argmax(logits / np.float32(0.5) + noise))
+
+
+def test_same_seed_and_position_same_token_anywhere():
+    rng = case_rng("batch-invariance")
+    vocab_size, num_positions = 300, 64
+    logits = (rng.normal(size=vocab_size) * 1.5).astype(np.float32)
+    positions = rng.permutation(4096)[:num_positions]
+    filtered = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=777)
+    plain = SamplingParams(temperature=0.9, seed=778)
+
+    def other_params():
+        return SamplingParams(
+            temperature=float(rng.choice([0.0, 0.3, 2.0])),
+            top_k=int(rng.integers(0, 5)),
+            top_p=float(rng.uniform(0.1, 1.0)),
+            seed=int(rng.integers(0, 2**32)),
+        )
+
+    for target in (filtered, plain):
+        alone = draw(np.tile(logits, (num_positions, 1)), [target] * num_positions, positions)
+        # Same requests at shuffled rows of a wider batch with other rows' logits/params.
+        num_rows = 2 * num_positions + 8
+        rows = rng.permutation(num_rows)[:num_positions]
+        batch_logits = rng.normal(size=(num_rows, vocab_size)).astype(np.float32) * 4
+        batch_logits[rows] = logits
+        batch_params = [other_params() for _ in range(num_rows)]
+        batch_positions = rng.integers(0, 4096, num_rows)
+        for row, position in zip(rows, positions):
+            batch_params[row], batch_positions[row] = target, position
+        batch_tokens = draw(batch_logits, batch_params, batch_positions)
+        np.testing.assert_array_equal(batch_tokens[rows], alone)
+        for row in range(3):  # batch of one, via a padded builder
+            inputs = SamplerInputs.from_params([target], [positions[row]], rows=1)
+            assert int(sample_jit(jnp.asarray(logits[None]), inputs)[0]) == alone[row]
+        # 20 distinct tokens at least: the test would pass vacuously on a peaked row.
+        assert len(set(alone.tolist())) > 20
+
+    # An unfiltered row draws the same token on the sort-free path.
+    sorted_path = draw(np.tile(logits, (num_positions, 1)), [plain] * num_positions, positions)
+    plain_path = draw(
+        np.tile(logits, (num_positions, 1)), [plain] * num_positions, positions, is_filtered=False
+    )
+    np.testing.assert_array_equal(plain_path, sorted_path)
+
+
+def test_positions_and_seeds_give_independent_streams():
+    rng = case_rng("streams")
+    vocab_size, num_draws = 1000, 256
+    logits = np.tile(rng.normal(size=vocab_size).astype(np.float32) * 0.01, (num_draws, 1))
+    base = [SamplingParams(seed=1000)] * num_draws
+    by_position = draw(logits, base, np.arange(num_draws))
+    seeds = [SamplingParams(seed=1000 + i) for i in range(num_draws)]
+    by_seed = draw(logits, seeds, [5] * num_draws)
+    # Near-uniform over 1000 tokens: 256 independent draws repeat ~30 times.
+    assert len(set(by_position.tolist())) > 200
+    assert len(set(by_seed.tolist())) > 200
+    # (seed, position + 1) is not (seed + 1, position): the key is not seed + position.
+    shifted = draw(logits, [SamplingParams(seed=1001)] * num_draws, np.arange(num_draws))
+    assert np.mean(by_position[1:] == shifted[:-1]) < 0.05
+
+
+# --- the distribution ---------------------------------------------------------------
+
+
+def target_distribution(
+    logits: np.ndarray, temperature: float, top_k: int, top_p: float
+) -> np.ndarray:
+    """Independent float64 reference: softmax(l / T) over the top_k, then the top_p nucleus."""
+    scaled = logits.astype(np.float64) / temperature
+    order = np.lexsort((np.arange(len(scaled)), -scaled))  # descending, ties by id
+    keep = np.zeros(len(scaled), bool)
+    keep[order[: top_k or len(scaled)]] = True
+    probs = np.where(keep, np.exp(scaled - scaled.max()), 0.0)
+    probs /= probs.sum()
+    mass_above = np.cumsum(probs[order]) - probs[order]
+    # Keep the case well-posed: float32 rounding must not move the nucleus edge.
+    assert top_p == 1 or np.abs(mass_above - top_p).min() > 1e-4
+    nucleus = order[mass_above < top_p] if top_p < 1 else order
+    target = np.zeros(len(scaled))
+    target[nucleus] = probs[nucleus]
+    return target / target.sum()
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [(1.0, 0, 1.0), (0.7, 10, 1.0), (1.3, 0, 0.8), (0.6, 20, 0.9), (2.0, 6, 0.5), (1.0, 64, 0.95)],
+)
+def test_draws_match_target_distribution(temperature, top_k, top_p):
+    rng = case_rng(f"chi2-{temperature}-{top_k}-{top_p}")
+    num_draws, vocab_size = 20_000, 48
+    logits = (rng.normal(size=vocab_size) * 1.5).astype(np.float32)
+    target = target_distribution(logits, temperature, top_k, top_p)
+    # One request, fixed seed, drawn at 20k positions.
+    inputs = SamplerInputs(
+        temperature=np.full(num_draws, temperature, np.float32),
+        top_k=np.full(num_draws, top_k, np.int32),
+        top_p=np.full(num_draws, top_p, np.float32),
+        seed=np.full(num_draws, 20240611, np.uint32),
+        position=np.arange(num_draws, dtype=np.int32),
+    )
+    tokens = np.asarray(sample_jit(jnp.asarray(np.tile(logits, (num_draws, 1))), inputs))
+    counts = np.bincount(tokens, minlength=vocab_size)
+    assert counts[target == 0].sum() == 0, "a token outside top_k / the nucleus was drawn"
+    expected = target * num_draws
+    # Pool the rare tokens so every chi-square bin expects >= 5 draws.
+    is_rare = (expected < 5) & (target > 0)
+    observed_bins = np.append(counts[~is_rare & (target > 0)], counts[is_rare].sum())
+    expected_bins = np.append(expected[~is_rare & (target > 0)], expected[is_rare].sum())
+    if expected_bins[-1] == 0:
+        observed_bins, expected_bins = observed_bins[:-1], expected_bins[:-1]
+    assert len(expected_bins) >= 3
+    assert stats.chisquare(observed_bins, expected_bins).pvalue > 1e-3
+
+
+def test_top_k_ties_keep_lower_ids():
+    # Equal logits at the k-th place: exactly k tokens survive, lower ids first.
+    num_draws = 2000
+    logits = np.tile(np.float32([1.0, 3.0, 2.0, 0.5, 2.0, 2.0]), (num_draws, 1))
+    positions = np.arange(num_draws)
+    tokens = draw(logits, [SamplingParams(top_k=3, seed=31)] * num_draws, positions)
+    assert set(tokens.tolist()) == {1, 2, 4}
+    # top_k >= V is off.
+    wide = draw(logits, [SamplingParams(top_k=99, seed=31)] * num_draws, positions)
+    plain = draw(logits, [SamplingParams(seed=31)] * num_draws, positions)
+    np.testing.assert_array_equal(wide, plain)
+
+
+def test_sample_traces_once_and_checks_shapes():
+    traces = []
+
+    @jax.jit
+    def step(logits, inputs):
+        traces.append(logits.shape)
+        return sample(logits, inputs)
+
+    rng = case_rng("trace")
+    logits = jnp.asarray(rng.normal(size=(4, 64)), jnp.float32)
+    for i in range(3):
+        params = [SamplingParams(temperature=0.5 * i, top_k=i, top_p=1 - 0.1 * i, seed=i)] * 3
+        step(logits, SamplerInputs.from_params(params, [i, i + 1, i + 2], rows=4))
+    assert len(traces) == 1
+    short = SamplerInputs.from_params([SamplingParams(seed=1)], [0], rows=3)
+    with pytest.raises(ValueError, match=r"\(3,\).*\(4,\)"):
+        sample(logits, short)
+    with pytest.raises(ValueError, match=r"\(64,\)"):
+        sample(logits[0], short)
+
+
+# --- logprobs -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype, k", [(jnp.float32, 5), (jnp.bfloat16, 20), (jnp.float32, 0)])
+def test_logprobs_match_log_softmax(dtype, k):
+    rng = case_rng(f"logprobs-{dtype}-{k}")
+    num_rows, vocab_size = 6, 333
+    logits = jnp.asarray(rng.normal(size=(num_rows, vocab_size)) * 4, dtype)
+    token_ids = jnp.asarray(rng.integers(0, vocab_size, num_rows), jnp.int32)
+    result = logprobs_jit(logits, token_ids, k)
+    reference = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+    rows = np.arange(num_rows)
+    tolerance = dict(rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(result.token, reference[rows, np.asarray(token_ids)], **tolerance)
+    assert result.top.shape == (num_rows, k) and result.top_ids.dtype == np.int32
+    expected_ids = np.argsort(-reference, axis=-1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(result.top_ids, expected_ids)
+    np.testing.assert_allclose(
+        result.top, np.take_along_axis(reference, expected_ids, -1), **tolerance
+    )
+
+
+def test_logprobs_ties_and_validation():
+    logits = jnp.asarray([[1.0, 4.0, 4.0, -2.0, 4.0]])
+    result = logprobs(logits, jnp.asarray([4]), 2)
+    np.testing.assert_array_equal(result.top_ids, [[1, 2]])
+    np.testing.assert_allclose(result.token, result.top[:, 0])
+    with pytest.raises(ValueError, match="k must be in"):
+        logprobs(logits, jnp.asarray([0]), 6)
+    with pytest.raises(ValueError, match=r"\(2,\)"):
+        logprobs(logits, jnp.asarray([0, 1]), 1)
