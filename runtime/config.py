@@ -1,0 +1,61 @@
+"""Engine configuration."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ATTENTION_IMPLS = ("auto", "pallas", "reference", "interpret")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine batches and where the KV cache lives.
+
+    `forward_sizes` are the narrow step widths; wider steps get power-of-two buckets up to
+    `max_step_tokens`. `capacity` is the most positions a sequence may hold (default: the model's
+    context, capped at 32768). `num_pages` defaults to `memory_fraction` of free device memory.
+    """
+
+    max_seqs: int = 64
+    page_size: int = 16
+    max_step_tokens: int = 4096
+    forward_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    max_sample_rows: int = 64
+    min_prefill_chunk: int = 16
+    num_pages: int | None = None
+    memory_fraction: float = 0.9
+    capacity: int | None = None
+    attention: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "forward_sizes", tuple(sorted(set(int(w) for w in self.forward_sizes))))
+        for name in ("max_seqs", "page_size", "max_step_tokens", "max_sample_rows", "min_prefill_chunk"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if not self.forward_sizes or self.forward_sizes[0] < 1:
+            raise ValueError(f"forward_sizes must be positive, got {self.forward_sizes}")
+        if self.forward_sizes[-1] > self.max_step_tokens:
+            raise ValueError(f"forward_sizes {self.forward_sizes} exceed max_step_tokens {self.max_step_tokens}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is scratch), got {self.num_pages}")
+        if self.capacity is not None and self.capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {self.capacity}")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention {self.attention!r} is not one of {ATTENTION_IMPLS}")
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """Every step width, ascending: forward_sizes, then powers of two up to max_step_tokens."""
+        wide, w = [], 2 * self.forward_sizes[-1]
+        while w < self.max_step_tokens:
+            wide.append(w)
+            w *= 2
+        return tuple(sorted(set(self.forward_sizes) | set(wide) | {self.max_step_tokens}))
+
+    def bucket_for(self, num_tokens: int) -> int:
+        for w in self.buckets:
+            if w >= num_tokens:
+                return w
+        raise ValueError(f"{num_tokens} tokens exceed max_step_tokens {self.max_step_tokens}")

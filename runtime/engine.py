@@ -1,0 +1,329 @@
+"""The engine: schedule -> run -> postprocess, over bucketed jitted steps and the paged KV state."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from rich.progress import Progress
+
+from glint.kvcache import BatchControl, CacheConfig, KVState, default_num_pages, pad_copies
+from glint.model.config import ModelConfig
+from glint.runtime.config import EngineConfig
+from glint.runtime.loading import load_model
+from glint.runtime.params import SamplingParams
+from glint.runtime.request import Completion, Request, RequestOutput, Status
+from glint.runtime.sampling import SamplerInputs, uses_filters
+from glint.runtime.scheduler import Entry, Scheduler
+from glint.runtime.step import DeviceMeta, make_copy_fn, make_step_fn, num_logprobs_bucket, pad_rows
+
+DEFAULT_MAX_CAPACITY = 32768
+
+
+def cache_config_for(model: ModelConfig, config: EngineConfig, num_pages: int | None = None) -> CacheConfig:
+    capacity = config.capacity or min(model.max_position_embeddings, DEFAULT_MAX_CAPACITY)
+    fields = dict(page_size=config.page_size, max_seqs=config.max_seqs, max_write=config.buckets[-1],
+                  capacity=capacity, windows=model.layer_windows, kv_heads=model.num_kv_heads,
+                  head_dim=model.head_dim, dtype=model.dtype)
+    if num_pages is None:
+        num_pages = config.num_pages or default_num_pages(CacheConfig(num_pages=2, **fields), config.memory_fraction)
+    return CacheConfig(num_pages=num_pages, **fields)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    steps_per_bucket: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    fed_tokens: int = 0  # tokens run through the model (prefill, recompute and decode)
+    generated_tokens: int = 0
+    preemptions: int = 0
+    host_seconds: float = 0.0
+    device_seconds: float = 0.0
+
+
+class Engine:
+    """Continuous-batching generation over one set of weights.
+
+    Build with `Engine.from_pretrained(path_or_preset, ...)`; use `generate` for batches, or
+    `add_request` + `step` for streaming.
+    """
+
+    def __init__(self, model: ModelConfig, graphdef, params, config: EngineConfig | None = None,
+                 tokenizer=None, warmup: bool = False):
+        self.model, self.config, self.tokenizer = model, config or EngineConfig(), tokenizer
+        self.params, self.graphdef = params, graphdef
+        self.cache = cache_config_for(model, self.config)
+        self.capacity = self.cache.capacity
+        for g in range(self.cache.num_groups):
+            if self.cache.group_pages_per_seq(g) > self.cache.num_pages - 1:
+                raise ValueError(f"num_pages {self.cache.num_pages} cannot hold one sequence of capacity "
+                                 f"{self.capacity} (needs {self.cache.group_pages_per_seq(g) + 1} pages)")
+        impl = self.config.attention
+        if impl == "auto":
+            impl = "pallas" if jax.default_backend() == "gpu" else "reference"
+        self.attention = impl
+        self.control = BatchControl(self.cache)
+        self.kv = KVState.create(self.cache)
+        self.scheduler = Scheduler(self.config, self.control)
+        self._step_fn = make_step_fn(graphdef, self.cache, impl)
+        self._copy_fn = make_copy_fn(self.cache)
+        self._requests: dict[int, Request] = {}
+        self._children: dict[int, list[Request]] = {}
+        self._next_rid = 0
+        self._rng = np.random.default_rng(self.config.seed)
+        self.stats = EngineStats()
+        if warmup:
+            self.warmup()
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: str = "bfloat16", warmup: bool = False, seed: int = 0,
+                        **engine_config) -> Engine:
+        """An engine for an HF folder, an orbax folder or a preset name (random weights).
+
+        Keyword arguments are EngineConfig fields (max_seqs, page_size, max_step_tokens, ...).
+        """
+        cfg, graphdef, params, tokenizer = load_model(path, dtype=dtype, seed=seed)
+        return cls(cfg, graphdef, params, EngineConfig(**engine_config), tokenizer=tokenizer, warmup=warmup)
+
+    # ---- requests ----
+
+    def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id. Raises ValueError (and queues nothing) for bad input."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        tokens = self._encode(prompt)
+        if len(tokens) + params.max_tokens > self.capacity:
+            raise ValueError(f"prompt of {len(tokens)} tokens + max_tokens {params.max_tokens} exceeds the context "
+                             f"capacity {self.capacity}")
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
+        req = Request(self._new_rid(), tokens, params, seed, num_children=params.n - 1)
+        self._requests[req.rid] = req
+        self._children[req.rid] = []
+        self.scheduler.add(req)
+        return req.rid
+
+    def abort(self, rid: int) -> None:
+        """Stop a request (and its n > 1 siblings) now; its pages are freed."""
+        if rid not in self._requests:
+            raise ValueError(f"unknown request id {rid}")
+        for req in [self._requests[rid], *self._children.get(rid, [])]:
+            if req.status is not Status.FINISHED:
+                self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def output(self, rid: int) -> RequestOutput:
+        req = self._requests[rid]
+        reqs = [req, *self._children.get(rid, [])]
+        outs = [Completion(r.generated, r.finish_reason, self._decode(r.generated),
+                           r.logprobs if r.params.logprobs else None) for r in reqs]
+        return RequestOutput(rid, req.prompt, outs)
+
+    def release(self, rid: int) -> None:
+        """Forget a finished request's bookkeeping."""
+        for child in self._children.pop(rid, []):
+            self._requests.pop(child.rid, None)
+        self._requests.pop(rid, None)
+
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt (token lists or strings); one SamplingParams for all or one each."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        rids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rids.append(self.add_request(prompt, p))
+        except ValueError:
+            for rid in rids:
+                self.abort(rid)
+                self.release(rid)
+            raise
+        pending = set(rids)
+        with Progress(disable=not progress, transient=True) as bar:
+            task = bar.add_task("generating", total=len(rids))
+            while pending:
+                self.step()
+                done = {rid for rid in pending if self._is_done(rid)}
+                pending -= done
+                bar.advance(task, len(done))
+        outs = [self.output(rid) for rid in rids]
+        for rid in rids:
+            self.release(rid)
+        return outs
+
+    # ---- the step ----
+
+    def step(self) -> dict[int, list[int]]:
+        """Run one step; returns the tokens each request gained (request id -> new token ids)."""
+        t0 = time.perf_counter()
+        entries = self._schedule()
+        if not entries:
+            return {}
+        width = self.config.bucket_for(sum(e.count for e in entries))
+        meta = self.control.prepare_step(width=width, num_segments=min(width, self.config.max_seqs))
+        tokens, rows, sample_reqs = self._pack(entries, width)
+        try:
+            if any(len(c) for c in meta.copies):
+                self.kv = self._copy_fn(self.kv, pad_copies(meta.copies))
+            num_lp = num_logprobs_bucket(max(r.params.logprobs for r, _ in sample_reqs) if sample_reqs else 0)
+            sampler = SamplerInputs.from_params([r.params for r, _ in sample_reqs],
+                                                [len(r.tokens) for r, _ in sample_reqs],
+                                                rows=self.config.max_sample_rows,
+                                                seeds=[s for _, s in sample_reqs])
+            t1 = time.perf_counter()
+            next_tokens, lp, self.kv = self._step_fn(
+                self.params, self.kv, tokens, DeviceMeta.from_host(meta), pad_rows(rows, self.config.max_sample_rows),
+                sampler, is_filtered=uses_filters([r.params for r, _ in sample_reqs]), num_logprobs=num_lp)
+            next_tokens = np.asarray(next_tokens)
+            t2 = time.perf_counter()
+        except BaseException:
+            self.control.abort_step()
+            raise
+        self.control.commit_step()
+        self.stats.steps_per_bucket[width] += 1
+        new = self._postprocess(entries, sample_reqs, next_tokens, lp)
+        t3 = time.perf_counter()
+        self.stats.device_seconds += t2 - t1
+        self.stats.host_seconds += (t1 - t0) + (t3 - t2)
+        return new
+
+    def _schedule(self) -> list[Entry]:
+        entries = self.scheduler.schedule()
+        while entries and not self.control.declare_step([e.req.seq for e in entries for _ in range(e.count)]):
+            if self.scheduler.preempt(entries) is None:
+                break
+            self.stats.preemptions += 1
+        if entries and not self.control.has_pending_step:
+            raise RuntimeError("a single sequence does not fit in the KV pool")
+        return entries
+
+    def _pack(self, entries: list[Entry], width: int):
+        tokens = np.zeros(width, np.int32)
+        rows, sample_reqs, start = [], [], 0
+        for e in entries:
+            seq_tokens = e.req.tokens
+            tokens[start:start + e.count] = seq_tokens[e.req.num_cached:e.req.num_cached + e.count]
+            start += e.count
+            for i in range(e.samples):
+                rows.append(start - 1)
+                sample_reqs.append((e.req, self._child_seed(e.req, i)))
+        return tokens, rows, sample_reqs
+
+    def _postprocess(self, entries, sample_reqs, next_tokens, lp) -> dict[int, list[int]]:
+        for e in entries:
+            e.req.num_cached += e.count
+            self.stats.fed_tokens += e.count
+        new: dict[int, list[int]] = {}
+        row = 0
+        for e in entries:
+            if not e.samples:
+                continue
+            parent = e.req
+            drawn = [int(t) for t in next_tokens[row:row + e.samples]]
+            lps = [self._row_logprobs(lp, row + i) for i in range(e.samples)] if lp is not None else None
+            row += e.samples
+            if parent.num_children:
+                self._spawn_children(parent, drawn[1:], lps[1:] if lps else None)
+            self._append(parent, drawn[0], lps[0] if lps else None, new)
+        return new
+
+    def _spawn_children(self, parent: Request, tokens: list[int], lps) -> None:
+        parent.num_children = 0
+        for i, tok in enumerate(tokens):
+            child = Request(self._new_rid(), parent.prompt, parent.params, self._child_seed(parent, i + 1),
+                            parent=parent.rid, generated=list(parent.generated))
+            self._requests[child.rid] = child
+            self._children[parent.rid].append(child)
+            seq = self.control.seq_clone(parent.seq)
+            if seq is None:
+                self.scheduler.add(child)  # recomputed from scratch when ids or pages free up
+            else:
+                child.seq, child.num_cached, child.status = seq, parent.num_cached, Status.RUNNING
+                self.scheduler.running.append(child)
+            self._append(child, tok, lps[i] if lps else None, {})
+
+    def _append(self, req: Request, token: int, lp, new: dict[int, list[int]]) -> None:
+        req.generated.append(token)
+        if lp is not None:
+            req.logprobs.append(lp)
+        self.stats.generated_tokens += 1
+        new.setdefault(req.rid, []).append(token)
+        stop = set(req.params.stop_token_ids)
+        if not req.params.ignore_eos:
+            stop |= set(self.model.eos_token_ids)
+        if token in stop:
+            self._finish(req, "stop")
+        elif len(req.generated) >= req.params.max_tokens:
+            self._finish(req, "length")
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        self.scheduler.retire(req)
+
+    # ---- helpers ----
+
+    def _is_done(self, rid: int) -> bool:
+        req = self._requests[rid]
+        return req.status is Status.FINISHED and req.num_children == 0 and all(
+            c.status is Status.FINISHED for c in self._children[rid])
+
+    def _new_rid(self) -> int:
+        self._next_rid += 1
+        return self._next_rid - 1
+
+    @staticmethod
+    def _child_seed(req: Request, i: int) -> int:
+        """Completion i of a request samples with its own seed, derived from the request's."""
+        if i == 0:
+            return req.seed
+        return int(np.random.default_rng([req.seed, i]).integers(0, 2**32))
+
+    @staticmethod
+    def _row_logprobs(lp, row: int) -> dict[int, float]:
+        """The sampled token's logprob and the top alternatives (token id -> logprob)."""
+        return {int(t): float(v) for t, v in zip(np.asarray(lp.top_ids[row]), np.asarray(lp.top[row]))}
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer, and this checkpoint has none (pass token ids)")
+            tokens = self.tokenizer.encode(prompt).ids
+        else:
+            tokens = [int(t) for t in np.asarray(prompt).reshape(-1)] if len(prompt) else []
+        if not tokens:
+            raise ValueError("prompt is empty")
+        bad = [t for t in tokens if not 0 <= t < self.model.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.model.vocab_size})")
+        return tokens
+
+    def _decode(self, tokens: list[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(tokens)
+
+    def warmup(self) -> dict[int, float]:
+        """Compile every step bucket by running it on padding only (writes land in the scratch page).
+
+        Returns seconds per bucket (compile + one run).
+        """
+        times, rows = {}, self.config.max_sample_rows
+        sampler = SamplerInputs.from_params([], [], rows=rows)
+        for width in self.config.buckets:
+            t0 = time.perf_counter()
+            num_segments = min(width, self.config.max_seqs)
+            zeros = np.zeros(width, np.int32)
+            meta = DeviceMeta(zeros, (zeros,) * self.cache.num_groups, np.zeros((num_segments, 4), np.int32),
+                              tuple(np.zeros((num_segments, self.cache.group_pages_per_seq(g)), np.int32)
+                                    for g in range(self.cache.num_groups)))
+            for filtered in (False, True):
+                out, _, self.kv = self._step_fn(self.params, self.kv, zeros, meta, np.zeros(rows, np.int32), sampler,
+                                                is_filtered=filtered, num_logprobs=0)
+            jax.block_until_ready(out)
+            times[width] = time.perf_counter() - t0
+        return times

@@ -1,0 +1,69 @@
+"""Request lifecycle: a small dataclass per sequence plus a status enum, and the outputs users see."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from glint.runtime.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not holding a sequence (new, or preempted for recompute)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated. `tokens` is prompt + generated; the cache holds `num_cached` of them."""
+
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    parent: int | None = None  # n > 1: the request whose prompt this one shares
+    num_children: int = 0  # n > 1: how many siblings to clone off once the prompt is prefilled
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    status: Status = Status.WAITING
+    seq: int | None = None
+    num_cached: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def num_pending(self) -> int:
+        """Known tokens not yet in the cache; feeding all of them yields the next token's logits."""
+        return len(self.prompt) + len(self.generated) - self.num_cached
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    finish_reason: str | None
+    text: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What `generate` returns per prompt; `token_ids`, `finish_reason`, `text` are the first completion's."""
+
+    rid: int
+    prompt_token_ids: list[int]
+    outputs: list[Completion]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text

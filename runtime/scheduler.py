@@ -1,0 +1,93 @@
+"""Which tokens of which requests go into the next step (host only, no jax)."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from glint.kvcache import BatchControl
+from glint.runtime.config import EngineConfig
+from glint.runtime.request import Request, Status
+
+
+@dataclass
+class Entry:
+    """`count` tokens of `req` starting at its `num_cached`; `samples` rows drawn from its last token."""
+
+    req: Request
+    count: int
+    samples: int  # 0: a prefill chunk that does not reach the end of the known tokens
+
+
+class Scheduler:
+    """Continuous batching: decode tokens of running requests first, then prefill chunks, then admissions.
+
+    A step holds at most `max_step_tokens` tokens and `max_sample_rows` sampled rows; a prefill chunk
+    is at least `min_prefill_chunk` tokens unless less of the prompt is left.
+    """
+
+    def __init__(self, config: EngineConfig, control: BatchControl):
+        self.config, self.control = config, control
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request, front: bool = False) -> None:
+        req.status = Status.WAITING
+        (self.waiting.appendleft if front else self.waiting.append)(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[Entry]:
+        budget, rows = self.config.max_step_tokens, self.config.max_sample_rows
+        entries: list[Entry] = []
+        for req in self.running:
+            entry = self._entry(req, budget, rows)
+            if entry is not None:
+                entries.append(entry)
+                budget, rows = budget - entry.count, rows - entry.samples
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs:
+            req = self.waiting[0]
+            entry = self._entry(req, budget, rows)
+            if entry is None or not self.control.can_admit(entry.count):
+                break
+            req.seq = self.control.seq_new()
+            if req.seq is None:
+                break
+            self.waiting.popleft()
+            req.status, req.num_cached = Status.RUNNING, 0
+            self.running.append(req)
+            entries.append(entry)
+            budget, rows = budget - entry.count, rows - entry.samples
+        return entries
+
+    def _entry(self, req: Request, budget: int, rows: int) -> Entry | None:
+        pending = len(req.prompt) + len(req.generated) - (req.num_cached if req.status is Status.RUNNING else 0)
+        count = min(pending, budget)
+        if count < min(pending, self.config.min_prefill_chunk):
+            return None
+        samples = 1 + req.num_children if count == pending else 0
+        if samples > rows:
+            if count == 1:
+                return None
+            count, samples = count - 1, 0  # feed all but the last token now; sample next step
+        return Entry(req, count, samples)
+
+    def preempt(self, entries: list[Entry]) -> Request | None:
+        """Free the most recently admitted running request (recomputed later); None if none is left."""
+        if not self.running:
+            return None
+        victim = self.running.pop()
+        self.control.seq_rm(victim.seq)
+        victim.seq, victim.num_cached = None, 0
+        entries[:] = [e for e in entries if e.req is not victim]
+        self.add(victim, front=True)
+        return victim
+
+    def retire(self, req: Request) -> None:
+        if req.status is Status.RUNNING:
+            self.control.seq_rm(req.seq)
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.seq = None
+        req.status = Status.FINISHED
