@@ -1,44 +1,116 @@
-"""Subcommands that run the model: demo (the built-in default job)."""
+"""Subcommands that run the engine: generate (streaming) and demo (the built-in default job)."""
 from __future__ import annotations
 
+import json
+import sys
 import time
+
+
+def _engine_args(p) -> None:
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--max-seqs", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-step-tokens", type=int, default=4096)
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--capacity", type=int, default=None, help="most positions per sequence")
+    p.add_argument("--attention", default="auto", choices=["auto", "pallas", "reference", "interpret"])
+
+
+def _engine_config(args) -> dict:
+    return dict(max_seqs=args.max_seqs, page_size=args.page_size, max_step_tokens=args.max_step_tokens,
+                num_pages=args.num_pages, capacity=args.capacity, attention=args.attention)
+
+
+def _cmd_generate(args) -> int:
+    from glint.runtime.engine import Engine
+    from glint.runtime.params import SamplingParams
+
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise ValueError("give exactly one of --prompt TEXT or --prompt-ids '1 2 3'")
+    prompt = args.prompt if args.prompt is not None else [int(t) for t in args.prompt_ids.replace(",", " ").split()]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, n=args.n, ignore_eos=args.ignore_eos)
+    engine = Engine.from_pretrained(args.checkpoint, dtype=args.dtype, **_engine_config(args))
+    rid = engine.add_request(prompt, params)
+    streams: dict[int, list[int]] = {}
+    while engine.has_unfinished():
+        for r, toks in engine.step().items():
+            streams.setdefault(r, []).extend(toks)
+            if not args.json and args.n == 1:
+                text = engine.tokenizer.decode(toks) if engine.tokenizer else " ".join(map(str, toks)) + " "
+                sys.stdout.write(text)
+                sys.stdout.flush()
+    out = engine.output(rid)
+    if args.json:
+        print(json.dumps({"prompt_token_ids": out.prompt_token_ids,
+                          "outputs": [{"token_ids": c.token_ids, "finish_reason": c.finish_reason, "text": c.text}
+                                      for c in out.outputs]}))
+    elif args.n > 1:
+        for i, c in enumerate(out.outputs):
+            print(f"[{i}] {c.text if c.text is not None else ' '.join(map(str, c.token_ids))} ({c.finish_reason})")
+    else:
+        print(f"\n[{out.finish_reason}]")
+    return 0
 
 
 def _cmd_demo(args) -> int:
     import jax
-    import jax.numpy as jnp
     import numpy as np
+    from rich.console import Console
+    from rich.table import Table
 
-    from glint.model import transformer
-    from glint.model.attention import DenseMeta, dense_attention
-    from glint.runtime.loading import load_model
+    from glint.runtime.engine import Engine
+    from glint.runtime.params import SamplingParams
 
-    cfg, graphdef, params, _ = load_model(args.model, dtype=args.dtype)
-    width = 64
-
-    @jax.jit
-    def next_token(params, tokens, length):
-        idx = jnp.arange(width, dtype=jnp.int32)
-        hidden, _ = transformer.forward(graphdef, params, tokens, idx, dense_attention, None,
-                                        DenseMeta(idx, jnp.where(idx < length, 0, -1)))
-        return jnp.argmax(transformer.compute_logits(graphdef, params, hidden[length - 1][None])[0])
-
-    tokens = np.zeros(width, np.int32)
-    tokens[0] = cfg.bos_token_id or 0
-    start = time.perf_counter()
-    for length in range(1, args.tokens + 1):
-        tokens[length] = int(next_token(params, jnp.asarray(tokens), length))
-    took = time.perf_counter() - start
-    print(f"model {args.model}: {cfg.num_params:,} parameters, {cfg.num_layers} layers, windows {cfg.layer_windows}")
-    print(f"greedy continuation of [{tokens[0]}] by full-sequence forwards (the engine is not built yet): "
-          f"{tokens[1:args.tokens + 1].tolist()}")
-    print(f"{args.tokens} tokens in {took:.2f}s on {jax.devices()[0].platform}")
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, max_seqs=32, page_size=16, max_step_tokens=256,
+                                    capacity=1024)
+    rng = np.random.default_rng(args.seed)
+    vocab = engine.model.vocab_size
+    prompts = [rng.integers(3, vocab, int(rng.integers(4, 200))).tolist() for _ in range(args.requests)]
+    params = [SamplingParams(max_tokens=int(rng.integers(8, 64)), temperature=float(rng.choice([0.0, 0.8])),
+                             top_p=0.95, seed=i, ignore_eos=True) for i in range(args.requests)]
+    t0 = time.perf_counter()
+    engine.warmup()
+    t1 = time.perf_counter()
+    outs = engine.generate(prompts, params, progress=True)
+    t2 = time.perf_counter()
+    s = engine.stats
+    table = Table(title=f"glint demo: {args.model} ({engine.model.num_params:,} parameters) on "
+                        f"{jax.devices()[0].platform}, attention={engine.attention}")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_row("requests", str(len(outs)))
+    table.add_row("prompt tokens", str(sum(len(p) for p in prompts)))
+    table.add_row("generated tokens", str(sum(len(o.token_ids) for o in outs)))
+    table.add_row("generated tokens/s", f"{s.generated_tokens / (t2 - t1):.1f}")
+    table.add_row("wall time (s)", f"{t2 - t1:.2f} (+{t1 - t0:.1f} compile)")
+    table.add_row("host / device time (s)", f"{s.host_seconds:.2f} / {s.device_seconds:.2f}")
+    table.add_row("preemptions", str(s.preemptions))
+    table.add_row("steps per bucket", ", ".join(f"{w}: {n}" for w, n in sorted(s.steps_per_bucket.items())))
+    Console().print(table)
+    print("first request:", outs[0].token_ids[:16], outs[0].finish_reason)
     return 0
 
 
 def register(sub) -> None:
-    p = sub.add_parser("demo", help="run the built-in default job on the demo model")
+    p = sub.add_parser("generate", help="generate from one prompt, streaming tokens as they come")
+    p.add_argument("checkpoint", help="HF folder, orbax folder or preset name")
+    p.add_argument("--prompt", help="prompt text (needs a tokenizer)")
+    p.add_argument("--prompt-ids", help="prompt token ids, e.g. '1 2 3'")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    _engine_args(p)
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("demo", help="the built-in default job: 64 random requests on the demo model")
     p.add_argument("--model", default="demo", help="preset name or checkpoint folder")
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
-    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_demo)

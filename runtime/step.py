@@ -67,10 +67,12 @@ def run_model(graphdef, backend, params, kv: KVState, tokens, meta: DeviceMeta, 
     return transformer.compute_logits(graphdef, params, hidden[rows]), kv
 
 
+@functools.lru_cache(maxsize=16)
 def make_step_fn(graphdef, cache: CacheConfig, impl: str):
     """The engine's step: (params, kv, tokens, meta, rows, sampler) -> (tokens i32[R], logprobs, kv).
 
     Static flags: `is_filtered` (some row uses top-k/top-p) and `num_logprobs` (0: none returned).
+    Cached, so engines of one model and cache geometry share their compiled executables.
     """
     backend = PagedAttention(cache, impl)
 
@@ -83,6 +85,7 @@ def make_step_fn(graphdef, cache: CacheConfig, impl: str):
     return jax.jit(step, donate_argnums=(1,), static_argnames=("is_filtered", "num_logprobs"))
 
 
+@functools.lru_cache(maxsize=16)
 def make_copy_fn(cache: CacheConfig):
     """Copy-on-write page copies, run before a step that writes into shared pages."""
     return jax.jit(lambda kv, copies: apply_copies(kv, cache, copies), donate_argnums=(0,))

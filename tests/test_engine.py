@@ -1,0 +1,201 @@
+"""The engine end to end on CPU: HF parity through the paged path, batched == solo, pressure, bad input."""
+import json
+
+import jax
+import numpy as np
+import pytest
+from conftest import STORIES
+
+from glint.model import transformer
+from glint.model.presets import preset
+from glint.runtime.engine import Engine
+from glint.runtime.params import SamplingParams
+
+SMALL = dict(max_seqs=8, page_size=8, max_step_tokens=64, forward_sizes=(1, 2, 4, 8, 16, 32), num_pages=160,
+             capacity=256, min_prefill_chunk=4)
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def tiny_engine(dtype="float32", seed=0, **overrides) -> Engine:
+    cfg = preset("tiny", dtype=dtype)
+    graphdef, params = transformer.split(transformer.init_model(cfg, seed))
+    from glint.runtime.config import EngineConfig
+
+    return Engine(cfg, graphdef, params, EngineConfig(**{**SMALL, **overrides}))
+
+
+def test_fixture_greedy_matches_transformers(hf_fixture):
+    ref = json.loads((hf_fixture / "reference.json").read_text())["cases"]
+    engine = Engine.from_pretrained(str(hf_fixture), dtype="float32", **SMALL)
+    outs = engine.generate([c["prompt"] for c in ref], GREEDY)
+    checked = 0
+    for case, out in zip(ref, outs):
+        assert out.finish_reason == "length" and len(out.token_ids) == 40
+        if case["greedy_min_gap"] >= 1e-3:
+            assert out.token_ids == case["greedy"]
+            checked += 1
+    assert checked >= 1
+    assert all(engine.control.pages_in_use(g) == 0 for g in range(engine.cache.num_groups))
+
+
+def test_stories260k_200_greedy_tokens():
+    ref = json.loads((STORIES / "reference.json").read_text())["cases"][0]
+    engine = Engine.from_pretrained(str(STORIES), dtype="float32", **SMALL)
+    out = engine.generate([ref["prompt"]], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == ref["greedy"][:200]
+
+
+def mixed_requests(rng, vocab, count=16):
+    prompts = [rng.integers(0, vocab, int(rng.integers(1, 50))).tolist() for _ in range(count)]
+    params = []
+    for i in range(count):
+        if i % 3 == 0:
+            params.append(SamplingParams(max_tokens=int(rng.integers(1, 24)), temperature=0.0, ignore_eos=True))
+        else:
+            params.append(SamplingParams(max_tokens=int(rng.integers(1, 24)), temperature=0.9, top_k=int(i % 2) * 20,
+                                         top_p=0.9, seed=1000 + i, ignore_eos=True))
+    return prompts, params
+
+
+def test_batched_equals_solo_equals_with_other_traffic():
+    engine = tiny_engine()
+    rng = np.random.default_rng(11)
+    prompts, params = mixed_requests(rng, engine.model.vocab_size)
+    together = [o.token_ids for o in engine.generate(prompts, params)]
+    solo = [engine.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params)]
+    assert together == solo
+    assert [len(t) for t in together] == [p.max_tokens for p in params]
+    noise_prompts, noise_params = mixed_requests(np.random.default_rng(99), engine.model.vocab_size, 10)
+    order = rng.permutation(26)
+    all_prompts = [(prompts + noise_prompts)[i] for i in order]
+    all_params = [(params + noise_params)[i] for i in order]
+    mixed = engine.generate(all_prompts, all_params)
+    back = {int(i): o.token_ids for i, o in zip(order, mixed)}
+    assert [back[i] for i in range(16)] == together
+    assert engine.generate(prompts, params)[1].token_ids == together[1]  # seeded: reproducible
+
+
+def test_page_pressure_preempts_and_recovers():
+    roomy = tiny_engine(capacity=64)
+    tight = tiny_engine(capacity=64, num_pages=12)  # 11 usable pages of 8 rows: far fewer than 10 requests need
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, int(rng.integers(10, 30))).tolist() for _ in range(10)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in roomy.generate(prompts, params)]
+    got = [o.token_ids for o in tight.generate(prompts, params)]
+    assert tight.stats.preemptions > 0
+    assert got == expected
+    for g in range(tight.cache.num_groups):
+        assert tight.control.pages_in_use(g) == 0
+        assert tight.control.num_free_pages(g) == tight.cache.num_pages - 1
+    assert tight.control.active_seqs() == []
+
+
+BAD_INPUTS = [
+    ([], SamplingParams(max_tokens=4), "prompt is empty"),
+    ([1, 2, 256], SamplingParams(max_tokens=4), "token id 256 is outside the vocabulary"),
+    ([-1], SamplingParams(max_tokens=4), "token id -1"),
+    ([1] * 250, SamplingParams(max_tokens=10), "exceeds the context capacity 256"),
+    ([1, 2], "greedy", "must be a SamplingParams"),
+    ("hello", SamplingParams(max_tokens=4), "needs a tokenizer"),
+]
+
+
+def test_bad_input_is_refused_and_engine_keeps_serving():
+    engine = tiny_engine()
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    expected = engine.generate([[5, 6, 7]], greedy)[0].token_ids
+    for prompt, params, message in BAD_INPUTS:
+        good = engine.add_request([5, 6, 7], greedy)
+        engine.step()
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(prompt, params)
+        with pytest.raises(ValueError, match=message):  # a bad prompt in a batch queues nothing
+            engine.generate([[1, 2, 3], prompt], [greedy, params])
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.output(good).token_ids == expected
+    assert engine.generate([[5, 6, 7]], greedy)[0].token_ids == expected
+
+
+def test_bad_sampling_values_raise():
+    for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(max_tokens=0), dict(top_k=-2), dict(n=0)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def test_n_samples_share_the_prompt_and_match_single_greedy():
+    engine = tiny_engine()
+    prompt = list(range(3, 40))
+    single = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    group = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, n=3))[0]
+    assert [c.token_ids for c in group.outputs] == [single.token_ids] * 3
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=3, n=3, ignore_eos=True)
+    a = [c.token_ids for c in engine.generate([prompt], seeded)[0].outputs]
+    b = [c.token_ids for c in engine.generate([prompt], seeded)[0].outputs]
+    assert a == b and len({tuple(t) for t in a}) > 1
+    assert all(engine.control.pages_in_use(g) == 0 for g in range(engine.cache.num_groups))
+
+
+def test_streaming_abort_and_stop_tokens():
+    engine = tiny_engine()
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    reference = engine.generate([[4, 5, 6]], greedy)[0].token_ids
+    stop_at = reference[5]
+    keep = engine.add_request([4, 5, 6], SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=(stop_at,),
+                                                        ignore_eos=True))
+    gone = engine.add_request([7, 8, 9], greedy)
+    streamed = []
+    for _ in range(3):
+        streamed += engine.step().get(keep, [])
+    engine.abort(gone)
+    while engine.has_unfinished():
+        streamed += engine.step().get(keep, [])
+    out = engine.output(keep)
+    assert out.finish_reason == "stop" and out.token_ids == streamed
+    assert out.token_ids == reference[: reference.index(stop_at) + 1]
+    assert engine.output(gone).finish_reason == "abort"
+
+
+def test_eos_stops_unless_ignored():
+    engine = tiny_engine()
+    eos = engine.model.eos_token_ids[0]
+    ref = engine.generate([[3, 4]], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0].token_ids
+    engine.model = engine.model.replace(eos_token_ids=(ref[3],))
+    out = engine.generate([[3, 4]], SamplingParams(max_tokens=40, temperature=0.0))[0]
+    assert out.finish_reason == "stop" and out.token_ids == ref[: ref.index(ref[3]) + 1]
+    assert eos == 2
+
+
+def test_wide_step_output_does_not_scale_with_width_times_vocab():
+    """Compiled memory analysis: logits exist only for max_sample_rows rows, whatever the width."""
+    cfg = preset("tiny", dtype="bfloat16").replace(vocab_size=32000)
+    graphdef, params = transformer.split(transformer.abstract_model(cfg))
+    from glint.runtime.config import EngineConfig
+    from glint.runtime.engine import cache_config_for
+    from glint.runtime.step import DeviceMeta, make_step_fn
+    from glint.runtime.sampling import SamplerInputs
+    from glint.kvcache import KVState
+
+    config = EngineConfig(max_seqs=64, page_size=16, max_step_tokens=4096, num_pages=64, capacity=4096)
+    cache = cache_config_for(cfg, config)
+    step = make_step_fn(graphdef, cache, "reference")
+    kv = jax.eval_shape(lambda: KVState.create(cache))
+    rows = config.max_sample_rows
+    sampler = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                           SamplerInputs.from_params([], [], rows=rows))
+
+    def analysis(width):
+        s = min(width, config.max_seqs)
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
+        meta = DeviceMeta(i32(width), tuple(i32(width) for _ in range(cache.num_groups)), i32(s, 4),
+                          tuple(i32(s, cache.group_pages_per_seq(g)) for g in range(cache.num_groups)))
+        return step.lower(params, kv, i32(width), meta, i32(rows), sampler, is_filtered=True,
+                          num_logprobs=0).compile().memory_analysis()
+
+    narrow, wide = analysis(64), analysis(4096)
+    full_logits = 4096 * cfg.vocab_size * 4
+    assert wide.output_size_in_bytes == narrow.output_size_in_bytes  # tokens[R] + the (aliased) KV state
+    assert wide.temp_size_in_bytes < full_logits / 4
+    print(f"width 4096: output {wide.output_size_in_bytes:,} B, temp {wide.temp_size_in_bytes:,} B; "
+          f"full logits would be {full_logits:,} B")
