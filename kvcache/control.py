@@ -1,0 +1,406 @@
+"""Host bookkeeping for the paged KV cache: page tables, free lists, refcounts.
+
+NumPy only (no jax): this runs on the host every step, beside the device state.
+
+Every layer group (layers sharing a window) has its own page table
+`i32[max_seqs, pages_per_seq]`, free list over pages 1..num_pages-1 and
+refcounts; entry 0 means "no page" (page 0 is the scratch page for padding).
+
+Step protocol: `declare_step` reserves pages and applies the step's page-table
+changes at once, recording them in an undo log; `prepare_step` builds the device
+metadata; `commit_step` makes the positions permanent, `abort_step` replays the
+undo log backwards. While a step is pending, its sequences may not be cloned,
+removed or rewound (ValueError): commit or abort first. A page a step copies
+away from keeps its writer's reference until commit, so outside a pending step
+every refcount equals the number of page-table entries naming the page.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from glint.kvcache.config import CacheConfig
+
+
+class StepMetadata(NamedTuple):
+    """Device metadata for one step (all int32 NumPy arrays; a pytree as is).
+
+    positions: i32[T] position of each token (pads 0).
+    slots: per group, i32[T] flat row `page * page_size + offset` to write
+      (pads land in scratch page 0).
+    seq_info: i32[S, 4] = (q_start, q_len, seq_slot, kv_end) per segment, in order
+      of first token; seq_slot = s indexes `page_tables`; pad segments all 0.
+    page_tables: per group, i32[S, pages_per_seq] page-table row of segment s.
+    copies: per group, i32[n, 2] (src_page, dst_page) copy-on-write copies to
+      apply to every layer of the group BEFORE this step's writes.
+    token_seq: i32[T] sequence id per token, -1 for pads.
+    num_tokens: declared (unpadded) tokens.
+    """
+
+    positions: np.ndarray
+    slots: tuple[np.ndarray, ...]
+    seq_info: np.ndarray
+    page_tables: tuple[np.ndarray, ...]
+    copies: tuple[np.ndarray, ...]
+    token_seq: np.ndarray
+    num_tokens: int
+
+
+@dataclasses.dataclass
+class _Step:
+    """A declared, not yet committed step (arrays, so per-step cost stays low)."""
+
+    seq_ids: np.ndarray  # i64[T] sequence per token
+    token_pos: np.ndarray  # i64[T] position per token
+    seg_seq: np.ndarray  # i64[S] sequence per segment, in order of first token
+    seg_start: np.ndarray  # i64[S]
+    seg_len: np.ndarray  # i64[S]
+    # Undo log per group: (seq, page_index, new_page, old_page) i64[n] each;
+    # old_page 0 = growth, else a copy-on-write source whose reference the
+    # sequence keeps until commit.
+    changes: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+
+
+class BatchControl:
+    """Page tables, free lists, refcounts and positions of every sequence.
+
+    Misuse (unknown id, bad length, malformed step) raises ValueError; a refusal
+    for lack of room or history returns None/False and changes nothing.
+    """
+
+    def __init__(self, cache_config: CacheConfig) -> None:
+        cfg = cache_config
+        self.config = cfg
+        self._page_size = cfg.page_size
+        self._num_groups = cfg.num_groups
+        self._ring_rows = [cfg.group_ring_rows(g) for g in range(cfg.num_groups)]
+        self._windows = list(cfg.group_windows)
+        self._has_ring = any(r is not None for r in self._ring_rows)
+        self._tables = [
+            np.zeros((cfg.max_seqs, cfg.group_pages_per_seq(g)), np.int32) for g in range(cfg.num_groups)
+        ]
+        self._refcounts = [np.zeros(cfg.num_pages, np.int32) for _ in range(cfg.num_groups)]
+        # Stacks: pop() hands out the lowest page first on a fresh cache.
+        self._free_pages = [list(range(cfg.num_pages - 1, 0, -1)) for _ in range(cfg.num_groups)]
+        self._free_ids = list(range(cfg.max_seqs))  # min-heap
+        self._active = np.zeros(cfg.max_seqs, bool)
+        self._pos = np.zeros(cfg.max_seqs, np.int64)
+        self._hw = np.zeros(cfg.max_seqs, np.int64)
+        self._step: _Step | None = None
+
+    # ---- queries ----------------------------------------------------------
+
+    def pos(self, seq_id: int) -> int:
+        """One past the newest committed position of `seq_id`."""
+        return int(self._pos[self._check_id(seq_id)])
+
+    def high_water(self, seq_id: int) -> int:
+        """One past the highest position `seq_id` (or its clone source) ever wrote."""
+        return int(self._hw[self._check_id(seq_id)])
+
+    def active_seqs(self) -> list[int]:
+        return [int(s) for s in np.flatnonzero(self._active)]
+
+    def num_free_pages(self, group: int) -> int:
+        return len(self._free_pages[self._check_group(group)])
+
+    def pages_in_use(self, group: int) -> int:
+        return self.config.num_pages - 1 - self.num_free_pages(group)
+
+    def page_table(self, group: int) -> np.ndarray:
+        """Read-only view of `group`'s page table, i32[max_seqs, pages_per_seq]."""
+        view = self._tables[self._check_group(group)].view()
+        view.flags.writeable = False
+        return view
+
+    def refcounts(self, group: int) -> np.ndarray:
+        """Read-only view of `group`'s refcounts, i32[num_pages]."""
+        view = self._refcounts[self._check_group(group)].view()
+        view.flags.writeable = False
+        return view
+
+    def free_page_list(self, group: int) -> list[int]:
+        return list(self._free_pages[self._check_group(group)])
+
+    @property
+    def has_pending_step(self) -> bool:
+        return self._step is not None
+
+    def can_admit(self, num_tokens: int = 1) -> bool:
+        """Whether a new sequence of `num_tokens` tokens fits now (id and pages)."""
+        if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+            raise ValueError(f"num_tokens = {num_tokens!r}, must be an int >= 0")
+        if not self._free_ids or num_tokens > self.config.capacity:
+            return False
+        for g in range(self._num_groups):
+            rows = num_tokens if self._ring_rows[g] is None else min(num_tokens, self._ring_rows[g])
+            if -(-rows // self._page_size) > len(self._free_pages[g]):
+                return False
+        return True
+
+    # ---- sequence lifecycle -----------------------------------------------
+
+    def seq_new(self) -> int | None:
+        """A new empty sequence id (also its page-table row), or None if none is free."""
+        return self._take_id() if self._free_ids else None
+
+    def seq_clone(self, src: int, upto: int | None = None) -> int | None:
+        """A new sequence owning `src`'s first `upto` positions (default all).
+
+        Pages are shared by refcount and copied on the first write. None when no
+        id is free or `upto` is below a ring floor of `src`.
+        """
+        src = self._check_id(src)
+        self._check_not_pending(src, "seq_clone")
+        src_pos = int(self._pos[src])
+        upto = src_pos if upto is None else upto
+        if not isinstance(upto, (int, np.integer)) or not 0 <= upto <= src_pos:
+            raise ValueError(f"upto = {upto!r} for sequence {src}, must be in [0, pos={src_pos}]")
+        upto = int(upto)
+        if not self._free_ids or (upto > 0 and not self._above_ring_floor(src, upto)):
+            return None
+        seq = self._take_id()
+        if upto == 0:
+            return seq  # owns nothing, so it inherits no history either
+        for g in range(self._num_groups):
+            row = self._tables[g][src]
+            if self._ring_rows[g] is None:
+                row = row[: -(-upto // self._page_size)]
+            # Ring groups share every stored row: the window ends anywhere in the ring.
+            pages = row[row > 0]
+            self._tables[g][seq, : len(row)] = row
+            self._refcounts[g][pages] += 1  # pages within a row are distinct
+        self._pos[seq] = upto
+        self._hw[seq] = self._hw[src]
+        return seq
+
+    def seq_rm(self, seq_id: int) -> None:
+        """Release `seq_id`; each of its pages frees when its last owner leaves."""
+        seq = self._check_id(seq_id)
+        self._check_not_pending(seq, "seq_rm")
+        for g in range(self._num_groups):
+            self._release_pages(g, seq, 0)
+        self._active[seq] = False
+        self._pos[seq] = 0
+        self._hw[seq] = 0
+        heapq.heappush(self._free_ids, seq)
+
+    def rewind(self, seq_id: int, new_len: int) -> bool:
+        """Truncate `seq_id` to positions [0, new_len).
+
+        False (no change) if a ring layer no longer stores the window a query at
+        `new_len` would see. Flat groups free pages wholly beyond `new_len`;
+        `new_len == 0` frees everything and resets the high water.
+        """
+        seq = self._check_id(seq_id)
+        self._check_not_pending(seq, "rewind")
+        pos = int(self._pos[seq])
+        if not isinstance(new_len, (int, np.integer)) or not 0 <= new_len <= pos:
+            raise ValueError(f"new_len = {new_len!r} for sequence {seq}, must be in [0, pos={pos}]")
+        new_len = int(new_len)
+        if new_len == 0:
+            for g in range(self._num_groups):
+                self._release_pages(g, seq, 0)
+            self._pos[seq] = 0
+            self._hw[seq] = 0
+            return True
+        if not self._above_ring_floor(seq, new_len):
+            return False
+        for g in range(self._num_groups):
+            if self._ring_rows[g] is None:
+                self._release_pages(g, seq, -(-new_len // self._page_size))
+        self._pos[seq] = new_len
+        return True
+
+    # ---- step protocol ----------------------------------------------------
+
+    def declare_step(self, seq_ids: Sequence[int]) -> bool:
+        """Declare the sequence of each token of the next step, in step order.
+
+        Each sequence's tokens form one contiguous run continuing at pos(id).
+        Reserves the pages the step writes (growth and copy-on-write copies);
+        False and no change if pages run out or a sequence would pass capacity.
+        A step still pending is aborted first, even if this one is refused.
+        """
+        ids = np.asarray(seq_ids, dtype=np.int64).reshape(-1)
+        seg_seq, seg_start, seg_len = self._parse_step(ids)
+        if self._step is not None:
+            self.abort_step()
+        seg_pos = self._pos[seg_seq]
+        if (seg_pos + seg_len > self.config.capacity).any():
+            return False
+        token_pos = np.repeat(seg_pos - seg_start, seg_len) + np.arange(len(ids))
+        plans = []
+        for g in range(self._num_groups):
+            table = self._tables[g]
+            ring_rows = self._ring_rows[g]
+            rows = token_pos if ring_rows is None else token_pos % ring_rows
+            # Each (sequence, page index) the step writes, once.
+            keys = np.unique(ids * table.shape[1] + rows // self._page_size)
+            seqs, index = np.divmod(keys, table.shape[1])
+            pages = table[seqs, index]
+            # A page shared at declare time is copied by every writer (even the
+            # last one), so an abort leaves shared pages untouched.
+            need = (pages == 0) | (self._refcounts[g][pages] > 1)
+            if int(need.sum()) > len(self._free_pages[g]):
+                return False
+            plans.append((seqs[need], index[need], pages[need]))
+        changes = []
+        for g, (seqs, index, old) in enumerate(plans):
+            free = self._free_pages[g]
+            new = np.array(free[len(free) - len(old):][::-1], np.int64)  # as if popped one by one
+            del free[len(free) - len(old):]
+            self._refcounts[g][new] = 1
+            self._tables[g][seqs, index] = new
+            changes.append((seqs, index, new, old))
+        self._step = _Step(ids, token_pos, seg_seq, seg_start, seg_len, changes)
+        return True
+
+    def prepare_step(self, width: int | None = None, num_segments: int | None = None) -> StepMetadata:
+        """Device metadata of the pending step, tokens padded to `width`.
+
+        `num_segments` pads the segment axis (default min(width, max_seqs)).
+        """
+        step = self._require_step("prepare_step")
+        cfg = self.config
+        num_tokens = len(step.seq_ids)
+        width = num_tokens if width is None else width
+        if not isinstance(width, (int, np.integer)) or width < num_tokens:
+            raise ValueError(f"width = {width!r}, must be >= the {num_tokens} declared tokens")
+        num_seqs = len(step.seg_seq)
+        if num_segments is None:
+            num_segments = min(width, cfg.max_seqs)
+        if not isinstance(num_segments, (int, np.integer)) or num_segments < num_seqs:
+            raise ValueError(f"num_segments = {num_segments!r}, must be >= the {num_seqs} sequences in the step")
+
+        positions = np.zeros(width, np.int32)
+        positions[:num_tokens] = step.token_pos
+        token_seq = np.full(width, -1, np.int32)
+        token_seq[:num_tokens] = step.seq_ids
+        # Pads write to distinct rows of the scratch page while width allows.
+        pad_slots = np.arange(width - num_tokens, dtype=np.int32) % cfg.page_size
+        slots, page_tables, copies = [], [], []
+        for g in range(self._num_groups):
+            table = self._tables[g]
+            ring_rows = self._ring_rows[g]
+            rows = step.token_pos if ring_rows is None else step.token_pos % ring_rows
+            pages = table[step.seq_ids, rows // cfg.page_size]
+            slots.append(np.concatenate([pages * cfg.page_size + rows % cfg.page_size, pad_slots]).astype(np.int32))
+            seg_table = np.zeros((num_segments, table.shape[1]), np.int32)
+            seg_table[:num_seqs] = table[step.seg_seq]
+            page_tables.append(seg_table)
+            _, _, new, old = step.changes[g]
+            is_copy = old > 0
+            copies.append(np.stack([old[is_copy], new[is_copy]], axis=1).astype(np.int32))
+
+        seq_info = np.zeros((num_segments, 4), np.int32)
+        seq_info[:num_seqs, 0] = step.seg_start
+        seq_info[:num_seqs, 1] = step.seg_len
+        seq_info[:num_seqs, 2] = np.arange(num_seqs)
+        seq_info[:num_seqs, 3] = self._pos[step.seg_seq] + step.seg_len
+        return StepMetadata(
+            positions, tuple(slots), seq_info, tuple(page_tables), tuple(copies), token_seq, num_tokens
+        )
+
+    def commit_step(self) -> None:
+        """Make the pending step's positions permanent (after the device ran it)."""
+        step = self._require_step("commit_step")
+        for g, (_, _, _, old) in enumerate(step.changes):
+            old = old[old > 0]
+            if len(old):
+                refcounts = self._refcounts[g]
+                np.subtract.at(refcounts, old, 1)  # two writers may have copied one page
+                self._free_pages[g].extend(np.unique(old[refcounts[old] == 0]).tolist())
+        self._pos[step.seg_seq] += step.seg_len
+        self._hw[step.seg_seq] = np.maximum(self._hw[step.seg_seq], self._pos[step.seg_seq])
+        self._step = None
+
+    def abort_step(self) -> None:
+        """Undo the pending step: free its pages and restore copied-from pages.
+
+        Host state returns to what it was, except that with ring groups each
+        step sequence's high water rises to pos + q_len: the device may already
+        have written those ring rows, overwriting positions the floor must now
+        treat as gone. (Flat rows written past pos are never read; shared pages
+        were never written in place, see declare_step.)
+        """
+        step = self._require_step("abort_step")
+        for g, (seqs, index, new, old) in enumerate(step.changes):
+            self._tables[g][seqs, index] = old
+            self._refcounts[g][new] = 0
+            self._free_pages[g].extend(new[::-1].tolist())  # back in the order declare took them
+        if self._has_ring:
+            end = self._pos[step.seg_seq] + step.seg_len
+            self._hw[step.seg_seq] = np.maximum(self._hw[step.seg_seq], end)
+        self._step = None
+
+    # ---- internals --------------------------------------------------------
+
+    def _check_id(self, seq_id: int) -> int:
+        if (
+            not isinstance(seq_id, (int, np.integer))
+            or not 0 <= seq_id < self.config.max_seqs
+            or not self._active[seq_id]
+        ):
+            raise ValueError(f"unknown sequence id {seq_id!r} (active: {self.active_seqs()})")
+        return int(seq_id)
+
+    def _take_id(self) -> int:
+        seq = heapq.heappop(self._free_ids)
+        self._active[seq] = True
+        self._pos[seq] = 0
+        self._hw[seq] = 0
+        return seq
+
+    def _check_group(self, group: int) -> int:
+        if not isinstance(group, (int, np.integer)) or not 0 <= group < self._num_groups:
+            raise ValueError(f"group = {group!r}, must be in [0, {self._num_groups})")
+        return int(group)
+
+    def _check_not_pending(self, seq: int, what: str) -> None:
+        if self._step is not None and seq in self._step.seg_seq:
+            raise ValueError(f"{what}: sequence {seq} is in the pending step; commit_step() or abort_step() first")
+
+    def _require_step(self, what: str) -> _Step:
+        if self._step is None:
+            raise ValueError(f"{what}: no step declared")
+        return self._step
+
+    def _parse_step(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(seq, q_start, q_len) arrays, one per contiguous run; ValueError if malformed."""
+        num_tokens = len(ids)
+        if num_tokens == 0:
+            raise ValueError("declare_step: empty step")
+        if num_tokens > self.config.max_write:
+            raise ValueError(f"declare_step: {num_tokens} tokens, more than max_write = {self.config.max_write}")
+        is_known = (ids >= 0) & (ids < self.config.max_seqs)
+        is_known[is_known] = self._active[ids[is_known]]
+        if not is_known.all():
+            self._check_id(int(ids[np.argmin(is_known)]))
+        starts = np.flatnonzero(np.concatenate([[True], ids[1:] != ids[:-1]]))
+        seqs = ids[starts]
+        if len(np.unique(seqs)) != len(seqs):
+            raise ValueError(f"declare_step: a sequence's tokens are not one contiguous run: {ids.tolist()}")
+        return seqs, starts, np.diff(np.append(starts, num_tokens))
+
+    def _above_ring_floor(self, seq: int, length: int) -> bool:
+        """Whether every ring group still stores the window a query at `length` sees."""
+        hw = int(self._hw[seq])
+        for window, ring_rows in zip(self._windows, self._ring_rows):
+            if ring_rows is not None and max(0, length - window + 1) < hw - ring_rows:
+                return False
+        return True
+
+    def _release_pages(self, group: int, seq: int, keep: int) -> None:
+        """Drop `seq`'s references to its pages at indices >= keep."""
+        row = self._tables[group][seq, keep:]
+        pages = row[row > 0]
+        if len(pages):
+            refcounts = self._refcounts[group]
+            refcounts[pages] -= 1  # pages within a row are distinct
+            self._free_pages[group].extend(pages[refcounts[pages] == 0].tolist())
+            row[:] = 0

@@ -1,0 +1,118 @@
+"""Device side of the KV cache: per-layer page pools as a donated pytree."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glint.kvcache.config import CacheConfig
+
+# Budget assumed where a device reports no memory stats (CPU).
+CPU_FALLBACK_BYTES = 1 << 30
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVState:
+    """Per-layer page pools, k[l] and v[l]: [num_pages, page_size, kv_heads, head_dim].
+
+    Passed into the jitted step and returned (donated), so XLA updates it in
+    place. Page 0 is the scratch page that padding rows write to.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @classmethod
+    def create(cls, cfg: CacheConfig, sharding: jax.sharding.Sharding | None = None) -> KVState:
+        """Zeroed pools for `cfg` (optionally placed with `sharding`)."""
+
+        def pool(layer: int) -> jax.Array:
+            shape = (cfg.num_pages, cfg.page_size, cfg.kv_heads[layer], cfg.head_dim[layer])
+            return jnp.zeros(shape, jnp.dtype(cfg.dtype), device=sharding)
+
+        return cls(
+            k=tuple(pool(layer) for layer in range(cfg.num_layers)),
+            v=tuple(pool(layer) for layer in range(cfg.num_layers)),
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+
+def pad_copies(copies: Sequence[np.ndarray], min_len: int = 1) -> tuple[np.ndarray, ...]:
+    """Pad every group's copy list i32[n, 2] to one power-of-two length.
+
+    Pads are (0, 0): scratch page onto itself, a no-op. One length for all
+    groups, so `apply_copies` compiles for few shapes.
+    """
+    longest = max([len(c) for c in copies] + [min_len, 1])
+    length = 1 << (longest - 1).bit_length()
+    padded = []
+    for c in copies:
+        c = np.asarray(c, np.int32).reshape(-1, 2)
+        padded.append(np.concatenate([c, np.zeros((length - len(c), 2), np.int32)]))
+    return tuple(padded)
+
+
+def apply_copies(state: KVState, cfg: CacheConfig, copies: Sequence[jax.Array | np.ndarray]) -> KVState:
+    """Copy whole pages `src -> dst` in every layer of each group.
+
+    Args:
+      state: the pools.
+      cfg: their geometry (static).
+      copies: per group, i32[n, 2] rows (src_page, dst_page), e.g.
+        `StepMetadata.copies` padded with `pad_copies`. All sources are read
+        before any destination is written.
+    Jit-friendly: shapes depend only on n; use inside the step or jit it alone.
+    """
+    if len(copies) != cfg.num_groups:
+        raise ValueError(f"copies has {len(copies)} groups, cfg has {cfg.num_groups}")
+    if len(state.k) != cfg.num_layers:
+        raise ValueError(f"state has {len(state.k)} layers, cfg has {cfg.num_layers}")
+    copies = [jnp.asarray(c, jnp.int32).reshape(-1, 2) for c in copies]
+
+    def copy(pool: jax.Array, layer: int) -> jax.Array:
+        pairs = copies[cfg.layer_group[layer]]
+        if pairs.shape[0] == 0:
+            return pool
+        # (0, 0) pads scatter page 0 onto itself; duplicates all carry the same value.
+        return pool.at[pairs[:, 1]].set(pool[pairs[:, 0]])
+
+    return KVState(
+        k=tuple(copy(pool, layer) for layer, pool in enumerate(state.k)),
+        v=tuple(copy(pool, layer) for layer, pool in enumerate(state.v)),
+    )
+
+
+def free_device_bytes(fraction: float = 0.9, device: jax.Device | None = None) -> int:
+    """Bytes the cache may take: `fraction` of device memory minus what is in use.
+
+    Like vLLM's gpu_memory_utilization. Devices without memory stats (CPU) get
+    `fraction * CPU_FALLBACK_BYTES`.
+    """
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction = {fraction!r}, must be in (0, 1]")
+    device = jax.devices()[0] if device is None else device
+    stats = None
+    try:
+        stats = device.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        stats = None
+    if not stats or "bytes_limit" not in stats:
+        return int(fraction * CPU_FALLBACK_BYTES)
+    return max(0, int(fraction * stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+
+
+def default_num_pages(cfg: CacheConfig, fraction: float = 0.9, device: jax.Device | None = None) -> int:
+    """num_pages that fits the free device memory, for `cfg`'s geometry.
+
+    `cfg.num_pages` is ignored; build the final config with
+    `dataclasses.replace(cfg, num_pages=default_num_pages(cfg))`.
+    """
+    return cfg.num_pages_for_budget(free_device_bytes(fraction, device))

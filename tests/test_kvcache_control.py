@@ -1,0 +1,544 @@
+"""BatchControl against a plain-Python model and a simulated NumPy device.
+
+The simulated device keeps one pool of int tags per layer group (every layer of
+a group uses the same page ids), applies the reported copy-on-write copies
+before the step's writes exactly as the real device does, and writes a unique
+tag per (sequence, position, step). After every operation each sequence must
+read back its own tags through its page table.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from glint.kvcache import BatchControl, CacheConfig
+
+
+def make_config(**overrides) -> CacheConfig:
+    fields = dict(
+        page_size=4, num_pages=40, max_seqs=4, max_write=8, capacity=64,
+        windows=(0, 8, 0, 8), kv_heads=2, head_dim=8,
+    )
+    fields.update(overrides)
+    return CacheConfig(**fields)
+
+
+class Device:
+    """One tag pool per group, [num_pages, page_size]; 0 means never written."""
+
+    def __init__(self, cfg: CacheConfig) -> None:
+        self.cfg = cfg
+        self.pools = [np.zeros((cfg.num_pages, cfg.page_size), np.int64) for _ in range(cfg.num_groups)]
+        self.tags = itertools.count(1)
+
+    def run(self, meta, control: BatchControl) -> list[int]:
+        """Apply copies, then write fresh tags at the step's slots; returns the tags."""
+        n = meta.num_tokens
+        for g, pool in enumerate(self.pools):
+            copies = meta.copies[g]
+            if len(copies):
+                assert len(set(copies[:, 1].tolist())) == len(copies), "two copies into one page"
+                assert not set(copies[:, 1].tolist()) & set(copies[:, 0].tolist())
+                pool[copies[:, 1]] = pool[copies[:, 0]]
+        tags = [next(self.tags) for _ in range(n)]
+        for g, pool in enumerate(self.pools):
+            slots = meta.slots[g]
+            assert (slots[n:] < self.cfg.page_size).all(), "pad rows must write to scratch page 0"
+            pages = slots[:n] // self.cfg.page_size
+            assert (pages > 0).all(), "a real row writes to the scratch page"
+            # A page written in place must not be visible to any other sequence.
+            assert (control.refcounts(g)[pages] == 1).all(), f"group {g} writes into a shared page"
+            pool.reshape(-1)[slots[:n]] = tags
+            pool.reshape(-1)[slots[n:]] = -1
+        return tags
+
+    def read(self, control: BatchControl, group: int, seq: int, position: int) -> int:
+        ring_rows = self.cfg.group_ring_rows(group)
+        row = position if ring_rows is None else position % ring_rows
+        page = control.page_table(group)[seq, row // self.cfg.page_size]
+        assert page > 0, f"seq {seq} position {position} has no page in group {group}"
+        return int(self.pools[group][page, row % self.cfg.page_size])
+
+
+def snapshot(control: BatchControl) -> tuple:
+    cfg = control.config
+    groups = range(cfg.num_groups)
+    return (
+        [control.page_table(g).copy() for g in groups],
+        [control.refcounts(g).copy() for g in groups],
+        [control.free_page_list(g) for g in groups],
+        {s: (control.pos(s), control.high_water(s)) for s in control.active_seqs()},
+        control.has_pending_step,
+    )
+
+
+def assert_same(a: tuple, b: tuple) -> None:
+    for x, y in zip(a[0] + a[1], b[0] + b[1]):
+        np.testing.assert_array_equal(x, y)
+    assert a[2:] == b[2:]
+
+
+def check_pages(control: BatchControl) -> None:
+    """Refcounts equal page-table references; free and used pages partition 1..N-1."""
+    cfg = control.config
+    for g in range(cfg.num_groups):
+        table = control.page_table(g)
+        refs = np.bincount(table.reshape(-1), minlength=cfg.num_pages)
+        refs[0] = 0
+        np.testing.assert_array_equal(control.refcounts(g), refs, err_msg=f"group {g}")
+        free = control.free_page_list(g)
+        assert len(free) == len(set(free)), f"group {g}: page freed twice"
+        assert 0 not in free
+        used = set(np.flatnonzero(refs).tolist())
+        assert not used & set(free), f"group {g}: pages both free and used: {used & set(free)}"
+        assert used | set(free) == set(range(1, cfg.num_pages)), f"group {g}: leaked pages"
+        for seq in range(cfg.max_seqs):
+            row = table[seq]
+            assert len(set(row[row > 0].tolist())) == int((row > 0).sum()), "page twice in one row"
+        for seq in set(range(cfg.max_seqs)) - set(control.active_seqs()):
+            assert not table[seq].any(), f"removed seq {seq} still holds pages"
+
+
+def floor_ok(cfg: CacheConfig, hw: int, new_len: int) -> bool:
+    if new_len == 0:
+        return True
+    for g, window in enumerate(cfg.group_windows):
+        if window and max(0, new_len - window + 1) < hw - cfg.group_ring_rows(g):
+            return False
+    return True
+
+
+class KVControlMachine(RuleBasedStateMachine):
+    @initialize(
+        windows=st.sampled_from([(0, 8, 0, 8), (0,), (5,), (0, 3, 8), (8, 8)]),
+        page_size=st.sampled_from([1, 2, 4]),
+        max_write=st.integers(4, 8),
+        capacity=st.sampled_from([24, 64]),
+        num_pages=st.integers(6, 48),
+        max_seqs=st.integers(1, 5),
+    )
+    def setup(self, windows, page_size, max_write, capacity, num_pages, max_seqs):
+        self.cfg = make_config(
+            windows=windows, page_size=page_size, max_write=max_write, capacity=capacity,
+            num_pages=num_pages, max_seqs=max_seqs,
+        )
+        self.control = BatchControl(self.cfg)
+        self.device = Device(self.cfg)
+        self.seqs: dict[int, dict] = {}  # id -> {"tags": [...], "hw": int}
+
+    def _pick(self, data) -> int:
+        """An active sequence id (creating one if none is active)."""
+        if not self.seqs:
+            self.new()
+        return data.draw(st.sampled_from(sorted(self.seqs)))
+
+    # ---- rules ------------------------------------------------------------
+
+    @rule()
+    def new(self):
+        seq = self.control.seq_new()
+        if len(self.seqs) == self.cfg.max_seqs:
+            assert seq is None
+        else:
+            assert seq is not None and seq not in self.seqs
+            self.seqs[seq] = {"tags": [], "hw": 0}
+
+    @rule(data=st.data())
+    def clone(self, data):
+        src = self._pick(data)
+        model = self.seqs[src]
+        upto = data.draw(st.one_of(st.none(), st.integers(0, len(model["tags"]))))
+        n = len(model["tags"]) if upto is None else upto
+        before = snapshot(self.control)
+        seq = self.control.seq_clone(src, upto)
+        if len(self.seqs) == self.cfg.max_seqs or not floor_ok(self.cfg, model["hw"], n):
+            assert seq is None
+            assert_same(before, snapshot(self.control))
+            event("clone refused")
+            return
+        assert seq is not None and seq not in self.seqs
+        self.seqs[seq] = {"tags": model["tags"][:n], "hw": model["hw"] if n else 0}
+
+    @rule(data=st.data())
+    def remove(self, data):
+        seq = self._pick(data)
+        self.control.seq_rm(seq)
+        del self.seqs[seq]
+
+    @rule(data=st.data())
+    def rewind(self, data):
+        seq = self._pick(data)
+        model = self.seqs[seq]
+        new_len = data.draw(st.integers(0, len(model["tags"])))
+        before = snapshot(self.control)
+        ok = self.control.rewind(seq, new_len)
+        assert ok == floor_ok(self.cfg, model["hw"], new_len)
+        if not ok:
+            assert_same(before, snapshot(self.control))
+            event("rewind refused by ring floor")
+            return
+        del model["tags"][new_len:]
+        if new_len == 0:
+            model["hw"] = 0
+
+    @rule(data=st.data(), outcome=st.sampled_from(["commit", "abort_after_run", "abort_before_run"]))
+    def step(self, data, outcome):
+        cfg = self.cfg
+        self._pick(data)
+        order = data.draw(st.permutations(sorted(self.seqs)))
+        order = order[: data.draw(st.integers(1, len(order)))]
+        budget = cfg.max_write
+        runs = []
+        for seq in order:
+            if budget == 0:
+                break
+            q_len = data.draw(st.integers(1, budget))
+            budget -= q_len
+            runs.append((seq, q_len))
+        seq_ids = [seq for seq, q_len in runs for _ in range(q_len)]
+        before = snapshot(self.control)
+        free_before = [self.control.num_free_pages(g) for g in range(cfg.num_groups)]
+        if not self.control.declare_step(seq_ids):
+            assert_same(before, snapshot(self.control))
+            too_long = any(len(self.seqs[s]["tags"]) + q > cfg.capacity for s, q in runs)
+            # Otherwise some group must lack pages: its need is at most the pages touched.
+            touched = [
+                sum(len(self._touched(g, len(self.seqs[s]["tags"]), q)) for s, q in runs)
+                for g in range(cfg.num_groups)
+            ]
+            assert too_long or any(t > f for t, f in zip(touched, free_before))
+            event("declare refused")
+            return
+        width = len(seq_ids) + data.draw(st.integers(0, 3))
+        meta = self.control.prepare_step(width)
+        self._check_meta(meta, runs, width)
+        if any(len(c) for c in meta.copies):
+            event("copy-on-write copies")
+        if any(hw >= 2 * (self.cfg.group_ring_rows(g) or 10**9) for g in range(self.cfg.num_groups)
+               for hw in (m["hw"] for m in self.seqs.values())):
+            event("ring wrapped twice")
+        tags = None
+        if outcome != "abort_before_run":
+            tags = self.device.run(meta, self.control)
+        if outcome == "commit":
+            self.control.commit_step()
+            for seq, q_len in runs:
+                model = self.seqs[seq]
+                model["tags"].extend(tags[:q_len])
+                tags = tags[q_len:]
+                model["hw"] = max(model["hw"], len(model["tags"]))
+        else:
+            self.control.abort_step()
+            if any(cfg.group_windows):  # ring rows may have been written
+                for seq, q_len in runs:
+                    model = self.seqs[seq]
+                    model["hw"] = max(model["hw"], len(model["tags"]) + q_len)
+            for g in range(cfg.num_groups):
+                assert self.control.num_free_pages(g) == free_before[g]
+
+    @rule(data=st.data(), num_steps=st.integers(1, 8))
+    def grow(self, data, num_steps):
+        """Several committed full-width steps of one sequence: reaches ring wraps fast."""
+        seq = self._pick(data)
+        model = self.seqs[seq]
+        for _ in range(num_steps):
+            q_len = min(self.cfg.max_write, self.cfg.capacity - len(model["tags"]))
+            if q_len == 0 or not self.control.declare_step([seq] * q_len):
+                return
+            tags = self.device.run(self.control.prepare_step(), self.control)
+            self.control.commit_step()
+            model["tags"].extend(tags)
+            model["hw"] = max(model["hw"], len(model["tags"]))
+
+    def _touched(self, group: int, pos: int, q_len: int) -> set[int]:
+        ring_rows = self.cfg.group_ring_rows(group)
+        rows = [p if ring_rows is None else p % ring_rows for p in range(pos, pos + q_len)]
+        return {r // self.cfg.page_size for r in rows}
+
+    def _check_meta(self, meta, runs, width: int) -> None:
+        cfg = self.cfg
+        n = sum(q for _, q in runs)
+        assert meta.num_tokens == n
+        assert meta.positions.shape == meta.token_seq.shape == (width,)
+        num_segments = min(width, cfg.max_seqs)
+        assert meta.seq_info.shape == (num_segments, 4)
+        start = 0
+        for s, (seq, q_len) in enumerate(runs):
+            pos = len(self.seqs[seq]["tags"])
+            np.testing.assert_array_equal(meta.positions[start:start + q_len], np.arange(pos, pos + q_len))
+            assert (meta.token_seq[start:start + q_len] == seq).all()
+            assert meta.seq_info[s].tolist() == [start, q_len, s, pos + q_len]
+            for g in range(cfg.num_groups):
+                np.testing.assert_array_equal(meta.page_tables[g][s], self.control.page_table(g)[seq])
+            start += q_len
+        assert (meta.seq_info[len(runs):] == 0).all()
+        assert (meta.token_seq[n:] == -1).all() and (meta.positions[n:] == 0).all()
+        for g in range(cfg.num_groups):
+            assert meta.slots[g].dtype == np.int32 and meta.page_tables[g].dtype == np.int32
+            assert (meta.page_tables[g][len(runs):] == 0).all()
+            assert meta.copies[g].shape[1:] == (2,)
+
+    # ---- invariants -------------------------------------------------------
+
+    @invariant()
+    def pages_consistent(self):
+        if hasattr(self, "control"):
+            check_pages(self.control)
+
+    @invariant()
+    def sequences_read_back(self):
+        if not hasattr(self, "control"):
+            return
+        control, cfg = self.control, self.cfg
+        assert sorted(self.seqs) == control.active_seqs()
+        for seq, model in self.seqs.items():
+            pos, hw = len(model["tags"]), model["hw"]
+            assert control.pos(seq) == pos and control.high_water(seq) == hw
+            for g in range(cfg.num_groups):
+                ring_rows = cfg.group_ring_rows(g)
+                row = control.page_table(g)[seq]
+                if ring_rows is None:
+                    # Flat groups hold exactly the pages of written positions.
+                    held = -(-pos // cfg.page_size)
+                    assert (row[:held] > 0).all() and not row[held:].any()
+                    first = 0
+                else:
+                    first = max(0, hw - ring_rows)
+                    # The window a query at pos sees is always stored.
+                    assert pos == 0 or max(0, pos - cfg.group_windows[g] + 1) >= first
+                for p in range(first, pos):
+                    got = self.device.read(control, g, seq, p)
+                    assert got == model["tags"][p], f"seq {seq} group {g} position {p}: {got} != {model['tags'][p]}"
+
+    def teardown(self):
+        if not hasattr(self, "control"):
+            return
+        for seq in list(self.seqs):
+            self.control.seq_rm(seq)
+        for g in range(self.cfg.num_groups):
+            assert self.control.num_free_pages(g) == self.cfg.num_pages - 1, "pages leaked"
+            assert not self.control.refcounts(g).any()
+
+
+KVControlMachine.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+test_kv_control_machine = KVControlMachine.TestCase
+
+
+# ---- targeted cases --------------------------------------------------------
+
+
+def decode(control: BatchControl, device: Device, seq: int, num_tokens: int, per_step: int = 1) -> list[int]:
+    """Write num_tokens to seq, per_step at a time, committing each step; returns tags."""
+    tags = []
+    while num_tokens:
+        q = min(per_step, num_tokens)
+        assert control.declare_step([seq] * q)
+        tags += device.run(control.prepare_step(), control)
+        control.commit_step()
+        num_tokens -= q
+    return tags
+
+
+def read_back(control: BatchControl, device: Device, seq: int, group: int, positions) -> list[int]:
+    return [device.read(control, group, seq, p) for p in positions]
+
+
+def test_ring_sequence_longer_than_several_windows():
+    cfg = make_config(windows=(0, 8), max_write=4, num_pages=40)
+    control, device = BatchControl(cfg), Device(cfg)
+    seq = control.seq_new()
+    ring_rows = cfg.group_ring_rows(1)  # 8 + 4 - 1 = 11
+    tags = decode(control, device, seq, 50, per_step=3)
+    assert control.pos(seq) == control.high_water(seq) == 50
+    assert read_back(control, device, seq, 0, range(50)) == tags
+    assert read_back(control, device, seq, 1, range(50 - ring_rows, 50)) == tags[-ring_rows:]
+    # The ring never grows past its pages, however long the sequence gets.
+    assert control.pages_in_use(1) == cfg.group_pages_per_seq(1) == 3
+    assert control.pages_in_use(0) == 50 // 4 + 1
+    check_pages(control)
+
+
+def test_rewind_at_and_below_ring_floor():
+    cfg = make_config(windows=(8,), max_write=4)
+    control, device = BatchControl(cfg), Device(cfg)
+    seq = control.seq_new()
+    decode(control, device, seq, 30, per_step=4)
+    hw, ring_rows, window = 30, 11, 8
+    floor = hw - ring_rows + window - 1  # smallest new_len with new_len - W + 1 >= hw - R
+    assert floor == 26
+    before = snapshot(control)
+    assert control.rewind(seq, floor - 1) is False
+    assert_same(before, snapshot(control))
+    assert control.rewind(seq, floor) is True
+    assert control.pos(seq) == floor and control.high_water(seq) == hw
+    # Still at the floor: no further rewind except all the way to zero.
+    assert control.rewind(seq, floor - 1) is False
+    assert control.rewind(seq, 0) is True
+    assert control.high_water(seq) == 0 and control.pages_in_use(0) == 0
+    check_pages(control)
+
+
+def test_rewind_flat_frees_pages_beyond_new_len():
+    cfg = make_config(windows=(0,))
+    control, device = BatchControl(cfg), Device(cfg)
+    seq = control.seq_new()
+    tags = decode(control, device, seq, 21, per_step=8)
+    assert control.pages_in_use(0) == 6
+    assert control.rewind(seq, 9)
+    assert control.pages_in_use(0) == 3
+    more = decode(control, device, seq, 5, per_step=5)
+    assert read_back(control, device, seq, 0, range(14)) == tags[:9] + more
+    check_pages(control)
+
+
+def test_clone_of_wrapped_ring_diverges_without_leaking():
+    cfg = make_config(windows=(0, 8), max_write=4)
+    control, device = BatchControl(cfg), Device(cfg)
+    a = control.seq_new()
+    shared = decode(control, device, a, 37, per_step=3)  # ring of 11 rows wrapped 3 times
+    b = control.seq_clone(a)
+    assert control.high_water(b) == 37 and control.pos(b) == 37
+    tail_a = decode(control, device, a, 9, per_step=2)
+    tail_b = decode(control, device, b, 13, per_step=4)
+    full_a, full_b = shared + tail_a, shared + tail_b
+    assert read_back(control, device, a, 0, range(46)) == full_a
+    assert read_back(control, device, b, 0, range(50)) == full_b
+    assert read_back(control, device, a, 1, range(46 - 11, 46)) == full_a[-11:]
+    assert read_back(control, device, b, 1, range(50 - 11, 50)) == full_b[-11:]
+    control.seq_rm(a)
+    control.seq_rm(b)
+    check_pages(control)
+    assert control.pages_in_use(0) == control.pages_in_use(1) == 0
+
+
+def test_clone_shares_pages_and_copies_only_partial_page():
+    cfg = make_config(windows=(0,), page_size=4)
+    control, device = BatchControl(cfg), Device(cfg)
+    a = control.seq_new()
+    prompt = decode(control, device, a, 10, per_step=8)  # pages 0, 1 full, page 2 holds 2 rows
+    assert control.pages_in_use(0) == 3
+    b = control.seq_clone(a)
+    assert control.pages_in_use(0) == 3  # shared, nothing copied yet
+    assert (control.refcounts(0)[control.page_table(0)[a, :3]] == 2).all()
+    assert control.declare_step([b])
+    meta = control.prepare_step()
+    # Only the partial last page is copied; the full pages stay shared.
+    assert meta.copies[0].tolist() == [[control.page_table(0)[a, 2], control.page_table(0)[b, 2]]]
+    tag_b = device.run(meta, control)
+    control.commit_step()
+    assert control.pages_in_use(0) == 4
+    np.testing.assert_array_equal(control.page_table(0)[a, :2], control.page_table(0)[b, :2])
+    tag_a = decode(control, device, a, 1)
+    assert control.pages_in_use(0) == 4  # a's page 2 is its own again: written in place
+    assert read_back(control, device, a, 0, range(11)) == prompt + tag_a
+    assert read_back(control, device, b, 0, range(11)) == prompt + tag_b
+    # A clone up to a page boundary shares only full pages and grows a fresh one.
+    c = control.seq_clone(a, upto=8)
+    assert control.declare_step([c])
+    assert control.prepare_step().copies[0].shape == (0, 2)
+    control.commit_step()
+    check_pages(control)
+
+
+def test_refused_declare_changes_nothing():
+    cfg = make_config(windows=(0, 8), num_pages=6, max_write=8)  # 5 usable pages per group
+    control, device = BatchControl(cfg), Device(cfg)
+    a, b = control.seq_new(), control.seq_new()
+    decode(control, device, a, 16, per_step=8)  # flat: 4 pages; ring: 15 rows -> 4 pages
+    assert control.declare_step([b] * 4) is True  # ring group needs 1 page, 1 left
+    control.abort_step()
+    before = snapshot(control)
+    assert control.declare_step([a] * 2 + [b] * 6) is False  # flat needs 1 + 2 pages
+    assert_same(before, snapshot(control))
+    assert not control.has_pending_step
+    assert control.can_admit(4) and not control.can_admit(5)
+    # Passing capacity is a refusal too.
+    small = BatchControl(make_config(capacity=3, max_write=4, windows=(0,)))
+    s = small.seq_new()
+    before = snapshot(small)
+    assert small.declare_step([s] * 4) is False
+    assert_same(before, snapshot(small))
+
+
+def test_abort_restores_state_and_keeps_ring_high_water():
+    cfg = make_config(windows=(0, 8), max_write=8)
+    control, device = BatchControl(cfg), Device(cfg)
+    a = control.seq_new()
+    tags = decode(control, device, a, 10, per_step=4)
+    b = control.seq_clone(a)
+    before = snapshot(control)
+    assert control.declare_step([a] * 4 + [b] * 3)
+    device.run(control.prepare_step(8), control)  # the device ran, then the step failed
+    control.abort_step()
+    after = snapshot(control)
+    hw = {s: v[1] for s, v in after[3].items()}
+    assert hw == {a: 14, b: 13}
+    assert_same(before[:3], after[:3])
+    for seq in (a, b):
+        for g in (0, 1):
+            assert read_back(control, device, seq, g, range(10)) == tags
+    check_pages(control)
+
+
+def test_redeclare_aborts_pending_step():
+    cfg = make_config(windows=(0,))
+    control = BatchControl(cfg)
+    a = control.seq_new()
+    assert control.declare_step([a] * 5)
+    assert control.pages_in_use(0) == 2
+    assert control.declare_step([a])
+    assert control.pages_in_use(0) == 1
+    control.commit_step()
+    assert control.pos(a) == 1
+
+
+def test_misuse_raises_with_value():
+    cfg = make_config(windows=(0, 8), max_write=4, max_seqs=2)
+    control, device = BatchControl(cfg), Device(cfg)
+    a = control.seq_new()
+    decode(control, device, a, 3, per_step=3)
+    with pytest.raises(ValueError, match="7"):
+        control.seq_rm(7)
+    with pytest.raises(ValueError, match="1"):
+        control.pos(1)  # never created
+    with pytest.raises(ValueError, match="-1"):
+        control.rewind(a, -1)
+    with pytest.raises(ValueError, match="pos=3"):
+        control.rewind(a, 4)
+    with pytest.raises(ValueError, match="upto = 5"):
+        control.seq_clone(a, upto=5)
+    with pytest.raises(ValueError, match="9"):
+        control.seq_clone(9)
+    with pytest.raises(ValueError, match="empty"):
+        control.declare_step([])
+    with pytest.raises(ValueError, match="max_write = 4"):
+        control.declare_step([a] * 5)
+    b = control.seq_new()
+    with pytest.raises(ValueError, match="contiguous"):
+        control.declare_step([a, b, a])
+    with pytest.raises(ValueError, match="unknown sequence id 3"):
+        control.declare_step([a, 3])
+    with pytest.raises(ValueError, match="no step declared"):
+        control.prepare_step()
+    with pytest.raises(ValueError, match="no step declared"):
+        control.commit_step()
+    assert control.declare_step([a, a, b])
+    with pytest.raises(ValueError, match="width = 2"):
+        control.prepare_step(width=2)
+    with pytest.raises(ValueError, match="num_segments = 1"):
+        control.prepare_step(num_segments=1)
+    with pytest.raises(ValueError, match="pending step"):
+        control.seq_rm(a)
+    with pytest.raises(ValueError, match="num_tokens = -1"):
+        control.can_admit(-1)
+    assert control.seq_new() is None  # refusal, not misuse
+    control.abort_step()
