@@ -37,9 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="HF folder, orbax folder or preset name")
     p.set_defaults(func=_cmd_info)
 
-    from glint.runtime import commands
+    from glint.runtime import bench, commands
 
     commands.register(sub)
+    bench.register(sub)
     return parser
 
 

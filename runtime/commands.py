@@ -84,7 +84,7 @@ def _cmd_demo(args) -> int:
     table.add_row("generated tokens", str(sum(len(o.token_ids) for o in outs)))
     table.add_row("generated tokens/s", f"{s.generated_tokens / (t2 - t1):.1f}")
     table.add_row("wall time (s)", f"{t2 - t1:.2f} (+{t1 - t0:.1f} compile)")
-    table.add_row("host / device time (s)", f"{s.host_seconds:.2f} / {s.device_seconds:.2f}")
+    table.add_row("host busy / waiting on device (s)", f"{s.host_seconds:.2f} / {s.wait_seconds:.2f}")
     table.add_row("preemptions", str(s.preemptions))
     table.add_row("steps per bucket", ", ".join(f"{w}: {n}" for w, n in sorted(s.steps_per_bucket.items())))
     Console().print(table)

@@ -39,8 +39,26 @@ class EngineStats:
     fed_tokens: int = 0  # tokens run through the model (prefill, recompute and decode)
     generated_tokens: int = 0
     preemptions: int = 0
-    host_seconds: float = 0.0
-    device_seconds: float = 0.0
+    host_seconds: float = 0.0  # host busy: scheduling, metadata, dispatch, postprocessing
+    wait_seconds: float = 0.0  # host blocked on the device's results
+
+
+@dataclasses.dataclass
+class Sampled:
+    """A request that samples in a dispatched step: rows `row ..` of its output, placeholder at `index`."""
+
+    req: Request
+    row: int
+    index: int
+    num_children: int
+    num_cached: int  # the request's cached positions when it sampled (the prompt, for n > 1 clones)
+
+
+@dataclasses.dataclass
+class InFlight:
+    sampled: list[Sampled]
+    next_tokens: jax.Array
+    lp: object
 
 
 class Engine:
@@ -72,6 +90,7 @@ class Engine:
         self._requests: dict[int, Request] = {}
         self._children: dict[int, list[Request]] = {}
         self._next_rid = 0
+        self._inflight: InFlight | None = None
         self._rng = np.random.default_rng(self.config.seed)
         self.stats = EngineStats()
         if warmup:
@@ -114,7 +133,7 @@ class Engine:
                 self._finish(req, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     def output(self, rid: int) -> RequestOutput:
         req = self._requests[rid]
@@ -161,37 +180,23 @@ class Engine:
     # ---- the step ----
 
     def step(self) -> dict[int, list[int]]:
-        """Run one step; returns the tokens each request gained (request id -> new token ids)."""
+        """Dispatch the next step, then finish the previous one; returns the tokens each request gained.
+
+        The host schedules step n+1 while the device runs step n: a token sampled in step n feeds step
+        n+1 on the device, and stands on the host as a placeholder until step n's results are read.
+        """
         t0 = time.perf_counter()
         entries = self._schedule()
-        if not entries:
-            return {}
-        width = self.config.bucket_for(sum(e.count for e in entries))
-        meta = self.control.prepare_step(width=width, num_segments=min(width, self.config.max_seqs))
-        tokens, rows, sample_reqs = self._pack(entries, width)
-        try:
-            if any(len(c) for c in meta.copies):
-                self.kv = self._copy_fn(self.kv, pad_copies(meta.copies))
-            num_lp = num_logprobs_bucket(max(r.params.logprobs for r, _ in sample_reqs) if sample_reqs else 0)
-            sampler = SamplerInputs.from_params([r.params for r, _ in sample_reqs],
-                                                [len(r.tokens) for r, _ in sample_reqs],
-                                                rows=self.config.max_sample_rows,
-                                                seeds=[s for _, s in sample_reqs])
-            t1 = time.perf_counter()
-            next_tokens, lp, self.kv = self._step_fn(
-                self.params, self.kv, tokens, DeviceMeta.from_host(meta), pad_rows(rows, self.config.max_sample_rows),
-                sampler, is_filtered=uses_filters([r.params for r, _ in sample_reqs]), num_logprobs=num_lp)
-            next_tokens = np.asarray(next_tokens)
-            t2 = time.perf_counter()
-        except BaseException:
-            self.control.abort_step()
-            raise
-        self.control.commit_step()
-        self.stats.steps_per_bucket[width] += 1
-        new = self._postprocess(entries, sample_reqs, next_tokens, lp)
-        t3 = time.perf_counter()
-        self.stats.device_seconds += t2 - t1
-        self.stats.host_seconds += (t1 - t0) + (t3 - t2)
+        dispatched = self._dispatch(entries) if entries else None
+        previous, self._inflight = self._inflight, dispatched
+        if previous is None and dispatched is None and self.scheduler.has_work():
+            raise RuntimeError("no request can be scheduled: the KV pool is too small for the waiting requests")
+        t1 = time.perf_counter()
+        next_tokens, lp = (None, None) if previous is None else jax.device_get((previous.next_tokens, previous.lp))
+        t2 = time.perf_counter()
+        new = {} if previous is None else self._postprocess(previous, next_tokens, lp)
+        self.stats.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
+        self.stats.wait_seconds += t2 - t1
         return new
 
     def _schedule(self) -> list[Entry]:
@@ -204,53 +209,81 @@ class Engine:
             raise RuntimeError("a single sequence does not fit in the KV pool")
         return entries
 
+    def _dispatch(self, entries: list[Entry]) -> InFlight:
+        width = self.config.bucket_for(sum(e.count for e in entries))
+        meta = self.control.prepare_step(width=width, num_segments=min(width, self.config.max_seqs))
+        tokens, token_src, rows, sample_reqs = self._pack(entries, width)
+        prev = self._inflight.next_tokens if self._inflight else np.zeros(self.config.max_sample_rows, np.int32)
+        try:
+            if any(len(c) for c in meta.copies):
+                self.kv = self._copy_fn(self.kv, pad_copies(meta.copies))
+            sampler = SamplerInputs.from_params([r.params for r, _ in sample_reqs],
+                                                [len(r.tokens) for r, _ in sample_reqs],
+                                                rows=self.config.max_sample_rows, seeds=[s for _, s in sample_reqs])
+            num_lp = num_logprobs_bucket(max((r.params.logprobs for r, _ in sample_reqs), default=0))
+            next_tokens, lp, self.kv = self._step_fn(
+                self.params, self.kv, tokens, token_src, prev, DeviceMeta.from_host(meta),
+                pad_rows(rows, self.config.max_sample_rows), sampler,
+                is_filtered=uses_filters([r.params for r, _ in sample_reqs]), num_logprobs=num_lp)
+        except BaseException:
+            self.control.abort_step()
+            raise
+        self.control.commit_step()
+        self.stats.steps_per_bucket[width] += 1
+        sampled, row = [], 0
+        for e in entries:
+            e.req.num_cached += e.count
+            self.stats.fed_tokens += e.count
+            if e.samples:
+                sampled.append(Sampled(e.req, row, len(e.req.generated), e.samples - 1, e.req.num_cached))
+                e.req.generated.append(-(row + 1))  # placeholder: row `row` of this step's output
+                e.req.num_children = 0
+                row += e.samples
+        return InFlight(sampled, next_tokens, lp)
+
     def _pack(self, entries: list[Entry], width: int):
-        tokens = np.zeros(width, np.int32)
+        """Token ids (from the host, or `token_src` rows of the previous step's output), sampled rows."""
+        tokens, token_src = np.zeros(width, np.int32), np.full(width, -1, np.int32)
         rows, sample_reqs, start = [], [], 0
         for e in entries:
-            seq_tokens = e.req.tokens
-            tokens[start:start + e.count] = seq_tokens[e.req.num_cached:e.req.num_cached + e.count]
+            chunk = np.asarray(e.req.tokens[e.req.num_cached:e.req.num_cached + e.count], np.int32)
+            tokens[start:start + e.count] = np.maximum(chunk, 0)
+            token_src[start:start + e.count] = np.where(chunk < 0, -chunk - 1, -1)
             start += e.count
             for i in range(e.samples):
                 rows.append(start - 1)
                 sample_reqs.append((e.req, self._child_seed(e.req, i)))
-        return tokens, rows, sample_reqs
+        return tokens, token_src, rows, sample_reqs
 
-    def _postprocess(self, entries, sample_reqs, next_tokens, lp) -> dict[int, list[int]]:
-        for e in entries:
-            e.req.num_cached += e.count
-            self.stats.fed_tokens += e.count
+    def _postprocess(self, step: InFlight, next_tokens: np.ndarray, lp) -> dict[int, list[int]]:
         new: dict[int, list[int]] = {}
-        row = 0
-        for e in entries:
-            if not e.samples:
-                continue
-            parent = e.req
-            drawn = [int(t) for t in next_tokens[row:row + e.samples]]
-            lps = [self._row_logprobs(lp, row + i) for i in range(e.samples)] if lp is not None else None
-            row += e.samples
-            if parent.num_children:
-                self._spawn_children(parent, drawn[1:], lps[1:] if lps else None)
-            self._append(parent, drawn[0], lps[0] if lps else None, new)
+        for s in step.sampled:
+            if s.req.status is Status.FINISHED:
+                continue  # finished or aborted while this step ran: its token is dropped
+            drawn = next_tokens[s.row:s.row + 1 + s.num_children].tolist()
+            lps = [None if lp is None else self._row_logprobs(lp, s.row + i) for i in range(len(drawn))]
+            for i, token in enumerate(drawn[1:]):
+                self._spawn_child(s, i + 1, token, lps[i + 1])
+            s.req.generated[s.index] = drawn[0]
+            self._accept(s.req, drawn[0], lps[0], new)
         return new
 
-    def _spawn_children(self, parent: Request, tokens: list[int], lps) -> None:
-        parent.num_children = 0
-        for i, tok in enumerate(tokens):
-            child = Request(self._new_rid(), parent.prompt, parent.params, self._child_seed(parent, i + 1),
-                            parent=parent.rid, generated=list(parent.generated))
-            self._requests[child.rid] = child
-            self._children[parent.rid].append(child)
-            seq = self.control.seq_clone(parent.seq)
-            if seq is None:
-                self.scheduler.add(child)  # recomputed from scratch when ids or pages free up
-            else:
-                child.seq, child.num_cached, child.status = seq, parent.num_cached, Status.RUNNING
-                self.scheduler.running.append(child)
-            self._append(child, tok, lps[i] if lps else None, {})
+    def _spawn_child(self, s: Sampled, i: int, token: int, lp) -> None:
+        """Completion i of an n > 1 request: a clone of the prompt's pages, with its own first token."""
+        parent = s.req
+        child = Request(self._new_rid(), parent.prompt, parent.params, self._child_seed(parent, i),
+                        parent=parent.rid, generated=parent.generated[:s.index] + [token])
+        self._requests[child.rid] = child
+        self._children[parent.rid].append(child)
+        seq = self.control.seq_clone(parent.seq, s.num_cached) if parent.status is Status.RUNNING else None
+        if seq is None:
+            self.scheduler.add(child)  # recomputed from scratch when ids or pages free up
+        else:
+            child.seq, child.num_cached, child.status = seq, s.num_cached, Status.RUNNING
+            self.scheduler.running.append(child)
+        self._accept(child, token, lp, {})
 
-    def _append(self, req: Request, token: int, lp, new: dict[int, list[int]]) -> None:
-        req.generated.append(token)
+    def _accept(self, req: Request, token: int, lp, new: dict[int, list[int]]) -> None:
         if lp is not None:
             req.logprobs.append(lp)
         self.stats.generated_tokens += 1
@@ -260,11 +293,12 @@ class Engine:
             stop |= set(self.model.eos_token_ids)
         if token in stop:
             self._finish(req, "stop")
-        elif len(req.generated) >= req.params.max_tokens:
+        elif sum(t >= 0 for t in req.generated) >= req.params.max_tokens:
             self._finish(req, "length")
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
+        req.generated = [t for t in req.generated if t >= 0]  # drop a token still in flight
         self.scheduler.retire(req)
 
     # ---- helpers ----
@@ -322,8 +356,8 @@ class Engine:
                               tuple(np.zeros((num_segments, self.cache.group_pages_per_seq(g)), np.int32)
                                     for g in range(self.cache.num_groups)))
             for filtered in (False, True):
-                out, _, self.kv = self._step_fn(self.params, self.kv, zeros, meta, np.zeros(rows, np.int32), sampler,
-                                                is_filtered=filtered, num_logprobs=0)
+                out, _, self.kv = self._step_fn(self.params, self.kv, zeros, zeros - 1, np.zeros(rows, np.int32), meta,
+                                                np.zeros(rows, np.int32), sampler, is_filtered=filtered, num_logprobs=0)
             jax.block_until_ready(out)
             times[width] = time.perf_counter() - t0
         return times

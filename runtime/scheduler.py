@@ -61,7 +61,9 @@ class Scheduler:
         return entries
 
     def _entry(self, req: Request, budget: int, rows: int) -> Entry | None:
-        pending = len(req.prompt) + len(req.generated) - (req.num_cached if req.status is Status.RUNNING else 0)
+        if len(req.generated) >= req.params.max_tokens:
+            return None  # its last token is still in flight
+        pending = req.num_pending
         count = min(pending, budget)
         if count < min(pending, self.config.min_prefill_chunk):
             return None

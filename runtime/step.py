@@ -69,14 +69,20 @@ def run_model(graphdef, backend, params, kv: KVState, tokens, meta: DeviceMeta, 
 
 @functools.lru_cache(maxsize=16)
 def make_step_fn(graphdef, cache: CacheConfig, impl: str):
-    """The engine's step: (params, kv, tokens, meta, rows, sampler) -> (tokens i32[R], logprobs, kv).
+    """The engine's step: (params, kv, tokens, token_src, prev_tokens, meta, rows, sampler)
+    -> (next tokens i32[R], logprobs, kv).
+
+    Token t is `prev_tokens[token_src[t]]` where token_src[t] >= 0 (a token sampled by the previous
+    step, still on the device), else `tokens[t]`.
 
     Static flags: `is_filtered` (some row uses top-k/top-p) and `num_logprobs` (0: none returned).
     Cached, so engines of one model and cache geometry share their compiled executables.
     """
     backend = PagedAttention(cache, impl)
 
-    def step(params, kv, tokens, meta, rows, sampler: SamplerInputs, *, is_filtered: bool, num_logprobs: int):
+    def step(params, kv, tokens, token_src, prev_tokens, meta, rows, sampler: SamplerInputs, *, is_filtered: bool,
+             num_logprobs: int):
+        tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], tokens)
         logits, kv = run_model(graphdef, backend, params, kv, tokens, meta, rows)
         next_tokens = sample(logits, sampler, is_filtered=is_filtered)
         lp = logprobs(logits, next_tokens, num_logprobs) if num_logprobs else None

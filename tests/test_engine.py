@@ -190,7 +190,7 @@ def test_wide_step_output_does_not_scale_with_width_times_vocab():
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
         meta = DeviceMeta(i32(width), tuple(i32(width) for _ in range(cache.num_groups)), i32(s, 4),
                           tuple(i32(s, cache.group_pages_per_seq(g)) for g in range(cache.num_groups)))
-        return step.lower(params, kv, i32(width), meta, i32(rows), sampler, is_filtered=True,
+        return step.lower(params, kv, i32(width), i32(width), i32(rows), meta, i32(rows), sampler, is_filtered=True,
                           num_logprobs=0).compile().memory_analysis()
 
     narrow, wide = analysis(64), analysis(4096)

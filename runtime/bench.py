@@ -1,0 +1,231 @@
+"""`glint bench`: per-bucket step times, decode throughput per batch and context, and an end-to-end run.
+
+Every number is a median over repeats after warm-up. Roofline percentages divide the bytes a step must
+move (weights + the KV it reads) by the copy bandwidth this harness measures at start.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
+
+from glint.model import transformer
+from glint.runtime.engine import Engine
+from glint.runtime.params import SamplingParams
+from glint.runtime.sampling import SamplerInputs
+from glint.runtime.step import DeviceMeta, pad_rows
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_bandwidth(num_bytes: int) -> float:
+    """Device copy bandwidth in bytes/s, counting bytes read and written."""
+    x = jnp.ones(num_bytes // 4, jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0001)
+    jax.block_until_ready(copy(x))
+    return 2 * x.nbytes / _median_time(lambda: copy(x), 10)
+
+
+def measure_matmul(n: int, dtype) -> float:
+    """Matmul rate in FLOP/s on random data."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    mm = jax.jit(jnp.dot)
+    jax.block_until_ready(mm(a, b))
+    return 2 * n**3 / _median_time(lambda: mm(a, b), 10)
+
+
+@dataclasses.dataclass
+class StepTiming:
+    width: int
+    batch: int
+    context: int
+    device_ms: float
+    host_ms: float
+    tokens_per_s: float
+    roofline_pct: float
+
+
+class StepBench:
+    """Times the engine's jitted step on synthetic batches (KV contents are irrelevant to speed)."""
+
+    def __init__(self, engine: Engine, bandwidth: float):
+        self.engine, self.bandwidth = engine, bandwidth
+        params = jax.tree.leaves(engine.params)
+        embed = engine.params["embed"]
+        # A decode step reads every weight once, except the embedding table (one row per token) unless tied.
+        self.weight_bytes = sum(x.nbytes for x in params) - (0 if engine.model.tie_embeddings else embed.nbytes)
+
+    def kv_bytes(self, batch: int, context: int) -> int:
+        cache, total = self.engine.cache, 0
+        for layer in range(cache.num_layers):
+            window = cache.windows[layer]
+            keys = min(context, window) if window else context
+            total += 2 * batch * keys * cache.kv_heads[layer] * cache.head_dim[layer] * jnp.dtype(cache.dtype).itemsize
+        return total
+
+    def time_step(self, batch: int, context: int, q_len: int, repeats: int) -> StepTiming:
+        """`batch` sequences with `context` cached positions each feed `q_len` tokens."""
+        eng, control = self.engine, self.engine.control
+        seqs = [control.seq_new() for _ in range(batch)]
+        if None in seqs:
+            raise ValueError(f"batch {batch} exceeds max_seqs {eng.config.max_seqs}")
+        try:
+            for seq in seqs:  # fill the host bookkeeping as if the context had been prefilled
+                done = 0
+                while done < context:
+                    n = min(context - done, eng.cache.max_write)
+                    if not control.declare_step([seq] * n):
+                        raise ValueError(f"the KV pool cannot hold batch {batch} x context {context}")
+                    control.prepare_step()
+                    control.commit_step()
+                    done += n
+            width = eng.config.bucket_for(batch * q_len)
+            t0 = time.perf_counter()
+            if not control.declare_step([s for s in seqs for _ in range(q_len)]):
+                raise ValueError(f"the KV pool cannot hold batch {batch} x context {context + q_len}")
+            meta = control.prepare_step(width=width, num_segments=min(width, eng.config.max_seqs))
+            rows = [int(i) * q_len + q_len - 1 for i in range(min(batch, eng.config.max_sample_rows))]
+            greedy = [SamplingParams(temperature=0.0)] * len(rows)
+            sampler = SamplerInputs.from_params(greedy, [context] * len(rows), rows=eng.config.max_sample_rows)
+            zeros = np.zeros(width, np.int32)
+            args = (zeros, zeros - 1, np.zeros(eng.config.max_sample_rows, np.int32), DeviceMeta.from_host(meta),
+                    pad_rows(rows, eng.config.max_sample_rows), sampler)
+            host = time.perf_counter() - t0
+
+            def run():
+                out, _, eng.kv = eng._step_fn(eng.params, eng.kv, *args, is_filtered=False, num_logprobs=0)
+                return out
+
+            jax.block_until_ready(run())
+            device = _median_time(run, repeats)
+            control.abort_step()
+        finally:
+            for seq in seqs:
+                control.seq_rm(seq)
+        ideal = (self.weight_bytes + self.kv_bytes(batch, context)) / self.bandwidth
+        return StepTiming(width, batch, context, 1e3 * device, 1e3 * host, batch * q_len / device,
+                          100 * ideal / device)
+
+
+def end_to_end(engine: Engine, num_requests: int, prompt_len: int, gen_len: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    vocab = engine.model.vocab_size
+    prompts = [rng.integers(0, vocab, prompt_len).tolist() for _ in range(num_requests)]
+    params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
+    engine.generate(prompts[: min(4, num_requests)], params)  # warm the buckets this mix uses
+    engine.stats = type(engine.stats)()
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params, progress=True)
+    wall = time.perf_counter() - t0
+    generated = sum(len(o.token_ids) for o in outs)
+    s = engine.stats
+    steps = sum(s.steps_per_bucket.values())
+    return dict(requests=num_requests, prompt_len=prompt_len, gen_len=gen_len, wall_s=wall,
+                output_tokens_per_s=generated / wall, steps=steps, host_ms_per_step=1e3 * s.host_seconds / steps,
+                wait_ms_per_step=1e3 * s.wait_seconds / steps, preemptions=s.preemptions,
+                steps_per_bucket=dict(sorted(s.steps_per_bucket.items())))
+
+
+def workload_ceiling(engine: Engine, bench: StepBench, e2e: dict, flops: float) -> float:
+    """Output tokens/s if prefill ran at the matmul rate and decode at the copy bandwidth."""
+    n, p, g = e2e["requests"], e2e["prompt_len"], e2e["gen_len"]
+    prefill_s = 2 * engine.model.num_params * n * p / flops
+    batch = min(n, engine.config.max_seqs)
+    decode_steps = g * -(-n // batch)
+    decode_s = decode_steps * (bench.weight_bytes + bench.kv_bytes(batch, p + g // 2)) / bench.bandwidth
+    return n * g / (prefill_s + decode_s)
+
+
+def run_bench(args) -> dict:
+    console = Console()
+    on_gpu = jax.default_backend() == "gpu"
+    bandwidth = measure_bandwidth((2 << 30) if on_gpu else (64 << 20))
+    flops = measure_matmul(8192 if on_gpu else 512, jnp.bfloat16 if on_gpu else jnp.float32)
+    batches = [int(b) for b in args.batch.split(",")]
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, max_seqs=max(batches),
+                                    page_size=args.page_size, max_step_tokens=args.max_step_tokens,
+                                    capacity=args.prompt_len + args.gen_len + args.max_step_tokens,
+                                    attention=args.attention)
+    result = dict(model=args.model, dtype=args.dtype, device=str(jax.devices()[0].device_kind),
+                  jax=jax.__version__, attention=engine.attention, bandwidth_GBps=bandwidth / 1e9,
+                  matmul_TFLOPs=flops / 1e12, num_params=engine.model.num_params,
+                  kv_pages=engine.cache.num_pages, date=time.strftime("%Y-%m-%d"))
+    console.print(f"[bold]{args.model}[/] {args.dtype} on {result['device']}: copy {bandwidth / 1e9:.0f} GB/s, "
+                  f"matmul {flops / 1e12:.2f} TFLOP/s, {engine.cache.num_pages} KV pages")
+    compile_s = engine.warmup()
+    result["compile_s"] = compile_s
+    bench = StepBench(engine, bandwidth)
+    buckets = [bench.time_step(min(w, engine.config.max_seqs), args.prompt_len,
+                               max(1, w // min(w, engine.config.max_seqs)), args.repeats)
+               for w in track(engine.config.buckets, description="buckets", console=console)]
+    result["buckets"] = [dataclasses.asdict(t) | {"compile_s": compile_s[t.width]} for t in buckets]
+    contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else [args.prompt_len + args.gen_len // 2]
+    decode = [bench.time_step(b, c, 1, args.repeats) for b in track(batches, description="decode", console=console)
+              for c in contexts]
+    result["decode"] = [dataclasses.asdict(t) for t in decode]
+    if args.requests:
+        e2e = end_to_end(engine, args.requests, args.prompt_len, args.gen_len)
+        e2e["ceiling_tokens_per_s"] = workload_ceiling(engine, bench, e2e, flops)
+        e2e["fraction_of_ceiling"] = e2e["output_tokens_per_s"] / e2e["ceiling_tokens_per_s"]
+        result["end_to_end"] = e2e
+    print_tables(console, result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def print_tables(console: Console, result: dict) -> None:
+    t = Table(title="step buckets (one step alone)")
+    for col in ("width", "batch", "ctx", "device ms", "host ms", "tokens/s", "% roofline", "compile s"):
+        t.add_column(col, justify="right")
+    for r in result["buckets"]:
+        t.add_row(str(r["width"]), str(r["batch"]), str(r["context"]), f"{r['device_ms']:.2f}", f"{r['host_ms']:.2f}",
+                  f"{r['tokens_per_s']:.0f}", f"{r['roofline_pct']:.0f}", f"{r['compile_s']:.1f}")
+    console.print(t)
+    t = Table(title="decode (one token per sequence)")
+    for col in ("batch", "ctx", "device ms", "host ms", "tokens/s", "% roofline"):
+        t.add_column(col, justify="right")
+    for r in result["decode"]:
+        t.add_row(str(r["batch"]), str(r["context"]), f"{r['device_ms']:.2f}", f"{r['host_ms']:.2f}",
+                  f"{r['tokens_per_s']:.0f}", f"{r['roofline_pct']:.0f}")
+    console.print(t)
+    if "end_to_end" in result:
+        e = result["end_to_end"]
+        console.print(f"end to end: {e['requests']} requests x ({e['prompt_len']} prompt + {e['gen_len']} generated): "
+                      f"{e['output_tokens_per_s']:.0f} output tokens/s, {e['wall_s']:.1f}s, host "
+                      f"{e['host_ms_per_step']:.2f} ms busy / {e['wait_ms_per_step']:.2f} ms waiting on the device per step, "
+                      f"ceiling {e['ceiling_tokens_per_s']:.0f} tokens/s ({100 * e['fraction_of_ceiling']:.0f}%)")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark step buckets, decode throughput and an end-to-end run")
+    p.add_argument("model", help="preset name (random weights) or checkpoint folder")
+    p.add_argument("--batch", default="1,8,32,64,128")
+    p.add_argument("--contexts", default="", help="decode contexts, e.g. 512,4096 (default prompt + gen/2)")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--gen-len", type=int, default=256)
+    p.add_argument("--requests", type=int, default=256, help="end-to-end requests (0: skip)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-step-tokens", type=int, default=4096)
+    p.add_argument("--attention", default="auto", choices=["auto", "pallas", "reference", "interpret"])
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--json", help="write the results as JSON here")
+    p.set_defaults(func=lambda args: run_bench(args) and 0)
