@@ -17,6 +17,11 @@ from glint.model.attention import AttentionBackend, LayerAttention
 from glint.model.config import ModelConfig, RopeConfig
 
 
+def _precision(dtype):
+    """float32 models run at full float32 precision (no TF32 on GPU); low precision uses the default."""
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
 def _init(rngs: nnx.Rngs, shape, dtype, scale: float):
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype))
 
@@ -28,7 +33,7 @@ class Linear(nnx.Module):
         self.kernel = _init(rngs, (d_in, d_out), dtype, d_in ** -0.5)
 
     def __call__(self, x):
-        return jnp.dot(x, self.kernel[...].astype(x.dtype))
+        return jnp.dot(x, self.kernel[...].astype(x.dtype), precision=_precision(x.dtype))
 
 
 class RMSNorm(nnx.Module):
@@ -168,7 +173,8 @@ class Transformer(nnx.Module):
     def logits(self, hidden):
         """hidden [R, hidden_size] -> float32 logits [R, vocab]."""
         w = self.embed[...].T if self.head is None else self.head.kernel[...]
-        out = jnp.dot(hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        out = jnp.dot(hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32,
+                      precision=_precision(hidden.dtype))
         if self.cfg.final_softcap:
             out = self.cfg.final_softcap * jnp.tanh(out / self.cfg.final_softcap)
         return out

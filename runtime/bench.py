@@ -168,7 +168,7 @@ def run_bench(args) -> dict:
                   kv_pages=engine.cache.num_pages, date=time.strftime("%Y-%m-%d"))
     console.print(f"[bold]{args.model}[/] {args.dtype} on {result['device']}: copy {bandwidth / 1e9:.0f} GB/s, "
                   f"matmul {flops / 1e12:.2f} TFLOP/s, {engine.cache.num_pages} KV pages")
-    compile_s = engine.warmup()
+    compile_s = engine.warmup(filtered=(False,))
     result["compile_s"] = compile_s
     bench = StepBench(engine, bandwidth)
     buckets = [bench.time_step(min(w, engine.config.max_seqs), args.prompt_len,
@@ -180,15 +180,30 @@ def run_bench(args) -> dict:
               for c in contexts]
     result["decode"] = [dataclasses.asdict(t) for t in decode]
     if args.requests:
-        e2e = end_to_end(engine, args.requests, args.prompt_len, args.gen_len)
+        e2e = end_to_end(engine, args.requests, args.prompt_len, args.e2e_gen_len or args.gen_len)
         e2e["ceiling_tokens_per_s"] = workload_ceiling(engine, bench, e2e, flops)
         e2e["fraction_of_ceiling"] = e2e["output_tokens_per_s"] / e2e["ceiling_tokens_per_s"]
         result["end_to_end"] = e2e
+        if args.peer_json:
+            result["peers"] = read_peers(args.peer_json, e2e)
     print_tables(console, result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return result
+
+
+def read_peers(path: str, e2e: dict) -> list[dict]:
+    """Peer results (JSON lines, e.g. from tools/hf_peer.py run on the same mix) with glint's ratio."""
+    peers = []
+    with open(path) as f:
+        for line in f:
+            if line.startswith("{"):
+                peer = json.loads(line)
+                if "output_tokens_per_s" in peer:
+                    peer["glint_ratio"] = e2e["output_tokens_per_s"] / peer["output_tokens_per_s"]
+                peers.append(peer)
+    return peers
 
 
 def print_tables(console: Console, result: dict) -> None:
@@ -212,6 +227,12 @@ def print_tables(console: Console, result: dict) -> None:
                       f"{e['output_tokens_per_s']:.0f} output tokens/s, {e['wall_s']:.1f}s, host "
                       f"{e['host_ms_per_step']:.2f} ms busy / {e['wait_ms_per_step']:.2f} ms waiting on the device per step, "
                       f"ceiling {e['ceiling_tokens_per_s']:.0f} tokens/s ({100 * e['fraction_of_ceiling']:.0f}%)")
+    for peer in result.get("peers", []):
+        if "glint_ratio" in peer:
+            console.print(f"peer {peer['peer']} ({peer['variant']}): {peer['output_tokens_per_s']:.0f} output tokens/s; "
+                          f"glint / peer = {peer['glint_ratio']:.1f}x")
+        else:
+            console.print(f"peer {peer['peer']} ({peer.get('variant')}): {peer.get('error')}")
 
 
 def register(sub) -> None:
@@ -222,10 +243,13 @@ def register(sub) -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=256)
     p.add_argument("--requests", type=int, default=256, help="end-to-end requests (0: skip)")
+    p.add_argument("--e2e-gen-len", type=int, default=0, help="generated tokens per end-to-end request "
+                   "(default --gen-len)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-step-tokens", type=int, default=4096)
     p.add_argument("--attention", default="auto", choices=["auto", "pallas", "reference", "interpret"])
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json", help="write the results as JSON here")
+    p.add_argument("--peer-json", help="JSON lines of a peer's end-to-end run on the same mix (tools/hf_peer.py)")
     p.set_defaults(func=lambda args: run_bench(args) and 0)

@@ -341,10 +341,10 @@ class Engine:
     def _decode(self, tokens: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(tokens)
 
-    def warmup(self) -> dict[int, float]:
+    def warmup(self, filtered: tuple[bool, ...] = (False, True)) -> dict[int, float]:
         """Compile every step bucket by running it on padding only (writes land in the scratch page).
 
-        Returns seconds per bucket (compile + one run).
+        `filtered`: which sampler variants to compile (top-k/top-p off, on). Returns seconds per bucket.
         """
         times, rows = {}, self.config.max_sample_rows
         sampler = SamplerInputs.from_params([], [], rows=rows)
@@ -355,9 +355,9 @@ class Engine:
             meta = DeviceMeta(zeros, (zeros,) * self.cache.num_groups, np.zeros((num_segments, 4), np.int32),
                               tuple(np.zeros((num_segments, self.cache.group_pages_per_seq(g)), np.int32)
                                     for g in range(self.cache.num_groups)))
-            for filtered in (False, True):
+            for is_filtered in filtered:
                 out, _, self.kv = self._step_fn(self.params, self.kv, zeros, zeros - 1, np.zeros(rows, np.int32), meta,
-                                                np.zeros(rows, np.int32), sampler, is_filtered=filtered, num_logprobs=0)
+                                                np.zeros(rows, np.int32), sampler, is_filtered=is_filtered, num_logprobs=0)
             jax.block_until_ready(out)
             times[width] = time.perf_counter() - t0
         return times
