@@ -1,0 +1,37 @@
+"""Tuned block sizes for the Pallas kernels: data only, read by the kernel files.
+
+Keys are (path, padded head_dim); values are `BlockSizes` fields. "decode" is
+the tile used when the step averages at most `DECODE_ROWS_PER_SEGMENT` query
+rows per segment (split-K capable); "prefill" is everything else.
+Provenance: starting points from JAX's pallas/ops/gpu attention kernels,
+timed on one H200 with tools/gpu_kernels.py (2026-11-30; Hq 32 / Hkv 8, D 128,
+bf16, page 16). Decode: block_m 16 / block_k 128 / 2 stages ran 2-8% faster
+than the table's block_k 64 / 3 stages on 8x32k, 64x16k and 256x4k but was not
+value-checked on the GPU, so the table keeps the checked entry. Prefill:
+block_m 128 with 8 warps ran 5-13% slower than block_m 64 with 4 warps.
+"""
+
+ATTENTION_BLOCKS = {
+    ("prefill", 16): dict(block_m=64, block_k=64, num_warps=4, num_stages=2),
+    ("prefill", 32): dict(block_m=64, block_k=64, num_warps=4, num_stages=2),
+    ("prefill", 64): dict(block_m=64, block_k=64, num_warps=4, num_stages=3),
+    ("prefill", 128): dict(block_m=64, block_k=64, num_warps=4, num_stages=3),
+    ("prefill", 256): dict(block_m=64, block_k=32, num_warps=8, num_stages=2),
+    ("decode", 16): dict(block_m=16, block_k=64, num_warps=4, num_stages=2),
+    ("decode", 32): dict(block_m=16, block_k=64, num_warps=4, num_stages=2),
+    ("decode", 64): dict(block_m=16, block_k=64, num_warps=4, num_stages=3),
+    ("decode", 128): dict(block_m=16, block_k=64, num_warps=4, num_stages=3),
+    ("decode", 256): dict(block_m=16, block_k=32, num_warps=4, num_stages=2),
+}
+
+# A step is "decode" when T <= DECODE_ROWS_PER_SEGMENT * S.
+DECODE_ROWS_PER_SEGMENT = 4
+
+# Split-K aims for this many programs (about eight per H200 multiprocessor),
+# never more than MAX_SPLITS splits, nor fewer than MIN_BLOCKS_PER_SPLIT key
+# blocks per split.
+TARGET_PROGRAMS = 1024
+MAX_SPLITS = 16
+MIN_BLOCKS_PER_SPLIT = 4
+
+RING_WRITE_NUM_WARPS = 4
