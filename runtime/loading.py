@@ -1,9 +1,11 @@
 """Resolve what a user names (preset, HF folder, orbax folder) into a config, parameters and tokenizer."""
 from __future__ import annotations
 
+import functools
 import pathlib
 
 import jax
+import jax.numpy as jnp
 
 from glint.export.checkpoint import GLINT_CONFIG, load_checkpoint
 from glint.model import transformer
@@ -27,12 +29,27 @@ def load_model(name_or_path: str, dtype: str | None = None, seed: int = 0):
     """(cfg, graphdef, params, tokenizer or None). Presets get random weights built on the device."""
     if name_or_path in PRESETS:
         cfg = resolve_config(name_or_path, dtype)
-        graphdef, params = transformer.split(transformer.abstract_model(cfg))
-        init = jax.jit(lambda: transformer.split(transformer.init_model(cfg, seed))[1])
-        return cfg, graphdef, init(), None
+        graphdef, shapes = transformer.split(transformer.abstract_model(cfg))
+        return cfg, graphdef, random_params(shapes, seed), None
     cfg, params = load_checkpoint(name_or_path, dtype=dtype)
     graphdef = transformer.split(transformer.abstract_model(cfg))[0]
     return cfg, graphdef, params, load_tokenizer(pathlib.Path(name_or_path))
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _normal(key, shape, dtype):
+    scale = 1.0 if len(shape) == 1 else shape[0] ** -0.5  # fan-in scaling for [in, out] kernels
+    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+
+
+def random_params(shapes, seed: int = 0):
+    """Random weights built on the device leaf by leaf (one small compile per distinct shape, not one
+    giant program); float32 1-D leaves are norm weights and start at one."""
+    leaves, treedef = jax.tree.flatten(shapes)
+    key = jax.random.key(seed)
+    out = [jnp.ones(x.shape, x.dtype) if x.ndim == 1 and x.dtype == jnp.float32
+           else _normal(jax.random.fold_in(key, i), x.shape, x.dtype) for i, x in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, out)
 
 
 def load_tokenizer(folder: pathlib.Path):
