@@ -24,8 +24,8 @@ def _gemma3_4b() -> ModelConfig:
     n, local = 34, [(i + 1) % 6 != 0 for i in range(34)]
     return ModelConfig(
         model_type="gemma3_text", vocab_size=262208, hidden_size=2560, num_layers=n, num_heads=8, num_kv_heads=4,
-        head_dim=256, intermediate_size=10240, layer_windows=tuple(1024 if l else 0 for l in local),
-        layer_rope=tuple(RopeConfig(1e4) if l else RopeConfig(1e6, "linear", factor=8.0) for l in local),
+        head_dim=256, intermediate_size=10240, layer_windows=tuple(1024 if loc else 0 for loc in local),
+        layer_rope=tuple(RopeConfig(1e4) if loc else RopeConfig(1e6, "linear", factor=8.0) for loc in local),
         norm_eps=1e-6, activation="gelu_tanh", tie_embeddings=True, qk_norm="rms", sandwich_norm=True,
         query_scale=256 ** -0.5, embed_scale=True, norm_delta=True, max_position_embeddings=131072,
         bos_token_id=2, eos_token_ids=(1, 106))
@@ -36,8 +36,8 @@ def _glimmer_30b() -> ModelConfig:
     n, local = 52, [i % 4 != 3 for i in range(52)]
     return ModelConfig(
         model_type="glimmer", vocab_size=202048, hidden_size=6656, num_layers=n, num_heads=32, num_kv_heads=2,
-        head_dim=128, intermediate_size=19968, layer_windows=tuple(2048 if l else 0 for l in local),
-        layer_rope=tuple(RopeConfig(5e5) if l else None for l in local), norm_eps=1e-5, qk_norm="rms_scaleless",
+        head_dim=128, intermediate_size=19968, layer_windows=tuple(2048 if loc else 0 for loc in local),
+        layer_rope=tuple(RopeConfig(5e5) if loc else None for loc in local), norm_eps=1e-5, qk_norm="rms_scaleless",
         sandwich_norm=True, final_softcap=20.0, embed_norm=True, attn_output_gate=True, norm_delta=True,
         max_position_embeddings=131072)
 

@@ -28,103 +28,110 @@ __all__ = ["ring_write_reference", "varlen_attention_reference"]
 
 @jax.jit
 def ring_write_reference(k_pages, v_pages, k_new, v_new, slots):
-  """Writes `k_new[t], v_new[t]` ([T, Hkv, D]) to flat pool row `slots[t]`.
+    """Writes `k_new[t], v_new[t]` ([T, Hkv, D]) to flat pool row `slots[t]`.
 
-  `slots` is i32[T], `page * page_size + offset`. Returns the updated pools.
-  Rows sharing a slot (padding rows aimed at the scratch page) leave one of
-  their values there, unspecified which.
-  """
-  num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
-  flat_shape = (num_pages * page_size, num_kv_heads, head_dim)
-  k_flat = k_pages.reshape(flat_shape).at[slots].set(k_new.astype(k_pages.dtype))
-  v_flat = v_pages.reshape(flat_shape).at[slots].set(v_new.astype(v_pages.dtype))
-  return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+    `slots` is i32[T], `page * page_size + offset`. Returns the updated pools.
+    Rows sharing a slot (padding rows aimed at the scratch page) leave one of
+    their values there, unspecified which.
+    """
+    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
+    flat_shape = (num_pages * page_size, num_kv_heads, head_dim)
+    k_flat = k_pages.reshape(flat_shape).at[slots].set(k_new.astype(k_pages.dtype))
+    v_flat = v_pages.reshape(flat_shape).at[slots].set(v_new.astype(v_pages.dtype))
+    return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
 
 
 def _key_counts(pos, kv_end, num_phys_rows, *, window, causal):
-  """i32[B, R]: how many visible keys of query positions `pos` ([B]) live in
-  each physical row r < R (more than one only when the visible range wraps
-  the ring)."""
-  lo = jnp.maximum(pos - window + 1, 0) if window > 0 else jnp.zeros_like(pos)
-  hi = jnp.minimum(pos + 1, kv_end) if causal else jnp.broadcast_to(kv_end, pos.shape)
-  r = jnp.arange(num_phys_rows, dtype=jnp.int32)[None, :]
-  # Keys j in [lo, hi) with j % R == r, counted in closed form.
-  n = (jnp.floor_divide(hi[:, None] - 1 - r, num_phys_rows)
-       - jnp.floor_divide(lo[:, None] - 1 - r, num_phys_rows))
-  return jnp.where((hi > lo)[:, None], n, 0)
+    """i32[B, R]: how many visible keys of query positions `pos` ([B]) live in
+    each physical row r < R (more than one only when the visible range wraps
+    the ring)."""
+    lo = jnp.maximum(pos - window + 1, 0) if window > 0 else jnp.zeros_like(pos)
+    hi = jnp.minimum(pos + 1, kv_end) if causal else jnp.broadcast_to(kv_end, pos.shape)
+    r = jnp.arange(num_phys_rows, dtype=jnp.int32)[None, :]
+    # Keys j in [lo, hi) with j % R == r, counted in closed form.
+    n = jnp.floor_divide(hi[:, None] - 1 - r, num_phys_rows) - jnp.floor_divide(lo[:, None] - 1 - r, num_phys_rows)
+    return jnp.where((hi > lo)[:, None], n, 0)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("ring_rows", "window", "causal", "softcap", "scale", "block_q"))
-def varlen_attention_reference(q, k_pages, v_pages, page_table, seq_info, *,
-                               ring_rows=None, window=0, causal=True,
-                               softcap=0.0, scale, block_q=None):
-  """Varlen paged attention in plain jnp; see the module docstring.
+@functools.partial(jax.jit, static_argnames=("ring_rows", "window", "causal", "softcap", "scale", "block_q"))
+def varlen_attention_reference(
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    seq_info,
+    *,
+    ring_rows=None,
+    window=0,
+    causal=True,
+    softcap=0.0,
+    scale,
+    block_q=None,
+):
+    """Varlen paged attention in plain jnp; see the module docstring.
 
-  Args:
-    q: [T, Hq, D] packed queries.
-    k_pages, v_pages: [num_pages, page_size, Hkv, D] page pools.
-    page_table: i32[R, P].
-    seq_info: i32[S, 4] = (q_start, q_len, seq_slot, kv_end).
-    ring_rows: ring length in rows (None: flat storage).
-    window: sliding window in keys (0: none).
-    causal: mask keys after each query's position.
-    softcap: logit soft cap (0: none).
-    scale: logit scale.
-    block_q: query rows per step (default from T and S; 1 for decode).
-  Returns:
-    [T, Hq, D] in q's dtype; rows no segment covers and fully masked rows are 0.
-  """
-  num_rows, num_q_heads, head_dim = q.shape
-  _, page_size, num_kv_heads, _ = k_pages.shape
-  num_segments = seq_info.shape[0]
-  pages_per_seq = page_table.shape[1]
-  group = num_q_heads // num_kv_heads
-  num_phys_rows = ring_rows if ring_rows else pages_per_seq * page_size
-  if block_q is None:
-    block_q = max(1, min(64, num_rows // max(num_segments, 1)))
+    Args:
+      q: [T, Hq, D] packed queries.
+      k_pages, v_pages: [num_pages, page_size, Hkv, D] page pools.
+      page_table: i32[R, P].
+      seq_info: i32[S, 4] = (q_start, q_len, seq_slot, kv_end).
+      ring_rows: ring length in rows (None: flat storage).
+      window: sliding window in keys (0: none).
+      causal: mask keys after each query's position.
+      softcap: logit soft cap (0: none).
+      scale: logit scale.
+      block_q: query rows per step (default from T and S; 1 for decode).
+    Returns:
+      [T, Hq, D] in q's dtype; rows no segment covers and fully masked rows are 0.
+    """
+    num_rows, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    num_segments = seq_info.shape[0]
+    pages_per_seq = page_table.shape[1]
+    group = num_q_heads // num_kv_heads
+    num_phys_rows = ring_rows if ring_rows else pages_per_seq * page_size
+    if block_q is None:
+        block_q = max(1, min(64, num_rows // max(num_segments, 1)))
 
-  q_pad = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))
-  out = jnp.zeros((num_rows + block_q, num_q_heads, head_dim), q.dtype)
+    q_pad = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))
+    out = jnp.zeros((num_rows + block_q, num_q_heads, head_dim), q.dtype)
 
-  def segment(s, out):
-    q_start, q_len, slot, kv_end = (seq_info[s, i] for i in range(4))
-    pages = page_table[slot]  # i32[P]
-    k_seq = k_pages[pages].reshape(-1, num_kv_heads, head_dim)[:num_phys_rows]
-    v_seq = v_pages[pages].reshape(-1, num_kv_heads, head_dim)[:num_phys_rows]
-    k_seq = k_seq.astype(jnp.float32)  # [R, Hkv, D]
-    v_seq = v_seq.astype(jnp.float32)
+    def segment(s, out):
+        q_start, q_len, slot, kv_end = (seq_info[s, i] for i in range(4))
+        pages = page_table[slot]  # i32[P]
+        k_seq = k_pages[pages].reshape(-1, num_kv_heads, head_dim)[:num_phys_rows]
+        v_seq = v_pages[pages].reshape(-1, num_kv_heads, head_dim)[:num_phys_rows]
+        k_seq = k_seq.astype(jnp.float32)  # [R, Hkv, D]
+        v_seq = v_seq.astype(jnp.float32)
 
-    def chunk(c, out):
-      local = c * block_q + jnp.arange(block_q, dtype=jnp.int32)  # [B]
-      row_ok = local < q_len
-      pos = kv_end - q_len + local
-      counts = _key_counts(pos, kv_end, num_phys_rows, window=window, causal=causal)
-      counts = jnp.where(row_ok[:, None], counts, 0)  # [B, R]
-      start = q_start + c * block_q
-      qc = lax.dynamic_slice_in_dim(q_pad, start, block_q).astype(jnp.float32)
-      qc = qc.reshape(block_q, num_kv_heads, group, head_dim)
-      s_ = jnp.einsum("bkgd,rkd->bkgr", qc, k_seq,
-                      precision=lax.Precision.HIGHEST) * scale
-      if softcap > 0:
-        s_ = softcap * jnp.tanh(s_ / softcap)
-      seen = (counts > 0)[:, None, None, :]
-      s_ = jnp.where(seen, s_, -jnp.inf)
-      m = jnp.max(s_, axis=-1, keepdims=True)
-      m = jnp.where(jnp.isfinite(m), m, 0.0)
-      p = counts[:, None, None, :].astype(jnp.float32) * jnp.exp(s_ - m)
-      denom = jnp.sum(p, axis=-1, keepdims=True)
-      # Rows no query of this block sees may hold anything (NaN included).
-      v_used = jnp.where(jnp.any(counts > 0, axis=0)[:, None, None], v_seq, 0.0)
-      o = jnp.einsum("bkgr,rkd->bkgd", p, v_used, precision=lax.Precision.HIGHEST)
-      o = o / jnp.where(denom > 0, denom, 1.0)
-      o = o.reshape(block_q, num_q_heads, head_dim).astype(q.dtype)
-      current = lax.dynamic_slice_in_dim(out, start, block_q)
-      o = jnp.where(row_ok[:, None, None], o, current)
-      return lax.dynamic_update_slice_in_dim(out, o, start, 0)
+        def chunk(c, out):
+            local = c * block_q + jnp.arange(block_q, dtype=jnp.int32)  # [B]
+            row_ok = local < q_len
+            pos = kv_end - q_len + local
+            counts = _key_counts(pos, kv_end, num_phys_rows, window=window, causal=causal)
+            counts = jnp.where(row_ok[:, None], counts, 0)  # [B, R]
+            start = q_start + c * block_q
+            qc = lax.dynamic_slice_in_dim(q_pad, start, block_q).astype(jnp.float32)
+            qc = qc.reshape(block_q, num_kv_heads, group, head_dim)
+            s_ = jnp.einsum("bkgd,rkd->bkgr", qc, k_seq, precision=lax.Precision.HIGHEST) * scale
+            if softcap > 0:
+                s_ = softcap * jnp.tanh(s_ / softcap)
+            seen = (counts > 0)[:, None, None, :]
+            s_ = jnp.where(seen, s_, -jnp.inf)
+            m = jnp.max(s_, axis=-1, keepdims=True)
+            m = jnp.where(jnp.isfinite(m), m, 0.0)
+            p = counts[:, None, None, :].astype(jnp.float32) * jnp.exp(s_ - m)
+            denom = jnp.sum(p, axis=-1, keepdims=True)
+            # Rows no query of this block sees may hold anything (NaN included).
+            v_used = jnp.where(jnp.any(counts > 0, axis=0)[:, None, None], v_seq, 0.0)
+            o = jnp.einsum("bkgr,rkd->bkgd", p, v_used, precision=lax.Precision.HIGHEST)
+            o = o / jnp.where(denom > 0, denom, 1.0)
+            o = o.reshape(block_q, num_q_heads, head_dim).astype(q.dtype)
+            current = lax.dynamic_slice_in_dim(out, start, block_q)
+            o = jnp.where(row_ok[:, None, None], o, current)
+            return lax.dynamic_update_slice_in_dim(out, o, start, 0)
 
-    return lax.fori_loop(0, (q_len + block_q - 1) // block_q, chunk, out)
+        return lax.fori_loop(0, (q_len + block_q - 1) // block_q, chunk, out)
 
-  out = lax.fori_loop(0, num_segments, segment, out)
-  return out[:num_rows]
+    out = lax.fori_loop(0, num_segments, segment, out)
+    return out[:num_rows]

@@ -26,340 +26,399 @@ from jax.experimental.pallas import triton as plgpu
 from glint.pallas_kernels import tuning
 from glint.pallas_kernels.reference import varlen_attention_reference
 
-__all__ = ["BlockSizes", "varlen_attention", "varlen_attention_reference",
-           "default_block_sizes", "default_num_splits"]
+__all__ = ["BlockSizes", "varlen_attention", "varlen_attention_reference", "default_block_sizes", "default_num_splits"]
 
 _LOG2E = math.log2(math.e)
-_SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
-                     jnp.dtype(jnp.float16))
+_SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes. block_m: query-tile rows (query rows x padded group heads);
-  block_k: keys per inner step. Both powers of two, at least 16."""
-  block_m: int = 64
-  block_k: int = 64
-  num_warps: int = 4
-  num_stages: int = 2
+    """Tile sizes. block_m: query-tile rows (query rows x padded group heads);
+    block_k: keys per inner step. Both powers of two, at least 16."""
 
-  def __post_init__(self):
-    for name in ("block_m", "block_k"):
-      value = getattr(self, name)
-      if value < 16 or value & (value - 1):
-        raise ValueError(f"BlockSizes.{name} must be a power of two >= 16, got {value}")
-    if self.num_warps < 1 or self.num_stages < 1:
-      raise ValueError(f"BlockSizes needs num_warps, num_stages >= 1, got {self}")
+    block_m: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_m", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"BlockSizes.{name} must be a power of two >= 16, got {value}")
+        if self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"BlockSizes needs num_warps, num_stages >= 1, got {self}")
 
 
 def _next_pow2(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def _attention_kernel(
-    tiles_ref,       # i32[NB, 2]: (segment or -1, query tile within segment)
-    seq_info_ref,    # i32[S, 4]: (q_start, q_len, seq_slot, kv_end)
+    tiles_ref,  # i32[NB, 2]: (segment or -1, query tile within segment)
+    seq_info_ref,  # i32[S, 4]: (q_start, q_len, seq_slot, kv_end)
     page_table_ref,  # i32[R, P]
-    q_ref,           # [T, Hq, D]
-    k_ref,           # [num_pages * page_size, Hkv, D]
-    v_ref,           # [num_pages * page_size, Hkv, D]
-    *out_refs,       # flash: (o_init, o) [T, Hq, D]; split-K: acc f32[NS, T, Hq, D], m, l f32[NS, T, Hq]
-    block_q: int, group: int, group_pad: int, head_dim: int, head_dim_pad: int,
-    block_k: int, page_size: int, num_phys_rows: int, window: int, causal: bool,
-    softcap: float, scale: float, num_splits: int):
-  # Reversed so the longest tiles (last rows of each segment) start first.
-  tile = pl.num_programs(0) - 1 - pl.program_id(0)
-  kv_head, split = pl.program_id(1), pl.program_id(2)
-  segment = tiles_ref[tile, 0]
-  q_tile = tiles_ref[tile, 1]
-  block_m = block_q * group_pad
+    q_ref,  # [T, Hq, D]
+    k_ref,  # [num_pages * page_size, Hkv, D]
+    v_ref,  # [num_pages * page_size, Hkv, D]
+    *out_refs,  # flash: (o_init, o) [T, Hq, D]; split-K: acc f32[NS, T, Hq, D], m, l f32[NS, T, Hq]
+    block_q: int,
+    group: int,
+    group_pad: int,
+    head_dim: int,
+    head_dim_pad: int,
+    block_k: int,
+    page_size: int,
+    num_phys_rows: int,
+    window: int,
+    causal: bool,
+    softcap: float,
+    scale: float,
+    num_splits: int,
+):
+    # Reversed so the longest tiles (last rows of each segment) start first.
+    tile = pl.num_programs(0) - 1 - pl.program_id(0)
+    kv_head, split = pl.program_id(1), pl.program_id(2)
+    segment = tiles_ref[tile, 0]
+    q_tile = tiles_ref[tile, 1]
+    block_m = block_q * group_pad
 
-  @pl.when(segment >= 0)
-  def _():
-    q_start = seq_info_ref[segment, 0]
-    q_len = seq_info_ref[segment, 1]
-    slot = seq_info_ref[segment, 2]
-    kv_end = seq_info_ref[segment, 3]
+    @pl.when(segment >= 0)
+    def _():
+        q_start = seq_info_ref[segment, 0]
+        q_len = seq_info_ref[segment, 1]
+        slot = seq_info_ref[segment, 2]
+        kv_end = seq_info_ref[segment, 3]
 
-    # Row i of the tile is query row first + i // group_pad, head i % group_pad.
-    i = jnp.arange(block_m, dtype=jnp.int32)
-    first = q_tile * block_q
-    local = first + i // group_pad
-    in_group = i % group_pad
-    row_ok = (local < q_len) & (in_group < group)  # [M]
-    q_rows = q_start + local
-    heads = kv_head * group + in_group
-    pos = kv_end - q_len + local
-    d = jnp.arange(head_dim_pad, dtype=jnp.int32)
-    # Padded head_dim lanes are masked; a power-of-two head_dim needs no mask.
-    d_ok = (d < head_dim)[None, :] if head_dim_pad != head_dim else True
-    q = plgpu.load(q_ref.at[q_rows[:, None], heads[:, None], d[None, :]],
-                   mask=row_ok[:, None] & d_ok, other=0)  # [M, Dp]
+        # Row i of the tile is query row first + i // group_pad, head i % group_pad.
+        i = jnp.arange(block_m, dtype=jnp.int32)
+        first = q_tile * block_q
+        local = first + i // group_pad
+        in_group = i % group_pad
+        row_ok = (local < q_len) & (in_group < group)  # [M]
+        q_rows = q_start + local
+        heads = kv_head * group + in_group
+        pos = kv_end - q_len + local
+        d = jnp.arange(head_dim_pad, dtype=jnp.int32)
+        # Padded head_dim lanes are masked; a power-of-two head_dim needs no mask.
+        d_ok = (d < head_dim)[None, :] if head_dim_pad != head_dim else True
+        q = plgpu.load(
+            q_ref.at[q_rows[:, None], heads[:, None], d[None, :]], mask=row_ok[:, None] & d_ok, other=0
+        )  # [M, Dp]
 
-    # Keys the tile's rows can see: [lo, hi). Blocks inside [lo_full, hi_full)
-    # are seen whole by every row and skip all masking.
-    num_rows = jnp.minimum(block_q, q_len - first)
-    first_pos = kv_end - q_len + first
-    last_pos = first_pos + num_rows - 1
-    lo = jnp.maximum(first_pos - window + 1, 0) if window > 0 else 0
-    hi = jnp.minimum(last_pos + 1, kv_end) if causal else kv_end
-    lo_full = jnp.maximum(last_pos - window + 1, 0) if window > 0 else 0
-    hi_full = jnp.minimum(first_pos + 1, kv_end) if causal else kv_end
-    blk_begin = lo // block_k
-    num_blocks = jnp.where(hi > lo, (hi + block_k - 1) // block_k - blk_begin, 0)
-    per_split = (num_blocks + num_splits - 1) // num_splits
-    my_begin = blk_begin + split * per_split
-    my_end = jnp.minimum(my_begin + per_split, blk_begin + num_blocks)
-    full_begin = jnp.clip((lo_full + block_k - 1) // block_k, my_begin, my_end)
-    full_end = jnp.clip(jnp.maximum(hi_full, 0) // block_k, full_begin, my_end)
+        # Keys the tile's rows can see: [lo, hi). Blocks inside [lo_full, hi_full)
+        # are seen whole by every row and skip all masking.
+        num_rows = jnp.minimum(block_q, q_len - first)
+        first_pos = kv_end - q_len + first
+        last_pos = first_pos + num_rows - 1
+        lo = jnp.maximum(first_pos - window + 1, 0) if window > 0 else 0
+        hi = jnp.minimum(last_pos + 1, kv_end) if causal else kv_end
+        lo_full = jnp.maximum(last_pos - window + 1, 0) if window > 0 else 0
+        hi_full = jnp.minimum(first_pos + 1, kv_end) if causal else kv_end
+        blk_begin = lo // block_k
+        num_blocks = jnp.where(hi > lo, (hi + block_k - 1) // block_k - blk_begin, 0)
+        per_split = (num_blocks + num_splits - 1) // num_splits
+        my_begin = blk_begin + split * per_split
+        my_end = jnp.minimum(my_begin + per_split, blk_begin + num_blocks)
+        full_begin = jnp.clip((lo_full + block_k - 1) // block_k, my_begin, my_end)
+        full_end = jnp.clip(jnp.maximum(hi_full, 0) // block_k, full_begin, my_end)
 
-    # Logits in log2 units so the softmax runs on exp2.
-    logit_scale = scale if softcap > 0 else scale * _LOG2E
+        # Logits in log2 units so the softmax runs on exp2.
+        logit_scale = scale if softcap > 0 else scale * _LOG2E
 
-    def make_body(masked: bool):
-      def body(blk, carry):
-        acc, m, l = carry
-        j = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
-        key_ok = (j >= lo) & (j < hi)
-        r = j % num_phys_rows
-        page = page_table_ref[slot, r // page_size]  # i32[bk], always in range
-        kv_row = page * page_size + r % page_size
-        # Rows outside [lo, hi) are never read: they may hold anything (NaN).
-        kv_mask = key_ok[:, None] & d_ok if masked else d_ok
-        kv_mask = None if kv_mask is True else kv_mask
-        kv_other = None if kv_mask is None else 0
-        k = plgpu.load(k_ref.at[kv_row[:, None], kv_head, d[None, :]],
-                       mask=kv_mask, other=kv_other)  # [bk, Dp]
-        s = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * logit_scale
-        if softcap > 0:
-          s = (softcap * _LOG2E) * jnp.tanh(s / softcap)  # f32[M, bk]
-        if masked:
-          visible = row_ok[:, None] & key_ok[None, :]
-          if causal:
-            visible &= j[None, :] <= pos[:, None]
-          if window > 0:
-            visible &= j[None, :] > pos[:, None] - window
-          s = jnp.where(visible, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        # A row that has seen nothing keeps m = -inf; exp2 then needs a finite base.
-        m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-        alpha = jnp.exp2(m - m_base)
-        p = jnp.exp2(s - m_base[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        v = plgpu.load(v_ref.at[kv_row[:, None], kv_head, d[None, :]],
-                       mask=kv_mask, other=kv_other)  # [bk, Dp]
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, allow_tf32=False)
-        return acc, m_new, l
-      return body
+        def make_body(masked: bool):
+            def body(blk, carry):
+                acc, m, l = carry
+                j = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
+                key_ok = (j >= lo) & (j < hi)
+                r = j % num_phys_rows
+                page = page_table_ref[slot, r // page_size]  # i32[bk], always in range
+                kv_row = page * page_size + r % page_size
+                # Rows outside [lo, hi) are never read: they may hold anything (NaN).
+                kv_mask = key_ok[:, None] & d_ok if masked else d_ok
+                kv_mask = None if kv_mask is True else kv_mask
+                kv_other = None if kv_mask is None else 0
+                k = plgpu.load(k_ref.at[kv_row[:, None], kv_head, d[None, :]], mask=kv_mask, other=kv_other)  # [bk, Dp]
+                s = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * logit_scale
+                if softcap > 0:
+                    s = (softcap * _LOG2E) * jnp.tanh(s / softcap)  # f32[M, bk]
+                if masked:
+                    visible = row_ok[:, None] & key_ok[None, :]
+                    if causal:
+                        visible &= j[None, :] <= pos[:, None]
+                    if window > 0:
+                        visible &= j[None, :] > pos[:, None] - window
+                    s = jnp.where(visible, s, -jnp.inf)
+                m_new = jnp.maximum(m, jnp.max(s, axis=1))
+                # A row that has seen nothing keeps m = -inf; exp2 then needs a finite base.
+                m_base = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+                alpha = jnp.exp2(m - m_base)
+                p = jnp.exp2(s - m_base[:, None])
+                l = l * alpha + jnp.sum(p, axis=1)
+                v = plgpu.load(v_ref.at[kv_row[:, None], kv_head, d[None, :]], mask=kv_mask, other=kv_other)  # [bk, Dp]
+                acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, allow_tf32=False)
+                return acc, m_new, l
 
-    acc = jnp.zeros((block_m, head_dim_pad), jnp.float32)
-    m = jnp.full((block_m,), -jnp.inf, jnp.float32)
-    l = jnp.zeros((block_m,), jnp.float32)
-    carry = lax.fori_loop(my_begin, full_begin, make_body(True), (acc, m, l))
-    carry = lax.fori_loop(full_begin, full_end, make_body(False), carry)
-    acc, m, l = lax.fori_loop(full_end, my_end, make_body(True), carry)
+            return body
 
-    out_mask = row_ok[:, None] & d_ok
-    if num_splits == 1:
-      _, o_ref = out_refs
-      o = acc / jnp.where(l > 0, l, 1.0)[:, None]
-      plgpu.store(o_ref.at[q_rows[:, None], heads[:, None], d[None, :]],
-                  o.astype(o_ref.dtype), mask=out_mask)
-    else:
-      acc_ref, m_ref, l_ref = out_refs
-      plgpu.store(acc_ref.at[split, q_rows[:, None], heads[:, None], d[None, :]],
-                  acc, mask=out_mask)
-      plgpu.store(m_ref.at[split, q_rows, heads], m, mask=row_ok)
-      plgpu.store(l_ref.at[split, q_rows, heads], l, mask=row_ok)
+        acc = jnp.zeros((block_m, head_dim_pad), jnp.float32)
+        m = jnp.full((block_m,), -jnp.inf, jnp.float32)
+        l = jnp.zeros((block_m,), jnp.float32)
+        carry = lax.fori_loop(my_begin, full_begin, make_body(True), (acc, m, l))
+        carry = lax.fori_loop(full_begin, full_end, make_body(False), carry)
+        acc, m, l = lax.fori_loop(full_end, my_end, make_body(True), carry)
+
+        out_mask = row_ok[:, None] & d_ok
+        if num_splits == 1:
+            _, o_ref = out_refs
+            o = acc / jnp.where(l > 0, l, 1.0)[:, None]
+            plgpu.store(o_ref.at[q_rows[:, None], heads[:, None], d[None, :]], o.astype(o_ref.dtype), mask=out_mask)
+        else:
+            acc_ref, m_ref, l_ref = out_refs
+            plgpu.store(acc_ref.at[split, q_rows[:, None], heads[:, None], d[None, :]], acc, mask=out_mask)
+            plgpu.store(m_ref.at[split, q_rows, heads], m, mask=row_ok)
+            plgpu.store(l_ref.at[split, q_rows, heads], l, mask=row_ok)
 
 
 def _query_tiles(seq_info, block_q: int, num_tiles: int):
-  """i32[num_tiles, 2]: (segment, tile within it) for every query tile of
-  every segment, in order; -1 segments pad the static tile count."""
-  num_segments = seq_info.shape[0]
-  tiles_per_seg = (jnp.maximum(seq_info[:, 1], 0) + block_q - 1) // block_q
-  ends = jnp.cumsum(tiles_per_seg)
-  b = jnp.arange(num_tiles, dtype=jnp.int32)
-  segment = jnp.searchsorted(ends, b, side="right").astype(jnp.int32)
-  valid = segment < num_segments
-  seg = jnp.minimum(segment, num_segments - 1)
-  local = b - (ends[seg] - tiles_per_seg[seg])
-  return jnp.stack([jnp.where(valid, segment, -1), jnp.where(valid, local, 0)], 1)
+    """i32[num_tiles, 2]: (segment, tile within it) for every query tile of
+    every segment, in order; -1 segments pad the static tile count."""
+    num_segments = seq_info.shape[0]
+    tiles_per_seg = (jnp.maximum(seq_info[:, 1], 0) + block_q - 1) // block_q
+    ends = jnp.cumsum(tiles_per_seg)
+    b = jnp.arange(num_tiles, dtype=jnp.int32)
+    segment = jnp.searchsorted(ends, b, side="right").astype(jnp.int32)
+    valid = segment < num_segments
+    seg = jnp.minimum(segment, num_segments - 1)
+    local = b - (ends[seg] - tiles_per_seg[seg])
+    return jnp.stack([jnp.where(valid, segment, -1), jnp.where(valid, local, 0)], 1)
 
 
 def _covered_rows(seq_info, num_rows: int):
-  """bool[num_rows]: whether some segment covers each query row."""
-  q_start, q_len = seq_info[:, 0], seq_info[:, 1]
-  step = jnp.where(q_len > 0, 1, 0)
-  edges = jnp.zeros((num_rows + 1,), jnp.int32)
-  edges = edges.at[jnp.clip(q_start, 0, num_rows)].add(step)
-  edges = edges.at[jnp.clip(q_start + q_len, 0, num_rows)].add(-step)
-  return jnp.cumsum(edges)[:num_rows] > 0
+    """bool[num_rows]: whether some segment covers each query row."""
+    q_start, q_len = seq_info[:, 0], seq_info[:, 1]
+    step = jnp.where(q_len > 0, 1, 0)
+    edges = jnp.zeros((num_rows + 1,), jnp.int32)
+    edges = edges.at[jnp.clip(q_start, 0, num_rows)].add(step)
+    edges = edges.at[jnp.clip(q_start + q_len, 0, num_rows)].add(-step)
+    return jnp.cumsum(edges)[:num_rows] > 0
 
 
-def _varlen_attention_call(q, k_flat, v_flat, page_table, seq_info, *,
-                           blocks: BlockSizes, num_splits: int, page_size: int,
-                           num_phys_rows: int, window: int, causal: bool,
-                           softcap: float, scale: float, interpret: bool):
-  """pallas_call for one BlockSizes; returns [T, Hq, D] in q's dtype."""
-  num_rows, num_q_heads, head_dim = q.shape
-  num_kv_heads = k_flat.shape[1]
-  num_segments = seq_info.shape[0]
-  group = num_q_heads // num_kv_heads
-  group_pad = _next_pow2(group)
-  block_q = max(1, blocks.block_m // group_pad)
-  block_m = block_q * group_pad
-  # Segments do not overlap, so every tile holds at least one distinct row.
-  num_tiles = max(1, min(pl.cdiv(num_rows, block_q) + num_segments, num_rows))
-  tiles = _query_tiles(seq_info, block_q, num_tiles)
+def _varlen_attention_call(
+    q,
+    k_flat,
+    v_flat,
+    page_table,
+    seq_info,
+    *,
+    blocks: BlockSizes,
+    num_splits: int,
+    page_size: int,
+    num_phys_rows: int,
+    window: int,
+    causal: bool,
+    softcap: float,
+    scale: float,
+    interpret: bool,
+):
+    """pallas_call for one BlockSizes; returns [T, Hq, D] in q's dtype."""
+    num_rows, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_flat.shape[1]
+    num_segments = seq_info.shape[0]
+    group = num_q_heads // num_kv_heads
+    group_pad = _next_pow2(group)
+    block_q = max(1, blocks.block_m // group_pad)
+    block_m = block_q * group_pad
+    # Segments do not overlap, so every tile holds at least one distinct row.
+    num_tiles = max(1, min(pl.cdiv(num_rows, block_q) + num_segments, num_rows))
+    tiles = _query_tiles(seq_info, block_q, num_tiles)
 
-  kernel = functools.partial(
-      _attention_kernel, block_q=block_q, group=group, group_pad=group_pad,
-      head_dim=head_dim, head_dim_pad=max(16, _next_pow2(head_dim)),
-      block_k=blocks.block_k, page_size=page_size, num_phys_rows=num_phys_rows,
-      window=window, causal=causal, softcap=softcap, scale=scale,
-      num_splits=num_splits)
-  params = plgpu.CompilerParams(num_warps=blocks.num_warps,
-                                num_stages=blocks.num_stages)
-  name = f"varlen_attention_m{block_m}_k{blocks.block_k}_s{num_splits}"
-  grid = (num_tiles, num_kv_heads, num_splits)
-  args = (tiles, seq_info, page_table, q, k_flat, v_flat)
+    kernel = functools.partial(
+        _attention_kernel,
+        block_q=block_q,
+        group=group,
+        group_pad=group_pad,
+        head_dim=head_dim,
+        head_dim_pad=max(16, _next_pow2(head_dim)),
+        block_k=blocks.block_k,
+        page_size=page_size,
+        num_phys_rows=num_phys_rows,
+        window=window,
+        causal=causal,
+        softcap=softcap,
+        scale=scale,
+        num_splits=num_splits,
+    )
+    params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    name = f"varlen_attention_m{block_m}_k{blocks.block_k}_s{num_splits}"
+    grid = (num_tiles, num_kv_heads, num_splits)
+    args = (tiles, seq_info, page_table, q, k_flat, v_flat)
 
-  if num_splits == 1:
-    # Rows no segment covers keep the zeros of the aliased output buffer.
-    out = pl.pallas_call(
-        kernel, grid=grid, name=name, interpret=interpret, compiler_params=params,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        input_output_aliases={len(args): 0},
-    )(*args, jnp.zeros(q.shape, q.dtype))
-    return out
+    if num_splits == 1:
+        # Rows no segment covers keep the zeros of the aliased output buffer.
+        out = pl.pallas_call(
+            kernel,
+            grid=grid,
+            name=name,
+            interpret=interpret,
+            compiler_params=params,
+            out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            input_output_aliases={len(args): 0},
+        )(*args, jnp.zeros(q.shape, q.dtype))
+        return out
 
-  acc, m, l = pl.pallas_call(
-      kernel, grid=grid, name=name, interpret=interpret, compiler_params=params,
-      out_shape=(
-          jax.ShapeDtypeStruct((num_splits, *q.shape), jnp.float32),
-          jax.ShapeDtypeStruct((num_splits, num_rows, num_q_heads), jnp.float32),
-          jax.ShapeDtypeStruct((num_splits, num_rows, num_q_heads), jnp.float32),
-      ),
-  )(*args)
-  # Merge the splits; rows no segment covers were never written.
-  m_all = jnp.max(m, axis=0)
-  m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
-  w = jnp.exp2(m - m_all[None])  # [NS, T, Hq]; m is in log2 units
-  l_all = jnp.sum(w * l, axis=0)
-  o = jnp.sum(w[..., None] * acc, axis=0) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
-  o = jnp.where(_covered_rows(seq_info, num_rows)[:, None, None], o, 0.0)
-  return o.astype(q.dtype)
+    acc, m, l = pl.pallas_call(
+        kernel,
+        grid=grid,
+        name=name,
+        interpret=interpret,
+        compiler_params=params,
+        out_shape=(
+            jax.ShapeDtypeStruct((num_splits, *q.shape), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, num_rows, num_q_heads), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, num_rows, num_q_heads), jnp.float32),
+        ),
+    )(*args)
+    # Merge the splits; rows no segment covers were never written.
+    m_all = jnp.max(m, axis=0)
+    m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+    w = jnp.exp2(m - m_all[None])  # [NS, T, Hq]; m is in log2 units
+    l_all = jnp.sum(w * l, axis=0)
+    o = jnp.sum(w[..., None] * acc, axis=0) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
+    o = jnp.where(_covered_rows(seq_info, num_rows)[:, None, None], o, 0.0)
+    return o.astype(q.dtype)
 
 
 def default_block_sizes(num_rows: int, num_segments: int, head_dim: int) -> BlockSizes:
-  """Tuned tile for a step of `num_rows` query rows in `num_segments` segments."""
-  path = ("decode" if num_rows <= tuning.DECODE_ROWS_PER_SEGMENT * num_segments
-          else "prefill")
-  key = (path, max(16, _next_pow2(head_dim)))
-  if key not in tuning.ATTENTION_BLOCKS:
-    key = (path, min(256, key[1]))
-  return BlockSizes(**tuning.ATTENTION_BLOCKS[key])
+    """Tuned tile for a step of `num_rows` query rows in `num_segments` segments."""
+    path = "decode" if num_rows <= tuning.DECODE_ROWS_PER_SEGMENT * num_segments else "prefill"
+    key = (path, max(16, _next_pow2(head_dim)))
+    if key not in tuning.ATTENTION_BLOCKS:
+        key = (path, min(256, key[1]))
+    return BlockSizes(**tuning.ATTENTION_BLOCKS[key])
 
 
-def default_num_splits(num_rows: int, num_segments: int, num_q_heads: int,
-                       num_kv_heads: int, max_kv_len: int,
-                       blocks: BlockSizes) -> int:
-  """Split-K factor for decode-heavy steps; 1 (plain flash) otherwise."""
-  if num_rows > tuning.DECODE_ROWS_PER_SEGMENT * num_segments:
-    return 1
-  group_pad = _next_pow2(num_q_heads // num_kv_heads)
-  block_q = max(1, blocks.block_m // group_pad)
-  num_tiles = min(pl.cdiv(num_rows, block_q) + num_segments, num_rows)
-  programs = max(1, num_tiles * num_kv_heads)
-  kv_blocks = pl.cdiv(max_kv_len, blocks.block_k)
-  splits = min(tuning.MAX_SPLITS, pl.cdiv(tuning.TARGET_PROGRAMS, programs),
-               kv_blocks // tuning.MIN_BLOCKS_PER_SPLIT)
-  return max(1, splits)
+def default_num_splits(
+    num_rows: int, num_segments: int, num_q_heads: int, num_kv_heads: int, max_kv_len: int, blocks: BlockSizes
+) -> int:
+    """Split-K factor for decode-heavy steps; 1 (plain flash) otherwise."""
+    if num_rows > tuning.DECODE_ROWS_PER_SEGMENT * num_segments:
+        return 1
+    group_pad = _next_pow2(num_q_heads // num_kv_heads)
+    block_q = max(1, blocks.block_m // group_pad)
+    num_tiles = min(pl.cdiv(num_rows, block_q) + num_segments, num_rows)
+    programs = max(1, num_tiles * num_kv_heads)
+    kv_blocks = pl.cdiv(max_kv_len, blocks.block_k)
+    splits = min(tuning.MAX_SPLITS, pl.cdiv(tuning.TARGET_PROGRAMS, programs), kv_blocks // tuning.MIN_BLOCKS_PER_SPLIT)
+    return max(1, splits)
 
 
-def _check_args(q, k_pages, v_pages, page_table, seq_info, ring_rows, window,
-                softcap, num_splits):
-  def fail(msg):
-    raise ValueError(
-        f"varlen_attention: {msg} (q {q.shape} {q.dtype}, k_pages {k_pages.shape} "
-        f"{k_pages.dtype}, v_pages {v_pages.shape} {v_pages.dtype}, page_table "
-        f"{page_table.shape} {page_table.dtype}, seq_info {seq_info.shape} "
-        f"{seq_info.dtype})")
-  if q.ndim != 3:
-    fail("q must be [T, Hq, D]")
-  if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-    fail("k_pages and v_pages must both be [num_pages, page_size, Hkv, D]")
-  if k_pages.dtype != v_pages.dtype or q.dtype != k_pages.dtype:
-    fail("q, k_pages and v_pages must share one dtype")
-  if q.dtype not in _SUPPORTED_DTYPES:
-    fail(f"dtype must be one of {[str(t) for t in _SUPPORTED_DTYPES]}")
-  _, page_size, num_kv_heads, head_dim = k_pages.shape
-  if q.shape[2] != head_dim:
-    fail(f"q head_dim {q.shape[2]} != pool head_dim {head_dim}")
-  if q.shape[1] % num_kv_heads:
-    fail(f"Hq={q.shape[1]} must be a multiple of Hkv={num_kv_heads}")
-  if page_table.ndim != 2 or page_table.dtype != jnp.int32:
-    fail("page_table must be i32[R, P]")
-  if seq_info.ndim != 2 or seq_info.shape[1] != 4 or seq_info.dtype != jnp.int32:
-    fail("seq_info must be i32[S, 4]")
-  if seq_info.shape[0] < 1 or q.shape[0] < 1:
-    fail("need at least one segment and one query row")
-  if ring_rows is not None and not 0 < ring_rows <= page_table.shape[1] * page_size:
-    fail(f"ring_rows={ring_rows} must be in [1, P * page_size]")
-  if window < 0:
-    fail(f"window={window} must be >= 0")
-  if softcap < 0:
-    fail(f"softcap={softcap} must be >= 0")
-  if num_splits is not None and num_splits < 1:
-    fail(f"num_splits={num_splits} must be >= 1")
+def _check_args(q, k_pages, v_pages, page_table, seq_info, ring_rows, window, softcap, num_splits):
+    def fail(msg):
+        raise ValueError(
+            f"varlen_attention: {msg} (q {q.shape} {q.dtype}, k_pages {k_pages.shape} "
+            f"{k_pages.dtype}, v_pages {v_pages.shape} {v_pages.dtype}, page_table "
+            f"{page_table.shape} {page_table.dtype}, seq_info {seq_info.shape} "
+            f"{seq_info.dtype})"
+        )
+
+    if q.ndim != 3:
+        fail("q must be [T, Hq, D]")
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        fail("k_pages and v_pages must both be [num_pages, page_size, Hkv, D]")
+    if k_pages.dtype != v_pages.dtype or q.dtype != k_pages.dtype:
+        fail("q, k_pages and v_pages must share one dtype")
+    if q.dtype not in _SUPPORTED_DTYPES:
+        fail(f"dtype must be one of {[str(t) for t in _SUPPORTED_DTYPES]}")
+    _, page_size, num_kv_heads, head_dim = k_pages.shape
+    if q.shape[2] != head_dim:
+        fail(f"q head_dim {q.shape[2]} != pool head_dim {head_dim}")
+    if q.shape[1] % num_kv_heads:
+        fail(f"Hq={q.shape[1]} must be a multiple of Hkv={num_kv_heads}")
+    if page_table.ndim != 2 or page_table.dtype != jnp.int32:
+        fail("page_table must be i32[R, P]")
+    if seq_info.ndim != 2 or seq_info.shape[1] != 4 or seq_info.dtype != jnp.int32:
+        fail("seq_info must be i32[S, 4]")
+    if seq_info.shape[0] < 1 or q.shape[0] < 1:
+        fail("need at least one segment and one query row")
+    if ring_rows is not None and not 0 < ring_rows <= page_table.shape[1] * page_size:
+        fail(f"ring_rows={ring_rows} must be in [1, P * page_size]")
+    if window < 0:
+        fail(f"window={window} must be >= 0")
+    if softcap < 0:
+        fail(f"softcap={softcap} must be >= 0")
+    if num_splits is not None and num_splits < 1:
+        fail(f"num_splits={num_splits} must be >= 1")
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("ring_rows", "window", "causal", "softcap", "scale",
-                     "num_splits", "block_sizes", "interpret"))
-def varlen_attention(q, k_pages, v_pages, page_table, seq_info, *,
-                     ring_rows=None, window=0, causal=True, softcap=0.0, scale,
-                     num_splits=None, block_sizes=None, interpret=False):
-  """Attention of packed query rows over their sequences' paged K/V.
+    static_argnames=("ring_rows", "window", "causal", "softcap", "scale", "num_splits", "block_sizes", "interpret"),
+)
+def varlen_attention(
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    seq_info,
+    *,
+    ring_rows=None,
+    window=0,
+    causal=True,
+    softcap=0.0,
+    scale,
+    num_splits=None,
+    block_sizes=None,
+    interpret=False,
+):
+    """Attention of packed query rows over their sequences' paged K/V.
 
-  Args:
-    q: [T, Hq, D] bfloat16, float16 or float32; query head h reads kv head
-      h // (Hq // Hkv).
-    k_pages, v_pages: [num_pages, page_size, Hkv, D], q's dtype.
-    page_table: i32[R, P]; row seq_slot lists that sequence's pages.
-    seq_info: i32[S, 4] = (q_start, q_len, seq_slot, kv_end) per segment; rows
-      q_start .. q_start + q_len - 1 sit at positions kv_end - q_len + i.
-      Segments must not overlap; q_len 0 marks padding.
-    ring_rows: key j is stored at row j % ring_rows (ring layers); None: row j.
-    window: sliding window (keys j > p - window); 0 for none.
-    causal: keys j <= p only.
-    softcap: logits become softcap * tanh(logits / softcap); 0 for none.
-    scale: logit scale.
-    num_splits: split-K chunks of each tile's key range; None picks one from T,
-      S and the context capacity (1 = plain flash path).
-    block_sizes: BlockSizes, or None for the tuned table.
-    interpret: run the Pallas interpreter (CPU tests).
-  Returns:
-    [T, Hq, D] in q's dtype; rows outside every segment and rows that see no
-    key are zero.
-  """
-  _check_args(q, k_pages, v_pages, page_table, seq_info, ring_rows, window,
-              softcap, num_splits)
-  num_rows, num_q_heads, head_dim = q.shape
-  num_pages, page_size, num_kv_heads, _ = k_pages.shape
-  num_phys_rows = ring_rows or page_table.shape[1] * page_size
-  blocks = block_sizes or default_block_sizes(num_rows, seq_info.shape[0], head_dim)
-  if num_splits is None:
-    max_kv_len = page_table.shape[1] * page_size
-    if window > 0:
-      max_kv_len = min(max_kv_len, window + blocks.block_m)
-    num_splits = default_num_splits(num_rows, seq_info.shape[0], num_q_heads,
-                                    num_kv_heads, max_kv_len, blocks)
-  flat = (num_pages * page_size, num_kv_heads, head_dim)
-  return _varlen_attention_call(
-      q, k_pages.reshape(flat), v_pages.reshape(flat), page_table, seq_info,
-      blocks=blocks, num_splits=num_splits, page_size=page_size,
-      num_phys_rows=num_phys_rows, window=window, causal=causal,
-      softcap=float(softcap), scale=float(scale), interpret=interpret)
+    Args:
+      q: [T, Hq, D] bfloat16, float16 or float32; query head h reads kv head
+        h // (Hq // Hkv).
+      k_pages, v_pages: [num_pages, page_size, Hkv, D], q's dtype.
+      page_table: i32[R, P]; row seq_slot lists that sequence's pages.
+      seq_info: i32[S, 4] = (q_start, q_len, seq_slot, kv_end) per segment; rows
+        q_start .. q_start + q_len - 1 sit at positions kv_end - q_len + i.
+        Segments must not overlap; q_len 0 marks padding.
+      ring_rows: key j is stored at row j % ring_rows (ring layers); None: row j.
+      window: sliding window (keys j > p - window); 0 for none.
+      causal: keys j <= p only.
+      softcap: logits become softcap * tanh(logits / softcap); 0 for none.
+      scale: logit scale.
+      num_splits: split-K chunks of each tile's key range; None picks one from T,
+        S and the context capacity (1 = plain flash path).
+      block_sizes: BlockSizes, or None for the tuned table.
+      interpret: run the Pallas interpreter (CPU tests).
+    Returns:
+      [T, Hq, D] in q's dtype; rows outside every segment and rows that see no
+      key are zero.
+    """
+    _check_args(q, k_pages, v_pages, page_table, seq_info, ring_rows, window, softcap, num_splits)
+    num_rows, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    num_phys_rows = ring_rows or page_table.shape[1] * page_size
+    blocks = block_sizes or default_block_sizes(num_rows, seq_info.shape[0], head_dim)
+    if num_splits is None:
+        max_kv_len = page_table.shape[1] * page_size
+        if window > 0:
+            max_kv_len = min(max_kv_len, window + blocks.block_m)
+        num_splits = default_num_splits(num_rows, seq_info.shape[0], num_q_heads, num_kv_heads, max_kv_len, blocks)
+    flat = (num_pages * page_size, num_kv_heads, head_dim)
+    return _varlen_attention_call(
+        q,
+        k_pages.reshape(flat),
+        v_pages.reshape(flat),
+        page_table,
+        seq_info,
+        blocks=blocks,
+        num_splits=num_splits,
+        page_size=page_size,
+        num_phys_rows=num_phys_rows,
+        window=window,
+        causal=causal,
+        softcap=float(softcap),
+        scale=float(scale),
+        interpret=interpret,
+    )

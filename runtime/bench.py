@@ -17,7 +17,6 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from glint.model import transformer
 from glint.runtime.engine import Engine
 from glint.runtime.params import SamplingParams
 from glint.runtime.sampling import SamplerInputs
@@ -33,12 +32,17 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_bandwidth(num_bytes: int) -> float:
-    """Device copy bandwidth in bytes/s, counting bytes read and written."""
-    x = jnp.ones(num_bytes // 4, jnp.float32)
-    copy = jax.jit(lambda a: a * 1.0001)
-    jax.block_until_ready(copy(x))
-    return 2 * x.nbytes / _median_time(lambda: copy(x), 10)
+def measure_bandwidth(num_bytes: int) -> dict[str, float]:
+    """Device memory bandwidth in bytes/s: a plain copy and a scaled copy (bytes read + written), and a
+    read-only sum. The roofline uses the best of them."""
+    x = jnp.ones(num_bytes // 2, jnp.bfloat16)
+    kernels = {"copy": (jax.jit(jnp.copy), 2), "scale": (jax.jit(lambda a: a * 3), 2),
+               "sum": (jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), 1)}
+    rates = {}
+    for name, (fn, passes) in kernels.items():
+        jax.block_until_ready(fn(x))
+        rates[name] = passes * x.nbytes / _median_time(lambda: fn(x), 10)
+    return rates
 
 
 def measure_matmul(n: int, dtype) -> float:
@@ -155,7 +159,8 @@ def workload_ceiling(engine: Engine, bench: StepBench, e2e: dict, flops: float) 
 def run_bench(args) -> dict:
     console = Console()
     on_gpu = jax.default_backend() == "gpu"
-    bandwidth = measure_bandwidth((2 << 30) if on_gpu else (64 << 20))
+    rates = measure_bandwidth((4 << 30) if on_gpu else (64 << 20))
+    bandwidth = args.bandwidth_gbps * 1e9 if args.bandwidth_gbps else max(rates.values())
     flops = measure_matmul(8192 if on_gpu else 512, jnp.bfloat16 if on_gpu else jnp.float32)
     batches = [int(b) for b in args.batch.split(",")]
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, max_seqs=max(batches),
@@ -164,9 +169,12 @@ def run_bench(args) -> dict:
                                     attention=args.attention)
     result = dict(model=args.model, dtype=args.dtype, device=str(jax.devices()[0].device_kind),
                   jax=jax.__version__, attention=engine.attention, bandwidth_GBps=bandwidth / 1e9,
+                  measured_GBps={k: v / 1e9 for k, v in rates.items()},
                   matmul_TFLOPs=flops / 1e12, num_params=engine.model.num_params,
                   kv_pages=engine.cache.num_pages, date=time.strftime("%Y-%m-%d"))
-    console.print(f"[bold]{args.model}[/] {args.dtype} on {result['device']}: copy {bandwidth / 1e9:.0f} GB/s, "
+    measured = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in rates.items())
+    console.print(f"[bold]{args.model}[/] {args.dtype} on {result['device']}: roofline {bandwidth / 1e9:.0f} GB/s "
+                  f"(measured GB/s: {measured}), "
                   f"matmul {flops / 1e12:.2f} TFLOP/s, {engine.cache.num_pages} KV pages")
     compile_s = engine.warmup(filtered=(False,))
     result["compile_s"] = compile_s
@@ -250,6 +258,8 @@ def register(sub) -> None:
     p.add_argument("--max-step-tokens", type=int, default=4096)
     p.add_argument("--attention", default="auto", choices=["auto", "pallas", "reference", "interpret"])
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--bandwidth-gbps", type=float, default=0.0,
+                   help="roofline bandwidth (default: the best this harness measures)")
     p.add_argument("--json", help="write the results as JSON here")
     p.add_argument("--peer-json", help="JSON lines of a peer's end-to-end run on the same mix (tools/hf_peer.py)")
     p.set_defaults(func=lambda args: run_bench(args) and 0)

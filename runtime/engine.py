@@ -243,16 +243,17 @@ class Engine:
 
     def _pack(self, entries: list[Entry], width: int):
         """Token ids (from the host, or `token_src` rows of the previous step's output), sampled rows."""
-        tokens, token_src = np.zeros(width, np.int32), np.full(width, -1, np.int32)
-        rows, sample_reqs, start = [], [], 0
+        chunks, rows, sample_reqs, start = [], [], [], 0
         for e in entries:
-            chunk = np.asarray(e.req.tokens[e.req.num_cached:e.req.num_cached + e.count], np.int32)
-            tokens[start:start + e.count] = np.maximum(chunk, 0)
-            token_src[start:start + e.count] = np.where(chunk < 0, -chunk - 1, -1)
+            chunks.append(e.req.token_slice(e.req.num_cached, e.count))
             start += e.count
             for i in range(e.samples):
                 rows.append(start - 1)
                 sample_reqs.append((e.req, self._child_seed(e.req, i)))
+        ids = np.zeros(width, np.int32)
+        ids[:start] = [t for chunk in chunks for t in chunk]
+        tokens, token_src = np.maximum(ids, 0), np.where(ids < 0, -ids - 1, -1).astype(np.int32)
+        token_src[start:] = -1
         return tokens, token_src, rows, sample_reqs
 
     def _postprocess(self, step: InFlight, next_tokens: np.ndarray, lp) -> dict[int, list[int]]:
@@ -265,7 +266,7 @@ class Engine:
             for i, token in enumerate(drawn[1:]):
                 self._spawn_child(s, i + 1, token, lps[i + 1])
             s.req.generated[s.index] = drawn[0]
-            self._accept(s.req, drawn[0], lps[0], new)
+            self._accept(s.req, drawn[0], s.index + 1, lps[0], new)
         return new
 
     def _spawn_child(self, s: Sampled, i: int, token: int, lp) -> None:
@@ -281,19 +282,17 @@ class Engine:
         else:
             child.seq, child.num_cached, child.status = seq, s.num_cached, Status.RUNNING
             self.scheduler.running.append(child)
-        self._accept(child, token, lp, {})
+        self._accept(child, token, s.index + 1, lp, {})
 
-    def _accept(self, req: Request, token: int, lp, new: dict[int, list[int]]) -> None:
+    def _accept(self, req: Request, token: int, num_generated: int, lp, new: dict[int, list[int]]) -> None:
+        """Record a sampled token (the request's `num_generated`-th) and apply the stop rules."""
         if lp is not None:
             req.logprobs.append(lp)
         self.stats.generated_tokens += 1
         new.setdefault(req.rid, []).append(token)
-        stop = set(req.params.stop_token_ids)
-        if not req.params.ignore_eos:
-            stop |= set(self.model.eos_token_ids)
-        if token in stop:
+        if token in req.params.stop_token_ids or (not req.params.ignore_eos and token in self.model.eos_token_ids):
             self._finish(req, "stop")
-        elif sum(t >= 0 for t in req.generated) >= req.params.max_tokens:
+        elif num_generated >= req.params.max_tokens:
             self._finish(req, "length")
 
     def _finish(self, req: Request, reason: str) -> None:

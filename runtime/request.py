@@ -34,6 +34,13 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.generated
 
+    def token_slice(self, start: int, count: int) -> list[int]:
+        """tokens[start:start + count] without building prompt + generated."""
+        n = len(self.prompt)
+        if start >= n:
+            return self.generated[start - n:start - n + count]
+        return self.prompt[start:start + count] + self.generated[:max(0, start + count - n)]
+
     @property
     def num_pending(self) -> int:
         """Known tokens not yet in the cache; feeding all of them yields the next token's logits."""

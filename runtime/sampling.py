@@ -25,6 +25,7 @@ from jax import lax
 from glint.runtime.params import SEED_LIMIT, SamplingParams
 
 _POSITION_LIMIT = 2**31  # positions are int32 on the device
+_INT32_MAX = 2**31 - 1
 
 
 @jax.tree_util.register_dataclass
@@ -70,29 +71,30 @@ class SamplerInputs:
             raise ValueError(f"got {len(positions)} positions for {num_used} requests")
         if seeds is not None and len(seeds) != num_used:
             raise ValueError(f"got {len(seeds)} seeds for {num_used} requests")
-        temperature = np.zeros(rows, np.float32)
-        top_k = np.zeros(rows, np.int32)
-        top_p = np.ones(rows, np.float32)
-        seed = np.zeros(rows, np.uint32)
-        position = np.zeros(rows, np.int32)
+        row_seeds = [p.seed for p in params_list] if seeds is None else list(seeds)
         for i, params in enumerate(params_list):
-            row_seed = params.seed if seeds is None else seeds[i]
-            if row_seed is None:
+            if row_seeds[i] is None:
                 if not params.is_greedy:
                     raise ValueError(
                         f"row {i} samples (temperature={params.temperature}) but has no "
                         "seed: draw one for seed=None requests and pass it in seeds"
                     )
-                row_seed = 0
-            if not 0 <= row_seed < SEED_LIMIT:
-                raise ValueError(f"row {i}: seed must be in [0, 2**32), got {row_seed!r}")
+                row_seeds[i] = 0
+            if not 0 <= row_seeds[i] < SEED_LIMIT:
+                raise ValueError(f"row {i}: seed must be in [0, 2**32), got {row_seeds[i]!r}")
             if not 0 <= positions[i] < _POSITION_LIMIT:
                 raise ValueError(f"row {i}: position must be in [0, 2**31), got {positions[i]!r}")
-            temperature[i] = params.temperature
-            top_k[i] = min(params.top_k, np.iinfo(np.int32).max)
-            top_p[i] = params.top_p
-            seed[i] = row_seed
-            position[i] = positions[i]
+
+        def column(values, dtype, pad):
+            out = np.full(rows, pad, dtype)
+            out[:num_used] = values
+            return out
+
+        temperature = column([p.temperature for p in params_list], np.float32, 0.0)
+        top_k = column([min(p.top_k, _INT32_MAX) for p in params_list], np.int32, 0)
+        top_p = column([p.top_p for p in params_list], np.float32, 1.0)
+        seed = column(row_seeds, np.uint32, 0)
+        position = column(positions, np.int32, 0)
         return cls(temperature, top_k, top_p, seed, position)
 
 

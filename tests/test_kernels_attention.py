@@ -47,193 +47,210 @@ CASES = {
     "window-flat-g4": C(MIXED, group=4, window=16),
     # One tile spans 16 rows; (16, 65) puts its last row's window start at 49,
     # one past a 16-key block boundary.
-    "window-noncausal-g1-tiles": C(((20, 90), (33, 120), (16, 65)), group=1, window=16,
-                                   causal=False, page_size=8),
-    "ring-window-decode-wraps": C(DECODE[:3] + ((1, 203), (1, 130)), group=4, ring_rows=24,
-                                  window=24, page_size=8),
-    "ring-window-mixed-wraps-bf16": C(((1, 150), (9, 97), (4, 64), (6, 200)), group=4,
-                                      ring_rows=32, window=24, page_size=8, dtype="bfloat16"),
-    "ring-window-noncausal-softcap": C(((4, 130), (7, 77), (1, 90)), group=8, num_kv_heads=1,
-                                       ring_rows=48, window=32, causal=False, softcap=30.0,
-                                       page_size=16),
-    "ring-window-p32-d128": C(((1, 300), (12, 180), (3, 99)), group=4, ring_rows=64, window=40,
-                              page_size=32, head_dim=128),
-    "ring-window-prefill-chunk": C(((30, 160), (16, 16)), group=1, ring_rows=48, window=16,
-                                   page_size=16, gaps=2),
+    "window-noncausal-g1-tiles": C(((20, 90), (33, 120), (16, 65)), group=1, window=16, causal=False, page_size=8),
+    "ring-window-decode-wraps": C(DECODE[:3] + ((1, 203), (1, 130)), group=4, ring_rows=24, window=24, page_size=8),
+    "ring-window-mixed-wraps-bf16": C(
+        ((1, 150), (9, 97), (4, 64), (6, 200)), group=4, ring_rows=32, window=24, page_size=8, dtype="bfloat16"
+    ),
+    "ring-window-noncausal-softcap": C(
+        ((4, 130), (7, 77), (1, 90)),
+        group=8,
+        num_kv_heads=1,
+        ring_rows=48,
+        window=32,
+        causal=False,
+        softcap=30.0,
+        page_size=16,
+    ),
+    "ring-window-p32-d128": C(
+        ((1, 300), (12, 180), (3, 99)), group=4, ring_rows=64, window=40, page_size=32, head_dim=128
+    ),
+    "ring-window-prefill-chunk": C(((30, 160), (16, 16)), group=1, ring_rows=48, window=16, page_size=16, gaps=2),
 }
 SPLITS = {"flash": 1, "splitk": 3}
 
 
 def _seed(request) -> int:
-  return zlib.crc32(request.node.name.encode())
+    return zlib.crc32(request.node.name.encode())
 
 
 def _to_jax(inputs, dtype):
-  return {k: jnp.asarray(v, dtype) if v.dtype == np.float32 else jnp.asarray(v)
-          for k, v in inputs.items()}
+    return {k: jnp.asarray(v, dtype) if v.dtype == np.float32 else jnp.asarray(v) for k, v in inputs.items()}
 
 
 def _options(case):
-  return dict(ring_rows=case.ring_rows, window=case.window, causal=case.causal,
-              softcap=case.softcap, scale=case.scale)
+    return dict(
+        ring_rows=case.ring_rows, window=case.window, causal=case.causal, softcap=case.softcap, scale=case.scale
+    )
 
 
 def _covered(seq_info, num_rows):
-  covered = np.zeros(num_rows, bool)
-  for q_start, q_len, _, _ in seq_info:
-    covered[q_start:q_start + q_len] = True
-  return covered
+    covered = np.zeros(num_rows, bool)
+    for q_start, q_len, _, _ in seq_info:
+        covered[q_start : q_start + q_len] = True
+    return covered
 
 
 @pytest.mark.parametrize("path", SPLITS)
 @pytest.mark.parametrize("name", CASES)
 def test_kernel_matches_reference(name, path, request):
-  case = CASES[name]
-  rng = np.random.default_rng(_seed(request))
-  inputs = make_attention_inputs(case, rng)
-  args = _to_jax(inputs, case.dtype)
-  want = np.asarray(varlen_attention_reference(**args, **_options(case)), np.float32)
-  got = varlen_attention(**args, **_options(case), num_splits=SPLITS[path],
-                         block_sizes=BlockSizes(block_m=16, block_k=16), interpret=True)
-  assert got.shape == args["q"].shape and got.dtype == args["q"].dtype
-  got = np.asarray(got, np.float32)
-  # Pools hold NaN wherever no visible key lives, uncovered q rows too.
-  assert np.isfinite(want).all() and np.isfinite(got).all()
-  uncovered = ~_covered(inputs["seq_info"], got.shape[0])
-  assert not got[uncovered].any()
-  np.testing.assert_allclose(got, want, **TOLERANCE[case.dtype])
+    case = CASES[name]
+    rng = np.random.default_rng(_seed(request))
+    inputs = make_attention_inputs(case, rng)
+    args = _to_jax(inputs, case.dtype)
+    want = np.asarray(varlen_attention_reference(**args, **_options(case)), np.float32)
+    got = varlen_attention(
+        **args,
+        **_options(case),
+        num_splits=SPLITS[path],
+        block_sizes=BlockSizes(block_m=16, block_k=16),
+        interpret=True,
+    )
+    assert got.shape == args["q"].shape and got.dtype == args["q"].dtype
+    got = np.asarray(got, np.float32)
+    # Pools hold NaN wherever no visible key lives, uncovered q rows too.
+    assert np.isfinite(want).all() and np.isfinite(got).all()
+    uncovered = ~_covered(inputs["seq_info"], got.shape[0])
+    assert not got[uncovered].any()
+    np.testing.assert_allclose(got, want, **TOLERANCE[case.dtype])
 
 
-@pytest.mark.parametrize("name", ["decode-g4-p16-bf16", "mixed-g4-p16-gaps-padding",
-                                  "ring-window-p32-d128"])
+@pytest.mark.parametrize("name", ["decode-g4-p16-bf16", "mixed-g4-p16-gaps-padding", "ring-window-p32-d128"])
 def test_default_blocks_and_splits(name, request):
-  """The tuned table's tiles (larger than the sweep's) and the default split."""
-  case = CASES[name]
-  inputs = make_attention_inputs(case, np.random.default_rng(_seed(request)))
-  args = _to_jax(inputs, case.dtype)
-  want = np.asarray(varlen_attention_reference(**args, **_options(case)), np.float32)
-  got = np.asarray(varlen_attention(**args, **_options(case), interpret=True), np.float32)
-  np.testing.assert_allclose(got, want, **TOLERANCE[case.dtype])
+    """The tuned table's tiles (larger than the sweep's) and the default split."""
+    case = CASES[name]
+    inputs = make_attention_inputs(case, np.random.default_rng(_seed(request)))
+    args = _to_jax(inputs, case.dtype)
+    want = np.asarray(varlen_attention_reference(**args, **_options(case)), np.float32)
+    got = np.asarray(varlen_attention(**args, **_options(case), interpret=True), np.float32)
+    np.testing.assert_allclose(got, want, **TOLERANCE[case.dtype])
 
 
 def test_fully_masked_rows_are_zero(request):
-  case = CASES["underflow-fully-masked-rows"]
-  inputs = make_attention_inputs(case, np.random.default_rng(_seed(request)))
-  args = _to_jax(inputs, case.dtype)
-  for seg in inputs["seq_info"]:
-    if seg[1] == 5:
-      rows = slice(seg[0], seg[0] + 2)  # positions -2 and -1
-  for num_splits in (1, 2):
-    got = np.asarray(varlen_attention(**args, **_options(case), num_splits=num_splits,
-                                      interpret=True))
-    assert np.isfinite(got).all() and not got[rows].any() and got[rows.stop].any()
-  ref = np.asarray(varlen_attention_reference(**args, **_options(case)))
-  assert not ref[rows].any()
+    case = CASES["underflow-fully-masked-rows"]
+    inputs = make_attention_inputs(case, np.random.default_rng(_seed(request)))
+    args = _to_jax(inputs, case.dtype)
+    for seg in inputs["seq_info"]:
+        if seg[1] == 5:
+            rows = slice(seg[0], seg[0] + 2)  # positions -2 and -1
+    for num_splits in (1, 2):
+        got = np.asarray(varlen_attention(**args, **_options(case), num_splits=num_splits, interpret=True))
+        assert np.isfinite(got).all() and not got[rows].any() and got[rows.stop].any()
+    ref = np.asarray(varlen_attention_reference(**args, **_options(case)))
+    assert not ref[rows].any()
 
 
 TINY = {
     "flat-causal": C(((3, 7), (1, 12), (2, 2)), group=2, page_size=4, head_dim=16, gaps=2),
-    "flat-noncausal-softcap": C(((3, 7), (1, 12)), group=1, page_size=4, head_dim=16,
-                                causal=False, softcap=3.0),
-    "ring-window": C(((2, 30), (1, 19), (3, 11)), group=2, page_size=4, head_dim=16,
-                     ring_rows=8, window=6),
+    "flat-noncausal-softcap": C(((3, 7), (1, 12)), group=1, page_size=4, head_dim=16, causal=False, softcap=3.0),
+    "ring-window": C(((2, 30), (1, 19), (3, 11)), group=2, page_size=4, head_dim=16, ring_rows=8, window=6),
     # window + q_len > ring_rows: visible keys alias ring rows, counted once each.
-    "ring-aliasing": C(((3, 30), (1, 19)), group=2, page_size=4, head_dim=16, ring_rows=8,
-                       window=12, poison=False),
+    "ring-aliasing": C(((3, 30), (1, 19)), group=2, page_size=4, head_dim=16, ring_rows=8, window=12, poison=False),
     "underflow": C(((4, 2),), group=1, page_size=4, head_dim=16),
 }
 
 
 @pytest.mark.parametrize("name", TINY)
 def test_reference_matches_numpy_loop(name, request):
-  case = TINY[name]
-  inputs = make_attention_inputs(case, np.random.default_rng(_seed(request)))
-  want = attention_numpy_loop(**inputs, **_options(case))
-  args = _to_jax(inputs, jnp.float32)
-  for block_q in (1, 2, 5):
-    got = varlen_attention_reference(**args, **_options(case), block_q=block_q)
-    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+    case = TINY[name]
+    inputs = make_attention_inputs(case, np.random.default_rng(_seed(request)))
+    want = attention_numpy_loop(**inputs, **_options(case))
+    args = _to_jax(inputs, jnp.float32)
+    for block_q in (1, 2, 5):
+        got = varlen_attention_reference(**args, **_options(case), block_q=block_q)
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
 
 def test_kernel_matches_numpy_loop_when_ring_aliases(request):
-  case = TINY["ring-aliasing"]
-  inputs = make_attention_inputs(case, np.random.default_rng(_seed(request)))
-  want = attention_numpy_loop(**inputs, **_options(case))
-  got = varlen_attention(**_to_jax(inputs, jnp.float32), **_options(case), num_splits=2,
-                         block_sizes=BlockSizes(block_m=16, block_k=16), interpret=True)
-  np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+    case = TINY["ring-aliasing"]
+    inputs = make_attention_inputs(case, np.random.default_rng(_seed(request)))
+    want = attention_numpy_loop(**inputs, **_options(case))
+    got = varlen_attention(
+        **_to_jax(inputs, jnp.float32),
+        **_options(case),
+        num_splits=2,
+        block_sizes=BlockSizes(block_m=16, block_k=16),
+        interpret=True,
+    )
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
 
 def test_one_compilation_serves_every_length_mix(request):
-  rng = np.random.default_rng(_seed(request))
-  base = C(((4, 30), (1, 9), (6, 6)), group=2, gaps=1)
-  other = dataclasses.replace(base, segments=((1, 33), (9, 40), (1, 2)))
-  first = make_attention_inputs(base, rng)
-  second = make_attention_inputs(other, rng)
-  # Same shapes, different lengths and tables: pad page tables/pools to match.
-  for key in ("k_pages", "v_pages", "page_table", "q"):
-    rows = max(first[key].shape[0], second[key].shape[0])
-    cols = max(first[key].shape[1], second[key].shape[1])
+    rng = np.random.default_rng(_seed(request))
+    base = C(((4, 30), (1, 9), (6, 6)), group=2, gaps=1)
+    other = dataclasses.replace(base, segments=((1, 33), (9, 40), (1, 2)))
+    first = make_attention_inputs(base, rng)
+    second = make_attention_inputs(other, rng)
+    # Same shapes, different lengths and tables: pad page tables/pools to match.
+    for key in ("k_pages", "v_pages", "page_table", "q"):
+        rows = max(first[key].shape[0], second[key].shape[0])
+        cols = max(first[key].shape[1], second[key].shape[1])
+        for inputs in (first, second):
+            a = inputs[key]
+            pad = [(0, rows - a.shape[0]), (0, cols - a.shape[1])] + [(0, 0)] * (a.ndim - 2)
+            inputs[key] = np.pad(a, pad, constant_values=0 if key == "page_table" else 1.0)
+    fn = jax.jit(lambda *a: varlen_attention(*a, scale=base.scale, num_splits=1, interpret=True))
     for inputs in (first, second):
-      a = inputs[key]
-      pad = [(0, rows - a.shape[0]), (0, cols - a.shape[1])] + [(0, 0)] * (a.ndim - 2)
-      inputs[key] = np.pad(a, pad, constant_values=0 if key == "page_table" else 1.0)
-  fn = jax.jit(lambda *a: varlen_attention(*a, scale=base.scale, num_splits=1,
-                                           interpret=True))
-  for inputs in (first, second):
-    args = _to_jax(inputs, jnp.float32)
-    got = fn(args["q"], args["k_pages"], args["v_pages"], args["page_table"],
-             args["seq_info"])
-    want = varlen_attention_reference(**args, scale=base.scale)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
-  assert fn._cache_size() == 1
+        args = _to_jax(inputs, jnp.float32)
+        got = fn(args["q"], args["k_pages"], args["v_pages"], args["page_table"], args["seq_info"])
+        want = varlen_attention_reference(**args, scale=base.scale)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    assert fn._cache_size() == 1
 
 
 def test_default_num_splits_heuristic():
-  blocks = BlockSizes(block_m=16, block_k=64)
-  # Decode with few sequences and long contexts: split the keys.
-  assert default_num_splits(8, 8, 32, 8, 32768, blocks) > 1
-  # Many sequences already fill the GPU; prefill never splits.
-  assert default_num_splits(256, 256, 32, 8, 32768, blocks) == 1
-  assert default_num_splits(4096, 2, 32, 8, 32768, blocks) == 1
-  # Short contexts are not worth splitting.
-  assert default_num_splits(8, 8, 32, 8, 128, blocks) == 1
+    blocks = BlockSizes(block_m=16, block_k=64)
+    # Decode with few sequences and long contexts: split the keys.
+    assert default_num_splits(8, 8, 32, 8, 32768, blocks) > 1
+    # Many sequences already fill the GPU; prefill never splits.
+    assert default_num_splits(256, 256, 32, 8, 32768, blocks) == 1
+    assert default_num_splits(4096, 2, 32, 8, 32768, blocks) == 1
+    # Short contexts are not worth splitting.
+    assert default_num_splits(8, 8, 32, 8, 128, blocks) == 1
 
 
 def _valid_args():
-  q = jnp.ones((8, 4, 64), jnp.float32)
-  pages = jnp.ones((10, 16, 2, 64), jnp.float32)
-  page_table = jnp.zeros((3, 4), jnp.int32)
-  seq_info = jnp.zeros((2, 4), jnp.int32)
-  return dict(q=q, k_pages=pages, v_pages=pages, page_table=page_table, seq_info=seq_info)
+    q = jnp.ones((8, 4, 64), jnp.float32)
+    pages = jnp.ones((10, 16, 2, 64), jnp.float32)
+    page_table = jnp.zeros((3, 4), jnp.int32)
+    seq_info = jnp.zeros((2, 4), jnp.int32)
+    return dict(q=q, k_pages=pages, v_pages=pages, page_table=page_table, seq_info=seq_info)
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(q=jnp.ones((8, 4), jnp.float32)), r"q must be \[T, Hq, D\].*\(8, 4\)"),
-    (dict(q=jnp.ones((8, 3, 64), jnp.float32)), r"Hq=3 must be a multiple of Hkv=2"),
-    (dict(q=jnp.ones((8, 4, 32), jnp.float32)), r"head_dim 32 != pool head_dim 64"),
-    (dict(q=jnp.ones((8, 4, 64), jnp.bfloat16)), r"share one dtype.*bfloat16"),
-    (dict(v_pages=jnp.ones((10, 8, 2, 64), jnp.float32)), r"v_pages \(10, 8, 2, 64\)"),
-    (dict(page_table=jnp.zeros((3, 4), jnp.float32)), r"page_table must be i32"),
-    (dict(seq_info=jnp.zeros((2, 3), jnp.int32)), r"seq_info must be i32\[S, 4\].*\(2, 3\)"),
-    (dict(seq_info=jnp.zeros((2, 4), jnp.int64) if jax.config.x64_enabled else
-          jnp.zeros((2, 4), jnp.int16)), r"seq_info must be i32"),
-    (dict(ring_rows=65), r"ring_rows=65 must be in \[1, P \* page_size\]"),
-    (dict(window=-1), r"window=-1"),
-    (dict(softcap=-1.0), r"softcap=-1.0"),
-    (dict(num_splits=0), r"num_splits=0"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(q=jnp.ones((8, 4), jnp.float32)), r"q must be \[T, Hq, D\].*\(8, 4\)"),
+        (dict(q=jnp.ones((8, 3, 64), jnp.float32)), r"Hq=3 must be a multiple of Hkv=2"),
+        (dict(q=jnp.ones((8, 4, 32), jnp.float32)), r"head_dim 32 != pool head_dim 64"),
+        (dict(q=jnp.ones((8, 4, 64), jnp.bfloat16)), r"share one dtype.*bfloat16"),
+        (dict(v_pages=jnp.ones((10, 8, 2, 64), jnp.float32)), r"v_pages \(10, 8, 2, 64\)"),
+        (dict(page_table=jnp.zeros((3, 4), jnp.float32)), r"page_table must be i32"),
+        (dict(seq_info=jnp.zeros((2, 3), jnp.int32)), r"seq_info must be i32\[S, 4\].*\(2, 3\)"),
+        (
+            dict(seq_info=jnp.zeros((2, 4), jnp.int64) if jax.config.x64_enabled else jnp.zeros((2, 4), jnp.int16)),
+            r"seq_info must be i32",
+        ),
+        (dict(ring_rows=65), r"ring_rows=65 must be in \[1, P \* page_size\]"),
+        (dict(window=-1), r"window=-1"),
+        (dict(softcap=-1.0), r"softcap=-1.0"),
+        (dict(num_splits=0), r"num_splits=0"),
+    ],
+)
 def test_validation_errors(change, match):
-  kwargs = dict(_valid_args(), scale=0.125) | change
-  with pytest.raises(ValueError, match=match):
-    varlen_attention(**kwargs, interpret=True)
+    kwargs = dict(_valid_args(), scale=0.125) | change
+    with pytest.raises(ValueError, match=match):
+        varlen_attention(**kwargs, interpret=True)
 
 
-@pytest.mark.parametrize("fields, match", [
-    (dict(block_m=24), r"block_m must be a power of two >= 16, got 24"),
-    (dict(block_k=8), r"block_k must be a power of two >= 16, got 8"),
-    (dict(num_warps=0), r"num_warps"),
-])
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(block_m=24), r"block_m must be a power of two >= 16, got 24"),
+        (dict(block_k=8), r"block_k must be a power of two >= 16, got 8"),
+        (dict(num_warps=0), r"num_warps"),
+    ],
+)
 def test_block_sizes_validation(fields, match):
-  with pytest.raises(ValueError, match=match):
-    BlockSizes(**fields)
+    with pytest.raises(ValueError, match=match):
+        BlockSizes(**fields)

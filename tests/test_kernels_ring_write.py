@@ -4,7 +4,6 @@ written by ring_write then read by varlen_attention."""
 import warnings
 import zlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,133 +17,150 @@ from glint.pallas_kernels import (
 
 
 def _rng(request):
-  return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
 
 
 def _pools(rng, num_pages, page_size, num_kv_heads, head_dim, dtype):
-  shape = (num_pages, page_size, num_kv_heads, head_dim)
-  return (jnp.asarray(rng.standard_normal(shape), dtype),
-          jnp.asarray(rng.standard_normal(shape), dtype))
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    return (jnp.asarray(rng.standard_normal(shape), dtype), jnp.asarray(rng.standard_normal(shape), dtype))
 
 
-@pytest.mark.parametrize("page_size, num_kv_heads, head_dim, dtype, num_rows", [
-    (8, 2, 64, "float32", 13),
-    (16, 4, 128, "bfloat16", 40),
-    (32, 1, 256, "bfloat16", 7),
-    (16, 3, 64, "float32", 21),  # row width 192: not a power of two
-])
-def test_ring_write_matches_reference(page_size, num_kv_heads, head_dim, dtype, num_rows,
-                                      request):
-  rng = _rng(request)
-  num_pages = 12
-  k_pages, v_pages = _pools(rng, num_pages, page_size, num_kv_heads, head_dim, dtype)
-  # Distinct real slots outside the scratch page; padding rows all hit slot 0..3.
-  num_padding = 3
-  real = rng.choice(np.arange(page_size, num_pages * page_size), num_rows - num_padding,
-                    replace=False)
-  slots = np.concatenate([real, rng.integers(0, 4, num_padding)])
-  order = rng.permutation(num_rows)
-  slots = jnp.asarray(slots[order], jnp.int32)
-  new_shape = (num_rows, num_kv_heads, head_dim)
-  k_new = jnp.asarray(rng.standard_normal(new_shape), dtype)
-  v_new = jnp.asarray(rng.standard_normal(new_shape), dtype)
+@pytest.mark.parametrize(
+    "page_size, num_kv_heads, head_dim, dtype, num_rows",
+    [
+        (8, 2, 64, "float32", 13),
+        (16, 4, 128, "bfloat16", 40),
+        (32, 1, 256, "bfloat16", 7),
+        (16, 3, 64, "float32", 21),  # row width 192: not a power of two
+    ],
+)
+def test_ring_write_matches_reference(page_size, num_kv_heads, head_dim, dtype, num_rows, request):
+    rng = _rng(request)
+    num_pages = 12
+    k_pages, v_pages = _pools(rng, num_pages, page_size, num_kv_heads, head_dim, dtype)
+    # Distinct real slots outside the scratch page; padding rows all hit slot 0..3.
+    num_padding = 3
+    real = rng.choice(np.arange(page_size, num_pages * page_size), num_rows - num_padding, replace=False)
+    slots = np.concatenate([real, rng.integers(0, 4, num_padding)])
+    order = rng.permutation(num_rows)
+    slots = jnp.asarray(slots[order], jnp.int32)
+    new_shape = (num_rows, num_kv_heads, head_dim)
+    k_new = jnp.asarray(rng.standard_normal(new_shape), dtype)
+    v_new = jnp.asarray(rng.standard_normal(new_shape), dtype)
 
-  k_ref, v_ref = ring_write_reference(k_pages, v_pages, k_new, v_new, slots)
-  before_k, before_v = np.asarray(k_pages), np.asarray(v_pages)
-  k_out, v_out = ring_write(k_pages, v_pages, k_new, v_new, slots, interpret=True)
-  assert k_out.shape == before_k.shape and k_out.dtype == before_k.dtype
+    k_ref, v_ref = ring_write_reference(k_pages, v_pages, k_new, v_new, slots)
+    before_k, before_v = np.asarray(k_pages), np.asarray(v_pages)
+    k_out, v_out = ring_write(k_pages, v_pages, k_new, v_new, slots, interpret=True)
+    assert k_out.shape == before_k.shape and k_out.dtype == before_k.dtype
 
-  # Page 0 is scratch: padding rows land there in unspecified order.
-  for got, want, before, new in ((k_out, k_ref, before_k, k_new), (v_out, v_ref, before_v, v_new)):
-    got, want = np.asarray(got)[1:], np.asarray(want)[1:]
-    np.testing.assert_array_equal(got, want)
-    flat = got.reshape(-1, num_kv_heads, head_dim)
-    written = np.asarray(slots) - page_size
-    keep = np.ones(len(flat), bool)
-    keep[written[written >= 0]] = False
-    np.testing.assert_array_equal(flat[keep],
-                                  before[1:].reshape(-1, num_kv_heads, head_dim)[keep])
-    real_rows = np.asarray(slots) >= page_size
-    np.testing.assert_array_equal(flat[written[real_rows]], np.asarray(new)[real_rows])
+    # Page 0 is scratch: padding rows land there in unspecified order.
+    for got, want, before, new in ((k_out, k_ref, before_k, k_new), (v_out, v_ref, before_v, v_new)):
+        got, want = np.asarray(got)[1:], np.asarray(want)[1:]
+        np.testing.assert_array_equal(got, want)
+        flat = got.reshape(-1, num_kv_heads, head_dim)
+        written = np.asarray(slots) - page_size
+        keep = np.ones(len(flat), bool)
+        keep[written[written >= 0]] = False
+        np.testing.assert_array_equal(flat[keep], before[1:].reshape(-1, num_kv_heads, head_dim)[keep])
+        real_rows = np.asarray(slots) >= page_size
+        np.testing.assert_array_equal(flat[written[real_rows]], np.asarray(new)[real_rows])
 
 
 def test_ring_write_donates_pools(request):
-  rng = _rng(request)
-  k_pages, v_pages = _pools(rng, 4, 8, 2, 64, "float32")
-  slots = jnp.asarray([9, 17, 30], jnp.int32)
-  k_new = jnp.asarray(rng.standard_normal((3, 2, 64)), jnp.float32)
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")  # "donated buffers were not usable"
-    k_out, _ = ring_write(k_pages, v_pages, k_new, k_new + 1, slots, interpret=True)
-  assert k_pages.is_deleted() and v_pages.is_deleted()
-  np.testing.assert_array_equal(np.asarray(k_out)[1, 1], np.asarray(k_new)[0])
+    rng = _rng(request)
+    k_pages, v_pages = _pools(rng, 4, 8, 2, 64, "float32")
+    slots = jnp.asarray([9, 17, 30], jnp.int32)
+    k_new = jnp.asarray(rng.standard_normal((3, 2, 64)), jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "donated buffers were not usable"
+        k_out, _ = ring_write(k_pages, v_pages, k_new, k_new + 1, slots, interpret=True)
+    assert k_pages.is_deleted() and v_pages.is_deleted()
+    np.testing.assert_array_equal(np.asarray(k_out)[1, 1], np.asarray(k_new)[0])
 
 
 def test_ring_write_drops_out_of_range_slots(request):
-  rng = _rng(request)
-  k_pages, v_pages = _pools(rng, 4, 8, 1, 64, "float32")
-  before = np.asarray(k_pages)
-  slots = jnp.asarray([5, 32, -1, 100], jnp.int32)
-  k_new = jnp.asarray(rng.standard_normal((4, 1, 64)), jnp.float32)
-  k_out, _ = ring_write(k_pages, v_pages, k_new, k_new, slots, interpret=True)
-  expected = before.copy()
-  expected[0, 5] = np.asarray(k_new)[0]
-  np.testing.assert_array_equal(np.asarray(k_out), expected)
+    rng = _rng(request)
+    k_pages, v_pages = _pools(rng, 4, 8, 1, 64, "float32")
+    before = np.asarray(k_pages)
+    slots = jnp.asarray([5, 32, -1, 100], jnp.int32)
+    k_new = jnp.asarray(rng.standard_normal((4, 1, 64)), jnp.float32)
+    k_out, _ = ring_write(k_pages, v_pages, k_new, k_new, slots, interpret=True)
+    expected = before.copy()
+    expected[0, 5] = np.asarray(k_new)[0]
+    np.testing.assert_array_equal(np.asarray(k_out), expected)
 
 
 def test_ring_storage_round_trip(request):
-  """Decode a sequence token by token through a ring of 3 pages past several
-  wraps; windowed attention over the ring equals attention over the last
-  `window` keys kept contiguously."""
-  rng = _rng(request)
-  page_size, ring_pages, window, num_kv_heads, group, head_dim = 8, 3, 20, 2, 2, 64
-  ring_rows = page_size * ring_pages
-  num_pages = 6
-  k_pages, v_pages = _pools(rng, num_pages, page_size, num_kv_heads, head_dim, "float32")
-  page_table = jnp.asarray([[0, 0, 0, 0], [4, 1, 5, 0]], jnp.int32)  # seq in slot 1
-  total = 3 * ring_rows + 5
-  keys = rng.standard_normal((total, num_kv_heads, head_dim)).astype(np.float32)
-  values = rng.standard_normal((total, num_kv_heads, head_dim)).astype(np.float32)
-  table = np.asarray(page_table)[1]
-  for start in range(0, total, 7):  # chunks of 7 new rows, 1 padding row
-    j = np.arange(start, min(start + 7, total))
-    r = j % ring_rows
-    slots = np.append(table[r // page_size] * page_size + r % page_size, 0)
-    pad = np.zeros((1, num_kv_heads, head_dim), np.float32)
-    k_pages, v_pages = ring_write(
-        k_pages, v_pages, jnp.asarray(np.concatenate([keys[j], pad])),
-        jnp.asarray(np.concatenate([values[j], pad])), jnp.asarray(slots, jnp.int32),
-        interpret=True)
-  q = rng.standard_normal((1, num_kv_heads * group, head_dim)).astype(np.float32)
-  seq_info = jnp.asarray([[0, 1, 1, total]], jnp.int32)
-  scale = head_dim ** -0.5
-  got = varlen_attention(jnp.asarray(q), k_pages, v_pages, page_table, seq_info,
-                         ring_rows=ring_rows, window=window, scale=scale, num_splits=2,
-                         block_sizes=BlockSizes(block_m=16, block_k=16), interpret=True)
-  k_win = np.repeat(keys[total - window:], group, axis=1)  # [W, Hq, D]
-  v_win = np.repeat(values[total - window:], group, axis=1)
-  s = np.einsum("hd,whd->hw", q[0], k_win) * scale
-  p = np.exp(s - s.max(-1, keepdims=True))
-  want = np.einsum("hw,whd->hd", p / p.sum(-1, keepdims=True), v_win)
-  np.testing.assert_allclose(np.asarray(got)[0], want, atol=2e-5, rtol=2e-5)
+    """Decode a sequence token by token through a ring of 3 pages past several
+    wraps; windowed attention over the ring equals attention over the last
+    `window` keys kept contiguously."""
+    rng = _rng(request)
+    page_size, ring_pages, window, num_kv_heads, group, head_dim = 8, 3, 20, 2, 2, 64
+    ring_rows = page_size * ring_pages
+    num_pages = 6
+    k_pages, v_pages = _pools(rng, num_pages, page_size, num_kv_heads, head_dim, "float32")
+    page_table = jnp.asarray([[0, 0, 0, 0], [4, 1, 5, 0]], jnp.int32)  # seq in slot 1
+    total = 3 * ring_rows + 5
+    keys = rng.standard_normal((total, num_kv_heads, head_dim)).astype(np.float32)
+    values = rng.standard_normal((total, num_kv_heads, head_dim)).astype(np.float32)
+    table = np.asarray(page_table)[1]
+    for start in range(0, total, 7):  # chunks of 7 new rows, 1 padding row
+        j = np.arange(start, min(start + 7, total))
+        r = j % ring_rows
+        slots = np.append(table[r // page_size] * page_size + r % page_size, 0)
+        pad = np.zeros((1, num_kv_heads, head_dim), np.float32)
+        k_pages, v_pages = ring_write(
+            k_pages,
+            v_pages,
+            jnp.asarray(np.concatenate([keys[j], pad])),
+            jnp.asarray(np.concatenate([values[j], pad])),
+            jnp.asarray(slots, jnp.int32),
+            interpret=True,
+        )
+    q = rng.standard_normal((1, num_kv_heads * group, head_dim)).astype(np.float32)
+    seq_info = jnp.asarray([[0, 1, 1, total]], jnp.int32)
+    scale = head_dim**-0.5
+    got = varlen_attention(
+        jnp.asarray(q),
+        k_pages,
+        v_pages,
+        page_table,
+        seq_info,
+        ring_rows=ring_rows,
+        window=window,
+        scale=scale,
+        num_splits=2,
+        block_sizes=BlockSizes(block_m=16, block_k=16),
+        interpret=True,
+    )
+    k_win = np.repeat(keys[total - window :], group, axis=1)  # [W, Hq, D]
+    v_win = np.repeat(values[total - window :], group, axis=1)
+    s = np.einsum("hd,whd->hw", q[0], k_win) * scale
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("hw,whd->hd", p / p.sum(-1, keepdims=True), v_win)
+    np.testing.assert_allclose(np.asarray(got)[0], want, atol=2e-5, rtol=2e-5)
 
 
 def _valid_args():
-  pages = jnp.ones((4, 8, 2, 64), jnp.float32)
-  new = jnp.ones((3, 2, 64), jnp.float32)
-  return dict(k_pages=pages, v_pages=pages + 0, k_new=new, v_new=new,
-              slots=jnp.zeros((3,), jnp.int32))
+    pages = jnp.ones((4, 8, 2, 64), jnp.float32)
+    new = jnp.ones((3, 2, 64), jnp.float32)
+    return dict(k_pages=pages, v_pages=pages + 0, k_new=new, v_new=new, slots=jnp.zeros((3,), jnp.int32))
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(k_pages=jnp.ones((4, 8, 128), jnp.float32)), r"k_pages \(4, 8, 128\)"),
-    (dict(v_pages=jnp.ones((4, 8, 2, 64), jnp.bfloat16)), r"share one dtype.*bfloat16"),
-    (dict(v_new=jnp.ones((2, 2, 64), jnp.float32)), r"k_new and v_new.*\(2, 2, 64\)"),
-    (dict(k_new=jnp.ones((3, 2, 32), jnp.float32), v_new=jnp.ones((3, 2, 32), jnp.float32)),
-     r"\[Hkv, D\] must match.*\(3, 2, 32\)"),
-    (dict(slots=jnp.zeros((4,), jnp.int32)), r"slots must be i32\[T\].*\(4,\)"),
-    (dict(slots=jnp.zeros((3,), jnp.float32)), r"slots must be i32\[T\].*float32"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(k_pages=jnp.ones((4, 8, 128), jnp.float32)), r"k_pages \(4, 8, 128\)"),
+        (dict(v_pages=jnp.ones((4, 8, 2, 64), jnp.bfloat16)), r"share one dtype.*bfloat16"),
+        (dict(v_new=jnp.ones((2, 2, 64), jnp.float32)), r"k_new and v_new.*\(2, 2, 64\)"),
+        (
+            dict(k_new=jnp.ones((3, 2, 32), jnp.float32), v_new=jnp.ones((3, 2, 32), jnp.float32)),
+            r"\[Hkv, D\] must match.*\(3, 2, 32\)",
+        ),
+        (dict(slots=jnp.zeros((4,), jnp.int32)), r"slots must be i32\[T\].*\(4,\)"),
+        (dict(slots=jnp.zeros((3,), jnp.float32)), r"slots must be i32\[T\].*float32"),
+    ],
+)
 def test_ring_write_validation_errors(change, match):
-  with pytest.raises(ValueError, match=match):
-    ring_write(**(_valid_args() | change), interpret=True)
+    with pytest.raises(ValueError, match=match):
+        ring_write(**(_valid_args() | change), interpret=True)
