@@ -19,7 +19,7 @@ class EngineConfig:
     page_size: int = 16
     max_step_tokens: int = 4096
     forward_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    max_sample_rows: int = 64
+    max_sample_rows: int | None = None  # rows of logits a step returns; default max_seqs
     min_prefill_chunk: int = 16
     num_pages: int | None = None
     memory_fraction: float = 0.9
@@ -28,6 +28,8 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self):
+        if self.max_sample_rows is None:  # every running sequence can sample in one step
+            object.__setattr__(self, "max_sample_rows", self.max_seqs)
         object.__setattr__(self, "forward_sizes", tuple(sorted(set(int(w) for w in self.forward_sizes))))
         for name in ("max_seqs", "page_size", "max_step_tokens", "max_sample_rows", "min_prefill_chunk"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:

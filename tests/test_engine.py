@@ -199,3 +199,12 @@ def test_wide_step_output_does_not_scale_with_width_times_vocab():
     assert wide.temp_size_in_bytes < full_logits / 4
     print(f"width 4096: output {wide.output_size_in_bytes:,} B, temp {wide.temp_size_in_bytes:,} B; "
           f"full logits would be {full_logits:,} B")
+
+
+def test_fewer_sample_rows_than_sequences_gives_the_same_tokens():
+    rng = np.random.default_rng(8)
+    prompts, params = mixed_requests(rng, 256, count=7)
+    wide = [o.token_ids for o in tiny_engine().generate(prompts, params)]
+    narrow_engine = tiny_engine(max_sample_rows=2)
+    assert narrow_engine.config.max_sample_rows == 2 and tiny_engine().config.max_sample_rows == 8
+    assert [o.token_ids for o in narrow_engine.generate(prompts, params)] == wide

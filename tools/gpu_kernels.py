@@ -91,9 +91,11 @@ def _to_device(inputs, dtype):
     return {k: jnp.asarray(v, dtype) if v.dtype == np.float32 else jnp.asarray(v) for k, v in inputs.items()}
 
 
-def run_sweep(rng, *, interpret=False, max_cases=None):
+def run_sweep(rng, *, interpret=False, max_cases=None, only=None):
     results = []
     for name, case, variants in sweep_cases()[:max_cases]:
+        if only and not any(o in name for o in only):
+            continue
         inputs = make_attention_inputs(case, rng)
         args = _to_device(inputs, case.dtype)
         opts = dict(
@@ -304,15 +306,17 @@ def main():
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--interpret", action="store_true", help="CPU dry run of the sweep")
     parser.add_argument("--max-cases", type=int, default=None)
+    parser.add_argument("--only", default="", help="comma-separated substrings of sweep case names")
     parser.add_argument("--quick", action="store_true", help="tiny timing shapes")
     flags = parser.parse_args()
     print(jax.__version__, jax.devices())
     t0 = time.time()
+    if not flags.skip_sweep:
+        run_sweep(np.random.default_rng(int(time.time())), interpret=flags.interpret, max_cases=flags.max_cases,
+                  only=[o for o in flags.only.split(",") if o])
+        print(f"sweep took {time.time() - t0:.0f}s")
     if not flags.skip_timing:
         run_timing(quick=flags.quick, interpret=flags.interpret)
-        print(f"timing took {time.time() - t0:.0f}s")
-    if not flags.skip_sweep:
-        run_sweep(np.random.default_rng(int(time.time())), interpret=flags.interpret, max_cases=flags.max_cases)
     print(f"total {time.time() - t0:.0f}s")
 
 
