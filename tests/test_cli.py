@@ -1,0 +1,69 @@
+"""The command line and text prompts through an HF tokenizer."""
+import json
+import shutil
+
+import pytest
+from conftest import HF_FIXTURES
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from glint.export.checkpoint import convert
+from glint.runtime.cli import build_parser, main
+from glint.runtime.engine import Engine
+from glint.runtime.params import SamplingParams
+
+LLAMA = HF_FIXTURES / "llama"
+SMALL = ["--max-seqs", "4", "--page-size", "8", "--max-step-tokens", "64", "--num-pages", "64", "--capacity", "128"]
+
+
+def reference_case():
+    return json.loads((LLAMA / "reference.json").read_text())["cases"][0]
+
+
+@pytest.mark.parametrize("command", ["convert", "info", "generate", "demo", "bench"])
+def test_every_subcommand_has_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args([command, "--help"])
+    assert exit_.value.code == 0 and "usage: glint " + command in capsys.readouterr().out
+
+
+def test_generate_json_matches_reference(capsys):
+    case = reference_case()
+    code = main(["generate", str(LLAMA), "--prompt-ids", " ".join(map(str, case["prompt"])), "--max-tokens", "12",
+                 "--temperature", "0", "--ignore-eos", "--json", "--dtype", "float32", *SMALL])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["outputs"][0]["token_ids"] == case["greedy"][:12]
+    assert out["outputs"][0]["finish_reason"] == "length"
+
+
+def test_generate_streams_tokens(capsys):
+    case = reference_case()
+    assert main(["generate", str(LLAMA), "--prompt-ids", " ".join(map(str, case["prompt"])), "--max-tokens", "6",
+                 "--temperature", "0", "--ignore-eos", "--dtype", "float32", *SMALL]) == 0
+    printed = capsys.readouterr().out.split()
+    assert [int(t) for t in printed[:6]] == case["greedy"][:6] and printed[6] == "[length]"
+
+
+def test_bad_cli_input_is_a_clear_error(capsys):
+    assert main(["generate", str(LLAMA), "--prompt-ids", "1 2 99999", "--max-tokens", "4", *SMALL]) == 2
+    assert "token id 99999 is outside the vocabulary [0, 320)" in capsys.readouterr().err
+    assert main(["info", "no-such-model"]) == 2
+
+
+def test_text_prompts_through_the_tokenizer(tmp_path):
+    """A checkpoint with tokenizer.json takes text and returns text; conversion carries the tokenizer along."""
+    hf = tmp_path / "hf"
+    shutil.copytree(LLAMA, hf)
+    vocab = {f"w{i}": i for i in range(320)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(hf / "tokenizer.json"))
+    convert(hf, tmp_path / "orbax", dtype="float32", show_progress=False)
+    case = reference_case()
+    prompt = " ".join(f"w{t}" for t in case["prompt"])
+    for folder in (hf, tmp_path / "orbax"):
+        engine = Engine.from_pretrained(str(folder), dtype="float32", max_seqs=4, page_size=8, max_step_tokens=64,
+                                        num_pages=64, capacity=128)
+        out = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+        assert out.token_ids == case["greedy"][:8]
+        assert out.text == " ".join(f"w{t}" for t in case["greedy"][:8])
