@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from test_kvcache_control import make_config
+
 from glint.kvcache import CacheConfig
-
-
-def make_config(**overrides) -> CacheConfig:
-    fields = dict(
-        page_size=4, num_pages=40, max_seqs=4, max_write=8, capacity=64,
-        windows=(0, 8, 0, 8), kv_heads=2, head_dim=8,
-    )
-    fields.update(overrides)
-    return CacheConfig(**fields)
 
 
 @pytest.mark.parametrize(
