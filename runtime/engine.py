@@ -262,7 +262,8 @@ class Engine:
             if s.req.status is Status.FINISHED:
                 continue  # finished or aborted while this step ran: its token is dropped
             drawn = next_tokens[s.row:s.row + 1 + s.num_children].tolist()
-            lps = [None if lp is None else self._row_logprobs(lp, s.row + i) for i in range(len(drawn))]
+            k = s.req.params.logprobs
+            lps = [self._row_logprobs(lp, s.row + i, k, t) if k else None for i, t in enumerate(drawn)]
             for i, token in enumerate(drawn[1:]):
                 self._spawn_child(s, i + 1, token, lps[i + 1])
             s.req.generated[s.index] = drawn[0]
@@ -319,9 +320,11 @@ class Engine:
         return int(np.random.default_rng([req.seed, i]).integers(0, 2**32))
 
     @staticmethod
-    def _row_logprobs(lp, row: int) -> dict[int, float]:
-        """The sampled token's logprob and the top alternatives (token id -> logprob)."""
-        return {int(t): float(v) for t, v in zip(np.asarray(lp.top_ids[row]), np.asarray(lp.top[row]))}
+    def _row_logprobs(lp, row: int, k: int, token: int) -> dict[int, float]:
+        """The `k` most likely tokens and the sampled one (token id -> logprob), as vLLM reports them."""
+        out = {int(t): float(v) for t, v in zip(lp.top_ids[row][:k], lp.top[row][:k])}
+        out[token] = float(lp.token[row])
+        return out
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -208,3 +208,25 @@ def test_fewer_sample_rows_than_sequences_gives_the_same_tokens():
     narrow_engine = tiny_engine(max_sample_rows=2)
     assert narrow_engine.config.max_sample_rows == 2 and tiny_engine().config.max_sample_rows == 8
     assert [o.token_ids for o in narrow_engine.generate(prompts, params)] == wide
+
+
+def test_logprobs_are_the_models_log_softmax():
+    engine = tiny_engine()
+    prompt = [7, 8, 9, 10]
+    out = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True))[0]
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 4
+    from glint.model.attention import DenseMeta, dense_attention
+
+    tokens = prompt + out.token_ids
+    n = len(tokens)
+    hidden, _ = transformer.forward(engine.graphdef, engine.params, np.asarray(tokens), np.arange(n), dense_attention,
+                                    None, DenseMeta.single(n))
+    expected = np.asarray(jax.nn.log_softmax(transformer.compute_logits(engine.graphdef, engine.params, hidden), -1))
+    for i, (token, lps) in enumerate(zip(out.token_ids, completion.logprobs)):
+        row = expected[len(prompt) - 1 + i]
+        top3 = np.argsort(-row)[:3]
+        assert set(lps) == set(top3.tolist()) | {token}
+        for t, v in lps.items():
+            assert abs(v - row[t]) < 1e-4
+    assert engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))[0].outputs[0].logprobs is None
