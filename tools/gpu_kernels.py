@@ -219,6 +219,9 @@ def run_timing(*, quick=False, interpret=False):
     def glint(**kw):
         return lambda q_, *a: varlen_attention(q_, *a, scale=scale, interpret=interpret, **kw)
 
+    def reference(q_, *a):  # the engine's non-Pallas path (attention="reference"), jitted jnp
+        return varlen_attention_reference(q_, *a, scale=scale)
+
     def cudnn(causal):
         return lambda q_, k_, v_: jax.nn.dot_product_attention(
             q_, k_, v_, scale=scale, is_causal=causal, implementation="cudnn"
@@ -230,7 +233,7 @@ def run_timing(*, quick=False, interpret=False):
     )
     print(
         f"{'batch':>5} {'ctx':>6} | {'glint us':>9} {'GB/s':>6} {'splits':>6} | "
-        f"{'1split us':>9} {'GB/s':>6} | {'cudnn us':>9} {'GB/s':>6} | {'err':>7}"
+        f"{'1split us':>9} {'GB/s':>6} | {'cudnn us':>9} {'GB/s':>6} | {'err':>7} | {'jnp ref us':>10}"
     )
     for batch, ctx in decode_shapes:
         kv_bytes = 2 * batch * ctx * hkv * d * 2
@@ -251,6 +254,7 @@ def run_timing(*, quick=False, interpret=False):
             tc = bench(cudnn(False), dense)
             err = rel_err(ours.reshape(batch, 1, hq, d), cudnn(False)(*dense))
             line += f" {tc * 1e6:9.1f} {kv_bytes / tc / 1e9:6.0f} | {err:7.1e}"
+            line += f" | {bench(reference, paged) * 1e6:10.1f}"
             del paged, dense, ours
         except Exception as e:
             line += f" ERROR {type(e).__name__}: {str(e)[:400]}"
@@ -278,7 +282,7 @@ def run_timing(*, quick=False, interpret=False):
     print("\nPREFILL (causal, q_len = ctx, Hq 32 / Hkv 8, D 128, bf16, page 16): TFLOP/s")
     print(
         f"{'batch':>5} {'q_len':>6} | {'glint ms':>8} {'TF/s':>5} | {'m128w8 ms':>9} {'TF/s':>5} | "
-        f"{'cudnn ms':>8} {'TF/s':>5} | {'err':>7}"
+        f"{'cudnn ms':>8} {'TF/s':>5} | {'err':>7} | {'jnp ref ms':>10}"
     )
     big = BlockSizes(block_m=128, block_k=64, num_warps=8, num_stages=3)
     for batch, q_len in prefill_shapes:
@@ -294,6 +298,7 @@ def run_timing(*, quick=False, interpret=False):
             tc = bench(cudnn(True), dense)
             err = rel_err(glint()(*paged).reshape(batch, q_len, hq, d), cudnn(True)(*dense))
             line += f" {tc * 1e3:8.3f} {flops / tc / 1e12:5.0f} | {err:7.1e}"
+            line += f" | {bench(reference, paged) * 1e3:10.3f}"
             del paged, dense
         except Exception as e:
             line += f" ERROR {type(e).__name__}: {str(e)[:400]}"
