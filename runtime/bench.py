@@ -127,12 +127,18 @@ class StepBench:
                           100 * ideal / device)
 
 
-def end_to_end(engine: Engine, num_requests: int, prompt_len: int, gen_len: int, seed: int = 0) -> dict:
+def end_to_end(engine: Engine, num_requests: int, prompt_len: int, gen_len: int, spread: float = 0.0,
+               seed: int = 0) -> dict:
+    """Greedy generation for `num_requests` random prompts; lengths uniform in [(1 - spread) x, (1 + spread) x]."""
     rng = np.random.default_rng(seed)
     vocab = engine.model.vocab_size
-    prompts = [rng.integers(0, vocab, prompt_len).tolist() for _ in range(num_requests)]
-    params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
-    engine.generate(prompts[: min(4, num_requests)], params)  # warm the buckets this mix uses
+
+    def length(n: int) -> int:
+        return max(1, int(rng.integers(int(n * (1 - spread)), int(n * (1 + spread)) + 1)))
+
+    prompts = [rng.integers(0, vocab, length(prompt_len)).tolist() for _ in range(num_requests)]
+    params = [SamplingParams(max_tokens=length(gen_len), temperature=0.0, ignore_eos=True) for _ in prompts]
+    engine.generate(prompts[: min(4, num_requests)], params[: min(4, num_requests)])  # warm-up
     engine.stats = type(engine.stats)()
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params, progress=True)
@@ -140,14 +146,14 @@ def end_to_end(engine: Engine, num_requests: int, prompt_len: int, gen_len: int,
     generated = sum(len(o.token_ids) for o in outs)
     s = engine.stats
     steps = sum(s.steps_per_bucket.values())
-    return dict(requests=num_requests, prompt_len=prompt_len, gen_len=gen_len, wall_s=wall,
+    return dict(requests=num_requests, prompt_len=prompt_len, gen_len=gen_len, length_spread=spread, wall_s=wall,
                 output_tokens_per_s=generated / wall, steps=steps, host_ms_per_step=1e3 * s.host_seconds / steps,
                 wait_ms_per_step=1e3 * s.wait_seconds / steps, preemptions=s.preemptions,
                 steps_per_bucket=dict(sorted(s.steps_per_bucket.items())))
 
 
 def workload_ceiling(engine: Engine, bench: StepBench, e2e: dict, flops: float) -> float:
-    """Output tokens/s if prefill ran at the matmul rate and decode at the copy bandwidth."""
+    """Output tokens/s if prefill ran at the matmul rate and decode at the copy bandwidth (mean lengths)."""
     n, p, g = e2e["requests"], e2e["prompt_len"], e2e["gen_len"]
     prefill_s = 2 * engine.model.num_params * n * p / flops
     batch = min(n, engine.config.max_seqs)
@@ -188,7 +194,7 @@ def run_bench(args) -> dict:
               for c in contexts]
     result["decode"] = [dataclasses.asdict(t) for t in decode]
     if args.requests:
-        e2e = end_to_end(engine, args.requests, args.prompt_len, args.e2e_gen_len or args.gen_len)
+        e2e = end_to_end(engine, args.requests, args.prompt_len, args.e2e_gen_len or args.gen_len, args.length_spread)
         e2e["ceiling_tokens_per_s"] = workload_ceiling(engine, bench, e2e, flops)
         e2e["fraction_of_ceiling"] = e2e["output_tokens_per_s"] / e2e["ceiling_tokens_per_s"]
         result["end_to_end"] = e2e
@@ -253,6 +259,8 @@ def register(sub) -> None:
     p.add_argument("--requests", type=int, default=256, help="end-to-end requests (0: skip)")
     p.add_argument("--e2e-gen-len", type=int, default=0, help="generated tokens per end-to-end request "
                    "(default --gen-len)")
+    p.add_argument("--length-spread", type=float, default=0.0,
+                   help="end-to-end prompt and output lengths uniform within +- this fraction (0: fixed)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-step-tokens", type=int, default=4096)
