@@ -114,6 +114,8 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         tokens = self._encode(prompt)
+        if params.n > self.config.max_sample_rows:
+            raise ValueError(f"n={params.n} exceeds max_sample_rows {self.config.max_sample_rows}")
         if len(tokens) + params.max_tokens > self.capacity:
             raise ValueError(f"prompt of {len(tokens)} tokens + max_tokens {params.max_tokens} exceeds the context "
                              f"capacity {self.capacity}")
@@ -138,12 +140,17 @@ class Engine:
     def output(self, rid: int) -> RequestOutput:
         req = self._requests[rid]
         reqs = [req, *self._children.get(rid, [])]
-        outs = [Completion(r.generated, r.finish_reason, self._decode(r.generated),
-                           r.logprobs if r.params.logprobs else None) for r in reqs]
+        outs = []
+        for r in reqs:
+            tokens = [t for t in r.generated if t >= 0]  # not a token still in flight
+            outs.append(Completion(tokens, r.finish_reason, self._decode(tokens),
+                                   r.logprobs if r.params.logprobs else None))
         return RequestOutput(rid, req.prompt, outs)
 
     def release(self, rid: int) -> None:
         """Forget a finished request's bookkeeping."""
+        if rid in self._requests and not self._is_done(rid):
+            raise ValueError(f"request {rid} is not finished; abort it first")
         for child in self._children.pop(rid, []):
             self._requests.pop(child.rid, None)
         self._requests.pop(rid, None)
@@ -265,12 +272,12 @@ class Engine:
             k = s.req.params.logprobs
             lps = [self._row_logprobs(lp, s.row + i, k, t) if k else None for i, t in enumerate(drawn)]
             for i, token in enumerate(drawn[1:]):
-                self._spawn_child(s, i + 1, token, lps[i + 1])
+                self._spawn_child(s, i + 1, token, lps[i + 1], new)
             s.req.generated[s.index] = drawn[0]
             self._accept(s.req, drawn[0], s.index + 1, lps[0], new)
         return new
 
-    def _spawn_child(self, s: Sampled, i: int, token: int, lp) -> None:
+    def _spawn_child(self, s: Sampled, i: int, token: int, lp, new: dict[int, list[int]]) -> None:
         """Completion i of an n > 1 request: a clone of the prompt's pages, with its own first token."""
         parent = s.req
         child = Request(self._new_rid(), parent.prompt, parent.params, self._child_seed(parent, i),
@@ -283,7 +290,7 @@ class Engine:
         else:
             child.seq, child.num_cached, child.status = seq, s.num_cached, Status.RUNNING
             self.scheduler.running.append(child)
-        self._accept(child, token, s.index + 1, lp, {})
+        self._accept(child, token, s.index + 1, lp, new)
 
     def _accept(self, req: Request, token: int, num_generated: int, lp, new: dict[int, list[int]]) -> None:
         """Record a sampled token (the request's `num_generated`-th) and apply the stop rules."""
@@ -298,6 +305,7 @@ class Engine:
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
+        req.num_children = 0  # an n > 1 request finished before it sampled spawns nothing
         req.generated = [t for t in req.generated if t >= 0]  # drop a token still in flight
         self.scheduler.retire(req)
 

@@ -230,3 +230,27 @@ def test_logprobs_are_the_models_log_softmax():
         for t, v in lps.items():
             assert abs(v - row[t]) < 1e-4
     assert engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))[0].outputs[0].logprobs is None
+
+
+def test_streaming_n_samples_reports_every_token_and_no_placeholders():
+    engine = tiny_engine()
+    rid = engine.add_request(list(range(5, 25)), SamplingParams(max_tokens=5, temperature=1.0, seed=7, n=3,
+                                                                ignore_eos=True))
+    streamed: dict[int, list[int]] = {}
+    while engine.has_unfinished():
+        for r, toks in engine.step().items():
+            streamed.setdefault(r, []).extend(toks)
+        assert all(t >= 0 for c in engine.output(rid).outputs for t in c.token_ids)
+    out = engine.output(rid)
+    assert len(out.outputs) == 3
+    assert sorted(streamed.values()) == sorted(c.token_ids for c in out.outputs)
+
+
+def test_unschedulable_configurations_are_refused_up_front():
+    engine = tiny_engine(max_sample_rows=2)
+    with pytest.raises(ValueError, match="n=3 exceeds max_sample_rows 2"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, n=3))
+    from glint.runtime.config import EngineConfig
+
+    with pytest.raises(ValueError, match="min_prefill_chunk 16 exceeds max_step_tokens 8"):
+        EngineConfig(max_step_tokens=8, forward_sizes=(1, 2, 4, 8))
