@@ -22,7 +22,7 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
 
 
 def flatten(params) -> dict[str, jax.Array]:
-    """Nested parameter dict -> {"layers.0.attn.wq.kernel": array}."""
+    """Nested parameter dict -> {"layers.0.attn.wqkv.kernel": array}."""
     flat = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         flat[".".join(str(getattr(k, "key", k)) for k in path)] = leaf

@@ -17,30 +17,43 @@ IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 @dataclass(frozen=True)
 class Entry:
-    """One checkpoint tensor: its HF name, our flat parameter path, and how to transform it."""
+    """One glint parameter: the HF tensors it is made of and how to transform them.
 
-    hf_name: str
-    path: str  # dotted glint parameter path, e.g. "layers.0.attn.wq.kernel"
+    Several HF tensors (q/k/v, gate/up projections) are concatenated along the output axis.
+    """
+
+    hf_names: tuple[str, ...]
+    path: str  # dotted glint parameter path, e.g. "layers.0.attn.wqkv.kernel"
     transpose: bool = False  # HF Linear weights are [out, in]; ours are [in, out]
     norm: bool = False  # norm weight: kept in float32, +1 when the checkpoint stores deltas
+    widths: tuple[int, ...] = ()  # output width of each part when several are concatenated
+
+
+def _entry(hf_name: str, path: str, **kw) -> Entry:
+    return Entry((hf_name,), path, **kw)
 
 
 def _layer_table(cfg: ModelConfig, i: int) -> list[Entry]:
     hf, ours = f"model.layers.{i}.", f"layers.{i}."
-    table = [Entry(hf + "input_layernorm.weight", ours + "attn_norm.weight", norm=True)]
-    for proj, name in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo")):
-        table.append(Entry(f"{hf}self_attn.{proj}.weight", f"{ours}attn.{name}.kernel", transpose=True))
-    for proj, name in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
-        table.append(Entry(f"{hf}mlp.{proj}.weight", f"{ours}mlp.{name}.kernel", transpose=True))
+    attn, mlp = hf + "self_attn.", hf + "mlp."
+    table = [
+        _entry(hf + "input_layernorm.weight", ours + "attn_norm.weight", norm=True),
+        Entry(tuple(f"{attn}{p}_proj.weight" for p in "qkv"), ours + "attn.wqkv.kernel", transpose=True,
+              widths=(cfg.num_heads * cfg.head_dim,) + (cfg.num_kv_heads * cfg.head_dim,) * 2),
+        _entry(attn + "o_proj.weight", ours + "attn.wo.kernel", transpose=True),
+        Entry((mlp + "gate_proj.weight", mlp + "up_proj.weight"), ours + "mlp.gate_up.kernel", transpose=True,
+              widths=(cfg.intermediate_size,) * 2),
+        _entry(mlp + "down_proj.weight", ours + "mlp.down.kernel", transpose=True),
+    ]
     if cfg.qk_norm == "rms":
-        table += [Entry(f"{hf}self_attn.q_norm.weight", ours + "attn.q_norm.weight", norm=True),
-                  Entry(f"{hf}self_attn.k_norm.weight", ours + "attn.k_norm.weight", norm=True)]
+        table += [_entry(attn + "q_norm.weight", ours + "attn.q_norm.weight", norm=True),
+                  _entry(attn + "k_norm.weight", ours + "attn.k_norm.weight", norm=True)]
     if cfg.sandwich_norm:  # Gemma: post_attention_layernorm is the attention output's norm
-        table += [Entry(hf + "post_attention_layernorm.weight", ours + "attn_post_norm.weight", norm=True),
-                  Entry(hf + "pre_feedforward_layernorm.weight", ours + "mlp_norm.weight", norm=True),
-                  Entry(hf + "post_feedforward_layernorm.weight", ours + "mlp_post_norm.weight", norm=True)]
+        table += [_entry(hf + "post_attention_layernorm.weight", ours + "attn_post_norm.weight", norm=True),
+                  _entry(hf + "pre_feedforward_layernorm.weight", ours + "mlp_norm.weight", norm=True),
+                  _entry(hf + "post_feedforward_layernorm.weight", ours + "mlp_post_norm.weight", norm=True)]
     else:  # Llama: post_attention_layernorm is the MLP's input norm
-        table.append(Entry(hf + "post_attention_layernorm.weight", ours + "mlp_norm.weight", norm=True))
+        table.append(_entry(hf + "post_attention_layernorm.weight", ours + "mlp_norm.weight", norm=True))
     return table
 
 
@@ -48,9 +61,9 @@ def name_table(cfg: ModelConfig) -> list[Entry]:
     """Every tensor a checkpoint of this config must hold."""
     if cfg.model_type not in ("llama", "mistral", "qwen3", "gemma2", "gemma3_text"):
         raise ValueError(f"no HF name table for model_type {cfg.model_type!r}")
-    table = [Entry("model.embed_tokens.weight", "embed"), Entry("model.norm.weight", "norm.weight", norm=True)]
+    table = [_entry("model.embed_tokens.weight", "embed"), _entry("model.norm.weight", "norm.weight", norm=True)]
     if not cfg.tie_embeddings:
-        table.append(Entry("lm_head.weight", "head.kernel", transpose=True))
+        table.append(_entry("lm_head.weight", "head.kernel", transpose=True))
     for i in range(cfg.num_layers):
         table += _layer_table(cfg, i)
     return table
@@ -94,7 +107,7 @@ def read_hf(hf_dir: pathlib.Path, cfg: ModelConfig, expected_shapes: dict[str, t
     """
     table = name_table(cfg)
     where = _locate(safetensors_files(hf_dir))
-    wanted = {e.hf_name for e in table}
+    wanted = {name for e in table for name in e.hf_names}
     ignored = {k for k in where if k.endswith(IGNORED_SUFFIXES)}
     if cfg.tie_embeddings:  # some tied checkpoints also store the (identical) head
         ignored.add("lm_head.weight")
@@ -105,18 +118,18 @@ def read_hf(hf_dir: pathlib.Path, cfg: ModelConfig, expected_shapes: dict[str, t
                          f"({cfg.num_layers} layers): missing {missing[:20]}, unknown {unknown[:20]}")
     bad = []
     for e in table:
-        with safe_open(where[e.hf_name], "numpy") as st:
-            shape = tuple(st.get_slice(e.hf_name).get_shape())
-        if e.transpose:
-            shape = shape[::-1]
-        if shape != tuple(expected_shapes[e.path]):
-            bad.append(f"{e.hf_name}: {shape} vs expected {tuple(expected_shapes[e.path])}")
+        expected = tuple(expected_shapes[e.path])
+        for name, width in zip(e.hf_names, e.widths or (expected[-1],)):
+            with safe_open(where[name], "numpy") as st:
+                shape = tuple(st.get_slice(name).get_shape())
+            shape, want = shape[::-1] if e.transpose else shape, expected[:-1] + (width,)
+            if shape != want:
+                bad.append(f"{name}: {shape} vs expected {want}")
     if bad:
         raise ValueError(f"mis-shaped tensors in {hf_dir}: " + "; ".join(bad))
     for e in table:
-        x = _read(where[e.hf_name], e.hf_name)
-        if e.transpose:
-            x = x.T
+        parts = [_read(where[name], name) for name in e.hf_names]
+        x = np.concatenate([p.T for p in parts], axis=-1) if e.transpose else np.concatenate(parts, axis=-1)
         if e.norm:
             x = x.astype(np.float32) + (1.0 if cfg.norm_delta else 0.0)
         yield e.path, x

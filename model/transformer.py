@@ -85,9 +85,8 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
         self.spec = LayerAttention(index, cfg.layer_windows[index], cfg.attn_softcap, cfg.scale)
         self.rope = cfg.layer_rope[index]
-        self.wq = Linear(d, cfg.num_heads * hd, dtype=dtype, rngs=rngs)
-        self.wk = Linear(d, cfg.num_kv_heads * hd, dtype=dtype, rngs=rngs)
-        self.wv = Linear(d, cfg.num_kv_heads * hd, dtype=dtype, rngs=rngs)
+        # q, k and v in one matmul: one wide weight read instead of three narrow ones (decode is bound by it)
+        self.wqkv = Linear(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, dtype=dtype, rngs=rngs)
         self.wo = Linear(cfg.num_heads * hd, d, dtype=dtype, rngs=rngs)
         self.wg = Linear(d, cfg.num_heads * hd, dtype=dtype, rngs=rngs) if cfg.attn_output_gate else None
         has_qk_norm, scaled = cfg.qk_norm != "none", cfg.qk_norm == "rms"
@@ -96,9 +95,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, attend: AttentionBackend, cache, meta):
         t = x.shape[0]
-        q = self.wq(x).reshape(t, self.num_heads, self.head_dim)
-        k = self.wk(x).reshape(t, self.num_kv_heads, self.head_dim)
-        v = self.wv(x).reshape(t, self.num_kv_heads, self.head_dim)
+        qkv = self.wqkv(x).reshape(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = jnp.split(qkv, [self.num_heads, self.num_heads + self.num_kv_heads], axis=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
@@ -114,14 +112,13 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.activation = cfg.activation
-        self.gate = Linear(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
-        self.up = Linear(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, dtype=dtype, rngs=rngs)
         self.down = Linear(cfg.intermediate_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
-        g = self.gate(x)
+        g, u = jnp.split(self.gate_up(x), 2, axis=-1)
         g = jax.nn.silu(g) if self.activation == "silu" else jax.nn.gelu(g, approximate=True)
-        return self.down(g * self.up(x))
+        return self.down(g * u)
 
 
 class Block(nnx.Module):

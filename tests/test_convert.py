@@ -76,7 +76,7 @@ def test_convert_bfloat16_and_refuse_overwrite(tmp_path):
     cfg = convert(LLAMA, out, dtype="bfloat16", show_progress=False)
     assert cfg.dtype == "bfloat16" and (out / "config.json").exists()
     cfg2, params = load_checkpoint(out)
-    assert cfg2 == cfg and str(params["layers"][0]["attn"]["wq"]["kernel"].dtype) == "bfloat16"
+    assert cfg2 == cfg and str(params["layers"][0]["attn"]["wqkv"]["kernel"].dtype) == "bfloat16"
     with pytest.raises(ValueError, match="already exists"):
         convert(LLAMA, out, show_progress=False)
 
