@@ -23,13 +23,13 @@ from glint.runtime.step import DeviceMeta, make_copy_fn, make_step_fn, num_logpr
 DEFAULT_MAX_CAPACITY = 32768
 
 
-def cache_config_for(model: ModelConfig, config: EngineConfig, num_pages: int | None = None) -> CacheConfig:
+def cache_config_for(model: ModelConfig, config: EngineConfig) -> CacheConfig:
+    """The KV cache geometry for a model under an engine config (pool size from free memory by default)."""
     capacity = config.capacity or min(model.max_position_embeddings, DEFAULT_MAX_CAPACITY)
     fields = dict(page_size=config.page_size, max_seqs=config.max_seqs, max_write=config.buckets[-1],
                   capacity=capacity, windows=model.layer_windows, kv_heads=model.num_kv_heads,
                   head_dim=model.head_dim, dtype=model.dtype)
-    if num_pages is None:
-        num_pages = config.num_pages or default_num_pages(CacheConfig(num_pages=2, **fields), config.memory_fraction)
+    num_pages = config.num_pages or default_num_pages(CacheConfig(num_pages=2, **fields), config.memory_fraction)
     return CacheConfig(num_pages=num_pages, **fields)
 
 
