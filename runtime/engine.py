@@ -225,7 +225,7 @@ class Engine:
             if any(len(c) for c in meta.copies):
                 self.kv = self._copy_fn(self.kv, pad_copies(meta.copies))
             sampler = SamplerInputs.from_params([r.params for r, _ in sample_reqs],
-                                                [len(r.tokens) for r, _ in sample_reqs],
+                                                [len(r.prompt) + len(r.generated) for r, _ in sample_reqs],
                                                 rows=self.config.max_sample_rows, seeds=[s for _, s in sample_reqs])
             num_lp = num_logprobs_bucket(max((r.params.logprobs for r, _ in sample_reqs), default=0))
             next_tokens, lp, self.kv = self._step_fn(

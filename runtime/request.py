@@ -15,7 +15,7 @@ class Status(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One sequence being generated. `tokens` is prompt + generated; the cache holds `num_cached` of them."""
+    """One sequence being generated: prompt + generated tokens, of which the cache holds `num_cached`."""
 
     rid: int
     prompt: list[int]
@@ -29,10 +29,6 @@ class Request:
     seq: int | None = None
     num_cached: int = 0
     finish_reason: str | None = None
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.generated
 
     def token_slice(self, start: int, count: int) -> list[int]:
         """tokens[start:start + count] without building prompt + generated."""
