@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call that re-measures everything docs/perf.md reports, each stage under its own time limit.
+# Run from the repo root on the GPU machine, with the fixtures copied to .gpu/ (carry it):
+#   mkdir -p .gpu && cp -r ../shared/fixtures/hf .gpu/fixtures && cp -r ../shared/models/stories260K .gpu/
+#   run(command="bash tools/gpu_session.sh kernels", carry=[".gpu"])   # ~4 min
+#   run(command="bash tools/gpu_session.sh bench", carry=[".gpu"])     # ~6 min
+# Logs go to $OUT (or ./out).
+set -u
+out=${OUT:-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python3 -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | grep -v WARN | tail -1
+case "${1:-all}" in
+  kernels|all)
+    timeout 60 python3 tools/gpu_engine.py .gpu/fixtures .gpu/stories260K > "$out/parity.log" 2>&1
+    tail -14 "$out/parity.log"
+    timeout 200 python3 tools/gpu_kernels.py > "$out/kernels.log" 2>&1  # sweep, then glint / cuDNN / jnp timing
+    grep -cE "^PASS" "$out/kernels.log"; grep -E "^(FAIL|ERROR)" "$out/kernels.log"
+    timeout 60 python3 tools/torch_varlen_peer.py > "$out/torch_varlen.log" 2>&1  # same call as the table
+    sed -n '/^DECODE (q_len/,$p' "$out/kernels.log" | grep -v "^PASS"; cat "$out/torch_varlen.log"
+    ;;&
+  bench|all)
+    timeout 200 python3 tools/hf_peer.py --requests 256 --prompt-len 512 --gen-len 128 > "$out/peer.jsonl" \
+      2> "$out/peer.err"
+    timeout 300 python3 -m glint.runtime.cli bench llama3-8b --batch 1,8,32,64,128,256 --prompt-len 512 \
+      --gen-len 256 --requests 256 --e2e-gen-len 128 --repeats 5 --peer-json "$out/peer.jsonl" \
+      --json "$out/bench.json" > "$out/bench.log" 2>&1
+    tail -45 "$out/bench.log"
+    ;;
+esac
