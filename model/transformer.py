@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from glint.model.attention import AttentionBackend, LayerAttention
+from glint.model.attention import AttentionBackend, DenseMeta, LayerAttention, dense_attention
 from glint.model.config import ModelConfig, RopeConfig
 
 
@@ -203,6 +203,16 @@ def forward(graphdef, params, tokens, positions, attend: AttentionBackend, cache
 
 def compute_logits(graphdef, params, hidden):
     return merge(graphdef, params).logits(hidden)
+
+
+def full_sequence_logits(graphdef, params, tokens):
+    """float32 logits [T, vocab] of one sequence by the full-sequence causal path (no cache): the oracle
+    the cached paths are tested against."""
+    n = len(tokens)
+    positions = jnp.arange(n, dtype=jnp.int32)
+    hidden, _ = forward(graphdef, params, jnp.asarray(tokens, jnp.int32), positions, dense_attention, None,
+                        DenseMeta.single(n))
+    return compute_logits(graphdef, params, hidden)
 
 
 def count_params(params) -> int:

@@ -224,14 +224,14 @@ class Engine:
         try:
             if any(len(c) for c in meta.copies):
                 self.kv = self._copy_fn(self.kv, pad_copies(meta.copies))
-            sampler = SamplerInputs.from_params([r.params for r, _ in sample_reqs],
-                                                [len(r.prompt) + len(r.generated) for r, _ in sample_reqs],
+            params = [r.params for r, _ in sample_reqs]
+            sampler = SamplerInputs.from_params(params, [len(r.prompt) + len(r.generated) for r, _ in sample_reqs],
                                                 rows=self.config.max_sample_rows, seeds=[s for _, s in sample_reqs])
-            num_lp = num_logprobs_bucket(max((r.params.logprobs for r, _ in sample_reqs), default=0))
+            num_lp = num_logprobs_bucket(max((p.logprobs for p in params), default=0))
             next_tokens, lp, self.kv = self._step_fn(
                 self.params, self.kv, tokens, token_src, prev, DeviceMeta.from_host(meta),
-                pad_rows(rows, self.config.max_sample_rows), sampler,
-                is_filtered=uses_filters([r.params for r, _ in sample_reqs]), num_logprobs=num_lp)
+                pad_rows(rows, self.config.max_sample_rows), sampler, is_filtered=uses_filters(params),
+                num_logprobs=num_lp)
         except BaseException:
             self.control.abort_step()
             raise
@@ -281,7 +281,7 @@ class Engine:
         """Completion i of an n > 1 request: a clone of the prompt's pages, with its own first token."""
         parent = s.req
         child = Request(self._new_rid(), parent.prompt, parent.params, self._child_seed(parent, i),
-                        parent=parent.rid, generated=parent.generated[:s.index] + [token])
+                        generated=parent.generated[:s.index] + [token])
         self._requests[child.rid] = child
         self._children[parent.rid].append(child)
         seq = self.control.seq_clone(parent.seq, s.num_cached) if parent.status is Status.RUNNING else None

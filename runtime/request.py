@@ -21,7 +21,6 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     seed: int
-    parent: int | None = None  # n > 1: the request whose prompt this one shares
     num_children: int = 0  # n > 1: how many siblings to clone off once the prompt is prefilled
     generated: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)

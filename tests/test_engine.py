@@ -216,13 +216,8 @@ def test_logprobs_are_the_models_log_softmax():
     out = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True))[0]
     completion = out.outputs[0]
     assert len(completion.logprobs) == 4
-    from glint.model.attention import DenseMeta, dense_attention
-
-    tokens = prompt + out.token_ids
-    n = len(tokens)
-    hidden, _ = transformer.forward(engine.graphdef, engine.params, np.asarray(tokens), np.arange(n), dense_attention,
-                                    None, DenseMeta.single(n))
-    expected = np.asarray(jax.nn.log_softmax(transformer.compute_logits(engine.graphdef, engine.params, hidden), -1))
+    logits = transformer.full_sequence_logits(engine.graphdef, engine.params, prompt + out.token_ids)
+    expected = np.asarray(jax.nn.log_softmax(logits, -1))
     for i, (token, lps) in enumerate(zip(out.token_ids, completion.logprobs)):
         row = expected[len(prompt) - 1 + i]
         top3 = np.argsort(-row)[:3]

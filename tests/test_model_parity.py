@@ -14,10 +14,7 @@ from glint.model.attention import DenseMeta, dense_attention
 
 def prompt_logits(cfg, params, tokens):
     graphdef = transformer.split(transformer.abstract_model(cfg))[0]
-    n = len(tokens)
-    hidden, _ = transformer.forward(graphdef, params, jnp.asarray(tokens, jnp.int32), jnp.arange(n, dtype=jnp.int32),
-                                    dense_attention, None, DenseMeta.single(n))
-    return np.asarray(transformer.compute_logits(graphdef, params, hidden))
+    return np.asarray(transformer.full_sequence_logits(graphdef, params, tokens))
 
 
 def test_fixture_logits_match_transformers(hf_fixture, converted):

@@ -1,21 +1,16 @@
 """The model over the paged state: prefill in random chunks, then decode == the full-sequence forward."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from glint.export.checkpoint import load_checkpoint
 from glint.kvcache import BatchControl, CacheConfig, KVState
 from glint.model import transformer
-from glint.model.attention import DenseMeta, dense_attention
 from glint.runtime.step import DeviceMeta, PagedAttention, run_model
 
 
 def full_logits(graphdef, params, tokens):
-    n = len(tokens)
-    hidden, _ = transformer.forward(graphdef, params, jnp.asarray(tokens), jnp.arange(n), dense_attention, None,
-                                    DenseMeta.single(n))
-    return np.asarray(transformer.compute_logits(graphdef, params, hidden))
+    return np.asarray(transformer.full_sequence_logits(graphdef, params, tokens))
 
 
 @pytest.mark.parametrize("impl", ["reference"])
