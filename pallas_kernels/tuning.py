@@ -9,13 +9,19 @@ bf16, page 16). Decode: block_m 16 / block_k 128 / 2 stages ran 2-8% faster
 than the table's block_k 64 / 3 stages on 8x32k, 64x16k and 256x4k but was not
 value-checked on the GPU, so the table keeps the checked entry. Prefill:
 block_m 128 with 8 warps ran 5-13% slower than block_m 64 with 4 warps.
+2026-12-01 (tools/gpu_prefill_probe.py): prefill head_dim 128 block_m 128 with
+4 warps / 3 stages ran 0-11% faster than block_m 64 on causal 16x512 .. 2x4096
+and passed the GPU sweep, so it replaced it. Open question: on Hopper the
+Mosaic kernel now takes the long segments, and Triton mostly runs short ones,
+where block_m 64 (16 query rows per tile at GQA 4) pads less; re-measure the
+bench's 2048/4096-wide buckets with both.
 """
 
 ATTENTION_BLOCKS = {
     ("prefill", 16): dict(block_m=64, block_k=64, num_warps=4, num_stages=2),
     ("prefill", 32): dict(block_m=64, block_k=64, num_warps=4, num_stages=2),
     ("prefill", 64): dict(block_m=64, block_k=64, num_warps=4, num_stages=3),
-    ("prefill", 128): dict(block_m=64, block_k=64, num_warps=4, num_stages=3),
+    ("prefill", 128): dict(block_m=128, block_k=64, num_warps=4, num_stages=3),
     ("prefill", 256): dict(block_m=64, block_k=32, num_warps=8, num_stages=2),
     ("decode", 16): dict(block_m=16, block_k=64, num_warps=4, num_stages=2),
     ("decode", 32): dict(block_m=16, block_k=64, num_warps=4, num_stages=2),
@@ -35,3 +41,13 @@ MAX_SPLITS = 16
 MIN_BLOCKS_PER_SPLIT = 4
 
 RING_WRITE_NUM_WARPS = 4
+
+# Prefill steps on Hopper: "mosaic" runs varlen_attention_mgpu (TMA + wgmma) where it covers the call,
+# "triton" keeps the Triton kernel. MOSAIC_PREFILL: that kernel's tile (rows per compute warpgroup,
+# keys per block, shared-memory stages).
+PREFILL_BACKEND = "mosaic"
+MOSAIC_PREFILL = dict(block_q=64, block_kv=128, num_stages=2)
+# "auto" sends a segment to Mosaic when its padded rows there x MOSAIC_ROW_COST < its padded rows on
+# Triton. 2026-12-01, H200, causal prefill 16x512 .. 2x4096 (GQA 32/8, D 128, bf16, page 16): Mosaic
+# ran 1.5-1.7x Triton's TFLOP/s on whole tiles, so a Mosaic row costs about 0.6 of a Triton row.
+MOSAIC_ROW_COST = 0.6

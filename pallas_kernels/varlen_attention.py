@@ -1,4 +1,6 @@
-"""Varlen paged attention (Pallas, Triton backend): flash and split-K paths.
+"""Varlen paged attention (Pallas, Triton backend): flash and split-K paths,
+and the entry point that also dispatches to the Mosaic GPU prefill kernel
+(varlen_attention_mgpu.py) on Hopper.
 
 One compiled kernel serves every mix of query and history lengths: the segment
 table `seq_info` is read on the device. The grid is (query tile, kv head,
@@ -23,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from glint.pallas_kernels import tuning
+from glint.pallas_kernels import tuning, varlen_attention_mgpu
 from glint.pallas_kernels.reference import varlen_attention_reference
 
 __all__ = ["BlockSizes", "varlen_attention", "varlen_attention_reference", "default_block_sizes", "default_num_splits"]
@@ -314,7 +316,43 @@ def default_num_splits(
     return max(1, splits)
 
 
-def _check_args(q, k_pages, v_pages, page_table, seq_info, ring_rows, window, softcap, num_splits):
+def _use_mosaic(backend, *, q, k_pages, seq_info, ring_rows, window, softcap, num_splits, block_sizes, interpret):
+    """Whether this call runs the Mosaic GPU prefill kernel (varlen_attention_mgpu.py)."""
+    num_rows, _, head_dim = q.shape
+    covered = varlen_attention_mgpu.supports(
+        dtype=q.dtype,
+        head_dim=head_dim,
+        page_size=k_pages.shape[1],
+        block_kv=tuning.MOSAIC_PREFILL["block_kv"],
+        ring_rows=ring_rows,
+        window=window,
+        softcap=softcap,
+    )
+    if backend == "mosaic":
+        runnable = not interpret and varlen_attention_mgpu.is_hopper()
+        if not runnable or not covered or num_splits not in (None, 1) or block_sizes is not None:
+            raise ValueError(
+                f"varlen_attention: backend='mosaic' needs a Hopper GPU, bf16/f16, head_dim % 64 == 0, page_size % 8"
+                f" == 0, no ring/window/softcap, num_splits and block_sizes unset (q {q.shape} {q.dtype}, page_size "
+                f"{k_pages.shape[1]}, ring_rows={ring_rows}, window={window}, softcap={softcap}, "
+                f"num_splits={num_splits}, interpret={interpret})"
+            )
+        return True
+    if backend != "auto":
+        return False
+    prefill = num_rows > tuning.DECODE_ROWS_PER_SEGMENT * seq_info.shape[0]
+    return (
+        tuning.PREFILL_BACKEND == "mosaic"
+        and prefill
+        and covered
+        and not interpret
+        and num_splits in (None, 1)
+        and block_sizes is None
+        and varlen_attention_mgpu.is_hopper()
+    )
+
+
+def _check_args(q, k_pages, v_pages, page_table, seq_info, ring_rows, window, softcap, num_splits, backend):
     def fail(msg):
         raise ValueError(
             f"varlen_attention: {msg} (q {q.shape} {q.dtype}, k_pages {k_pages.shape} "
@@ -350,11 +388,15 @@ def _check_args(q, k_pages, v_pages, page_table, seq_info, ring_rows, window, so
         fail(f"softcap={softcap} must be >= 0")
     if num_splits is not None and num_splits < 1:
         fail(f"num_splits={num_splits} must be >= 1")
+    if backend not in ("auto", "triton", "mosaic"):
+        fail(f"backend={backend!r} must be 'auto', 'triton' or 'mosaic'")
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("ring_rows", "window", "causal", "softcap", "scale", "num_splits", "block_sizes", "interpret"),
+    static_argnames=(
+        "ring_rows", "window", "causal", "softcap", "scale", "num_splits", "block_sizes", "backend", "interpret"
+    ),
 )
 def varlen_attention(
     q,
@@ -370,6 +412,7 @@ def varlen_attention(
     scale,
     num_splits=None,
     block_sizes=None,
+    backend="auto",
     interpret=False,
 ):
     """Attention of packed query rows over their sequences' paged K/V.
@@ -390,12 +433,69 @@ def varlen_attention(
       num_splits: split-K chunks of each tile's key range; None picks one from T,
         S and the context capacity (1 = plain flash path).
       block_sizes: BlockSizes, or None for the tuned table.
+      backend: "triton" (any call), "mosaic" (the Hopper TMA/wgmma prefill
+        kernel, for the calls varlen_attention_mgpu.supports) or "auto": on
+        Hopper, for prefill steps Mosaic covers (and tuning.PREFILL_BACKEND =
+        "mosaic"), each segment runs on the kernel that costs it less (long
+        segments on Mosaic, decode rows and short chunks on Triton, see
+        _mosaic_segments); Triton otherwise.
       interpret: run the Pallas interpreter (CPU tests).
     Returns:
       [T, Hq, D] in q's dtype; rows outside every segment and rows that see no
       key are zero.
     """
-    _check_args(q, k_pages, v_pages, page_table, seq_info, ring_rows, window, softcap, num_splits)
+    _check_args(q, k_pages, v_pages, page_table, seq_info, ring_rows, window, softcap, num_splits, backend)
+    mosaic = _use_mosaic(
+        backend,
+        q=q,
+        k_pages=k_pages,
+        seq_info=seq_info,
+        ring_rows=ring_rows,
+        window=window,
+        softcap=softcap,
+        num_splits=num_splits,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )
+    run_triton = functools.partial(
+        _triton_attention, q, k_pages, v_pages, page_table, ring_rows=ring_rows, window=window, causal=causal,
+        softcap=softcap, scale=scale, num_splits=num_splits, block_sizes=block_sizes, interpret=interpret,
+    )
+    if not mosaic:
+        return run_triton(seq_info)
+
+    def run_mosaic(info):
+        return varlen_attention_mgpu.varlen_attention_mgpu(
+            q, k_pages, v_pages, page_table, info, causal=causal, scale=float(scale), **tuning.MOSAIC_PREFILL
+        )
+
+    if backend == "mosaic":
+        return run_mosaic(seq_info)
+    # "auto": each segment goes to the kernel that costs it less; the two outputs cover disjoint rows.
+    group = q.shape[1] // k_pages.shape[2]
+    triton_rows = default_block_sizes(q.shape[0], seq_info.shape[0], q.shape[2]).block_m // _next_pow2(group)
+    to_mosaic = _mosaic_segments(seq_info, max(1, triton_rows))
+    q_len = seq_info[:, 1]
+    mosaic_info = seq_info.at[:, 1].set(jnp.where(to_mosaic, q_len, 0))
+    triton_info = seq_info.at[:, 1].set(jnp.where(to_mosaic, 0, q_len))
+    return run_mosaic(mosaic_info) + run_triton(triton_info)
+
+
+def _mosaic_segments(seq_info, triton_tile_rows: int):
+    """bool[S]: segments the Mosaic kernel runs more cheaply than the Triton one. Mosaic pads each
+    segment to whole tiles of 2 * block_q query rows (Triton: `triton_tile_rows`) but runs a full
+    tile about 1 / MOSAIC_ROW_COST times as fast, so short segments (decode rows, small chunks)
+    stay on Triton."""
+    q_len = jnp.maximum(seq_info[:, 1], 0)
+    mosaic_rows = varlen_attention_mgpu.padded_rows(seq_info, 2 * tuning.MOSAIC_PREFILL["block_q"])
+    triton_rows = (q_len + triton_tile_rows - 1) // triton_tile_rows * triton_tile_rows
+    return (q_len > 0) & (mosaic_rows * tuning.MOSAIC_ROW_COST < triton_rows)
+
+
+def _triton_attention(
+    q, k_pages, v_pages, page_table, seq_info, *, ring_rows, window, causal, softcap, scale, num_splits, block_sizes,
+    interpret,
+):
     num_rows, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     num_phys_rows = ring_rows or page_table.shape[1] * page_size

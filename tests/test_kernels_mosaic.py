@@ -1,0 +1,124 @@
+"""The Mosaic GPU prefill kernel (varlen_attention_mgpu.py) on a CPU machine.
+
+Its values are checked on the H200 (tools/gpu_kernels.py sweep, variant "mosaic"): the Pallas
+interpreter does not run wgmma. Here: the host-side tile map and row gather against NumPy, the
+dispatch rules, and that the kernel lowers to a Mosaic GPU custom call for CUDA (layout
+inference, TMA tiling and shared-memory checks run at lowering) across the shapes it claims.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from glint.pallas_kernels import varlen_attention
+from glint.pallas_kernels import varlen_attention_mgpu as mg
+
+
+def test_tiles_and_gather_put_every_row_back():
+    seq_info = jnp.array([[5, 300, 0, 400], [0, 0, 1, 3], [305, 1, 2, 50], [310, 129, 1, 129]], jnp.int32)
+    num_rows, tile_rows = 450, 128
+    tiles, first = mg._tiles(seq_info, tile_rows, 12)
+    tiles, first = np.asarray(tiles), np.asarray(first)
+    # Tiles start 8-aligned in the packed rows: segment 0 (q_start 5) needs ceil((300 + 5) / 128) = 3.
+    assert tiles[:6].tolist() == [[0, 0], [0, 1], [0, 2], [2, 0], [3, 0], [3, 1]]
+    assert (tiles[6:, 0] == -1).all()
+    pad = jnp.arange(12 * tile_rows, dtype=jnp.float32)[:, None, None] * jnp.ones((1, 2, 3))
+    got = np.asarray(mg._gather_rows(pad, seq_info, jnp.asarray(first), tile_rows, num_rows))
+    want = np.zeros(num_rows)
+    for s, (q_start, q_len, _, _) in enumerate(np.asarray(seq_info)):
+        for i in range(q_len):
+            # Tile k of a segment starts at its row k * tile_rows - q_start % 8.
+            want[q_start + i] = first[s] * tile_rows + i + q_start % 8
+    np.testing.assert_array_equal(got[:, 1, 2], want)
+
+
+def test_supports():
+    ok = dict(dtype=jnp.bfloat16, head_dim=128, page_size=16, block_kv=128, ring_rows=None, window=0, softcap=0.0)
+    assert mg.supports(**ok)
+    assert mg.supports(**{**ok, "page_size": 256, "dtype": jnp.float16, "head_dim": 256})
+    for bad in (
+        {"dtype": jnp.float32},
+        {"head_dim": 80},
+        {"page_size": 12},
+        {"ring_rows": 96},
+        {"window": 64},
+        {"softcap": 30.0},
+    ):
+        assert not mg.supports(**{**ok, **bad}), bad
+
+
+def test_mosaic_backend_refuses_what_it_cannot_run():
+    keys = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(keys[0], (32, 4, 128), jnp.bfloat16)
+    k_pages = jax.random.normal(keys[1], (4, 16, 1, 128), jnp.bfloat16)
+    v_pages = jax.random.normal(keys[2], (4, 16, 1, 128), jnp.bfloat16)
+    page_table = jnp.array([[2, 1, 3, 0]], jnp.int32)
+    args = (q, k_pages, v_pages, page_table, jnp.array([[0, 32, 0, 32]], jnp.int32))
+    with pytest.raises(ValueError, match="backend='mosaic' needs"):
+        varlen_attention(*args, scale=0.1, backend="mosaic", interpret=True)
+    with pytest.raises(ValueError, match="window=8"):
+        varlen_attention(*args, scale=0.1, backend="mosaic", window=8)
+    with pytest.raises(ValueError, match="backend='cudnn'"):
+        varlen_attention(*args, scale=0.1, backend="cudnn")
+    # On a CPU machine "auto" never picks Mosaic: it is the Triton kernel (interpreted), exactly.
+    auto = varlen_attention(*args, scale=0.1, interpret=True)
+    triton = varlen_attention(*args, scale=0.1, backend="triton", interpret=True)
+    np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(triton, np.float32))
+    assert np.abs(np.asarray(auto, np.float32)).max() > 0
+
+
+@pytest.mark.parametrize(
+    "num_rows,hq,hkv,d,page_size,dtype,causal",
+    [
+        (461, 8, 2, 128, 16, jnp.bfloat16, True),
+        (10, 4, 1, 64, 16, jnp.bfloat16, True),
+        (197, 16, 2, 256, 32, jnp.bfloat16, True),
+        (300, 8, 2, 128, 64, jnp.float16, False),
+        (256, 2, 2, 64, 256, jnp.bfloat16, True),
+    ],
+)
+def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, dtype, causal):
+    num_pages, pages_per_seq = 64, 16
+    args = (
+        jax.ShapeDtypeStruct((num_rows, hq, d), dtype),
+        jax.ShapeDtypeStruct((num_pages, page_size, hkv, d), dtype),
+        jax.ShapeDtypeStruct((num_pages, page_size, hkv, d), dtype),
+        jax.ShapeDtypeStruct((5, pages_per_seq), jnp.int32),
+        jax.ShapeDtypeStruct((3, 4), jnp.int32),
+    )
+    fn = jax.jit(lambda *a: mg.varlen_attention_mgpu(*a, causal=causal, scale=d**-0.5))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_auto_splits_segments_between_the_kernels(monkeypatch):
+    """On Hopper, "auto" sends long segments to Mosaic and short ones to Triton and adds the two
+    outputs. Here a stand-in for the Mosaic kernel (the Triton one in interpret mode, on the
+    segments it is handed) checks the split: every row is answered once, as by Triton alone."""
+    import importlib
+
+    from glint.pallas_kernels.testing import AttentionCase, make_attention_inputs
+
+    case = AttentionCase(((300, 300), (1, 700), (7, 40), (130, 500), (1, 90)), group=4, num_kv_heads=2,
+                         head_dim=64, dtype="bfloat16", num_padding_segments=2, gaps=4, poison=False)
+    inputs = {k: jnp.asarray(v, jnp.bfloat16) if v.dtype == np.float32 else jnp.asarray(v)
+              for k, v in make_attention_inputs(case, np.random.default_rng(3)).items()}
+    va = importlib.import_module("glint.pallas_kernels.varlen_attention")
+    handed = []
+
+    def fake_mosaic(q, k_pages, v_pages, page_table, info, *, causal, scale, **_):
+        handed.append(info)
+        return va._triton_attention(q, k_pages, v_pages, page_table, info, ring_rows=None, window=0, causal=causal,
+                                    softcap=0.0, scale=scale, num_splits=None, block_sizes=None, interpret=True)
+
+    monkeypatch.setattr(va, "_use_mosaic", lambda backend, **_: backend == "auto")  # as on a Hopper GPU
+    monkeypatch.setattr(mg, "varlen_attention_mgpu", fake_mosaic)
+    got = va.varlen_attention.__wrapped__(**inputs, scale=case.scale, interpret=True)  # "auto", unjitted
+    want = va.varlen_attention(**inputs, scale=case.scale, backend="triton", interpret=True)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    [info] = handed
+    q_len = {int(s[2]): int(s[1]) for s in np.asarray(inputs["seq_info"])}
+    mosaic_len = {int(s[2]): int(s[1]) for s in np.asarray(info)}
+    to_mosaic = {slot for slot, n in mosaic_len.items() if n > 0}
+    assert {slot for slot, n in q_len.items() if n >= 300} <= to_mosaic  # whole 128-row tiles
+    assert not {slot for slot, n in q_len.items() if 0 < n <= 7} & to_mosaic  # decode rows, tiny chunks
