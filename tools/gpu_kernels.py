@@ -31,12 +31,14 @@ from glint.pallas_kernels import (
 )
 from glint.pallas_kernels.testing import AttentionCase as C, make_attention_inputs
 
-TOL = {"float32": 1e-4, "bfloat16": 2e-2}
+TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 1e-2}
 
 
 DECODE_VARIANTS = (("default", {}), ("flash", dict(num_splits=1)))
 PREFILL_VARIANTS = (("default", {}), ("splitk3", dict(num_splits=3)))
 SMALL = (("small", dict(num_splits=1, block_sizes=BlockSizes(16, 16))),)
+TRITON = (("triton", dict(backend="triton")),)
+MOSAIC = (("mosaic", dict(backend="mosaic")),)
 
 
 def sweep_cases():
@@ -50,7 +52,7 @@ def sweep_cases():
         (
             f"decode-{dtype}-d{d}-g4-p16",
             C(dec, group=4, head_dim=d, dtype=dtype, num_kv_heads=2, gaps=3, num_padding_segments=2),
-            DECODE_VARIANTS,
+            DECODE_VARIANTS + (MOSAIC if dtype == "bfloat16" else ()),
         )
         for dtype, d in (("bfloat16", 64), ("bfloat16", 128), ("bfloat16", 256), ("float32", 128))
     ]
@@ -60,15 +62,29 @@ def sweep_cases():
             C(dec, group=8, page_size=32, dtype="bfloat16", num_kv_heads=2, softcap=30.0),
             DECODE_VARIANTS,
         ),
-        ("prefill-g4-p16", C(pre, group=4, dtype="bfloat16", num_kv_heads=2, head_dim=128, gaps=5), PREFILL_VARIANTS),
-        ("prefill-g8-d256", C(pre, group=8, dtype="bfloat16", num_kv_heads=1, head_dim=256), PREFILL_VARIANTS),
-        ("prefill-noncausal-g4", C(pre, group=4, dtype="bfloat16", causal=False, head_dim=128), PREFILL_VARIANTS),
+        (
+            "prefill-g4-p16",
+            C(pre, group=4, dtype="bfloat16", num_kv_heads=2, head_dim=128, gaps=5),
+            PREFILL_VARIANTS + TRITON + MOSAIC,
+        ),
+        ("prefill-g8-d256", C(pre, group=8, dtype="bfloat16", num_kv_heads=1, head_dim=256), PREFILL_VARIANTS + MOSAIC),
+        (
+            "prefill-noncausal-g4",
+            C(pre, group=4, dtype="bfloat16", causal=False, head_dim=128),
+            PREFILL_VARIANTS + MOSAIC,
+        ),
+        ("prefill-g4-p64-f16", C(pre, group=4, dtype="float16", page_size=64, head_dim=128), PREFILL_VARIANTS + MOSAIC),
+        ("prefill-g1-p256-d64", C(pre, group=1, dtype="bfloat16", page_size=256, num_kv_heads=2), MOSAIC),
         ("prefill-f32-g1-p32-d64", C(pre, group=1, dtype="float32", num_kv_heads=4, page_size=32), PREFILL_VARIANTS),
-        ("chunked-g4-p16", C(chunk, group=4, dtype="bfloat16", num_kv_heads=2, head_dim=128), PREFILL_VARIANTS),
+        (
+            "chunked-g4-p16",
+            C(chunk, group=4, dtype="bfloat16", num_kv_heads=2, head_dim=128),
+            PREFILL_VARIANTS + MOSAIC,
+        ),
         (
             "mixed-g4-p16",
             C(mixed, group=4, dtype="bfloat16", num_kv_heads=2, head_dim=128, gaps=9, num_padding_segments=3),
-            PREFILL_VARIANTS + SMALL,
+            PREFILL_VARIANTS + SMALL + TRITON + MOSAIC,
         ),
         ("mixed-g6-d80", C(mixed, group=6, dtype="bfloat16", num_kv_heads=1, head_dim=80), PREFILL_VARIANTS),
         ("mixed-f32-window", C(mixed, group=4, dtype="float32", window=128, head_dim=128), PREFILL_VARIANTS),
@@ -82,7 +98,7 @@ def sweep_cases():
             C(ring, group=2, dtype="bfloat16", ring_rows=256, window=200, causal=False, softcap=50.0, page_size=32),
             PREFILL_VARIANTS + SMALL,
         ),
-        ("underflow", C(((9, 4), (1, 50)), group=4, dtype="bfloat16"), PREFILL_VARIANTS),
+        ("underflow", C(((9, 4), (1, 50)), group=4, dtype="bfloat16"), PREFILL_VARIANTS + MOSAIC),
     ]
     return cases
 
@@ -91,7 +107,7 @@ def _to_device(inputs, dtype):
     return {k: jnp.asarray(v, dtype) if v.dtype == np.float32 else jnp.asarray(v) for k, v in inputs.items()}
 
 
-def run_sweep(rng, *, interpret=False, max_cases=None, only=None):
+def run_sweep(rng, *, interpret=False, max_cases=None, only=None, variant_names=None):
     results = []
     for name, case, variants in sweep_cases()[:max_cases]:
         if only and not any(o in name for o in only):
@@ -106,6 +122,8 @@ def run_sweep(rng, *, interpret=False, max_cases=None, only=None):
         for q_start, q_len, _, _ in inputs["seq_info"]:
             covered[q_start : q_start + q_len] = True
         for variant, kw in variants:
+            if variant_names and variant not in variant_names:
+                continue
             try:
                 got = np.asarray(varlen_attention(**args, **opts, **kw, interpret=interpret), np.float32)
                 err = np.abs(got - want)
@@ -195,7 +213,7 @@ def contiguous(q, k_pages, v_pages, page_table, batch, ctx):
     return q.reshape(batch, -1, *q.shape[1:]), k, v
 
 
-def run_timing(*, quick=False, interpret=False):
+def run_timing(*, quick=False, interpret=False, tables="decode,prefill"):
     hq, hkv, d, ps, dtype = 32, 8, 128, 16, jnp.bfloat16
     decode_shapes = [
         (8, 1024),
@@ -227,6 +245,10 @@ def run_timing(*, quick=False, interpret=False):
             q_, k_, v_, scale=scale, is_causal=causal, implementation="cudnn"
         )
 
+    if "decode" not in tables:
+        decode_shapes, variant_shapes = [], []
+    if "prefill" not in tables:
+        prefill_shapes = []
     print(
         "\nDECODE (q_len 1, Hq 32 / Hkv 8, D 128, bf16, page 16, shuffled pages): "
         "GB/s = K/V bytes / time; err = |glint - cudnn| / |cudnn|"
@@ -279,12 +301,11 @@ def run_timing(*, quick=False, interpret=False):
             line += f" ERROR {type(e).__name__}: {str(e)[:400]}"
         print(line)
 
-    print("\nPREFILL (causal, q_len = ctx, Hq 32 / Hkv 8, D 128, bf16, page 16): TFLOP/s")
+    print("\nPREFILL (causal, q_len = ctx, Hq 32 / Hkv 8, D 128, bf16, page 16): TFLOP/s; glint = the engine's choice")
     print(
-        f"{'batch':>5} {'q_len':>6} | {'glint ms':>8} {'TF/s':>5} | {'m128w8 ms':>9} {'TF/s':>5} | "
+        f"{'batch':>5} {'q_len':>6} | {'glint ms':>8} {'TF/s':>5} | {'triton ms':>9} {'TF/s':>5} | "
         f"{'cudnn ms':>8} {'TF/s':>5} | {'err':>7} | {'jnp ref ms':>10}"
     )
-    big = BlockSizes(block_m=128, block_k=64, num_warps=8, num_stages=3)
     for batch, q_len in prefill_shapes:
         flops = 2 * batch * hq * q_len * q_len * d  # QK^T and PV over the causal half
         line = f"{batch:>5} {q_len:>6} |"
@@ -292,7 +313,7 @@ def run_timing(*, quick=False, interpret=False):
             paged = paged_setup(key, batch, q_len, q_len, hq, hkv, d, ps, dtype)
             t = bench(glint(), paged)
             line += f" {t * 1e3:8.3f} {flops / t / 1e12:5.0f} |"
-            t2 = bench(glint(block_sizes=big), paged)
+            t2 = bench(glint(backend="triton"), paged)
             line += f" {t2 * 1e3:9.3f} {flops / t2 / 1e12:5.0f} |"
             dense = contiguous(*paged[:4], batch, q_len)
             tc = bench(cudnn(True), dense)
@@ -312,16 +333,18 @@ def main():
     parser.add_argument("--interpret", action="store_true", help="CPU dry run of the sweep")
     parser.add_argument("--max-cases", type=int, default=None)
     parser.add_argument("--only", default="", help="comma-separated substrings of sweep case names")
+    parser.add_argument("--variants", default="", help="comma-separated sweep variants to run (default all)")
     parser.add_argument("--quick", action="store_true", help="tiny timing shapes")
+    parser.add_argument("--tables", default="decode,prefill", help="timing tables to run")
     flags = parser.parse_args()
     print(jax.__version__, jax.devices())
     t0 = time.time()
     if not flags.skip_sweep:
         run_sweep(np.random.default_rng(int(time.time())), interpret=flags.interpret, max_cases=flags.max_cases,
-                  only=[o for o in flags.only.split(",") if o])
+                  only=[o for o in flags.only.split(",") if o], variant_names=[v for v in flags.variants.split(",") if v])
         print(f"sweep took {time.time() - t0:.0f}s")
     if not flags.skip_timing:
-        run_timing(quick=flags.quick, interpret=flags.interpret)
+        run_timing(quick=flags.quick, interpret=flags.interpret, tables=flags.tables)
     print(f"total {time.time() - t0:.0f}s")
 
 

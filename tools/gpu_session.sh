@@ -12,9 +12,10 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | grep -v WARN | tail -1
 case "${1:-all}" in
   kernels|all)
-    timeout 60 python3 tools/gpu_engine.py .gpu/fixtures .gpu/stories260K > "$out/parity.log" 2>&1
+    timeout 150 python3 tools/gpu_engine.py .gpu/fixtures .gpu/stories260K > "$out/parity.log" 2>&1
     tail -14 "$out/parity.log"
-    timeout 200 python3 tools/gpu_kernels.py > "$out/kernels.log" 2>&1  # sweep, then glint / cuDNN / jnp timing
+    # sweep, then glint / cuDNN / jnp timing; SWEEP_ARGS narrows the sweep (e.g. --variants default,mosaic)
+    timeout 330 python3 tools/gpu_kernels.py ${SWEEP_ARGS:-} > "$out/kernels.log" 2>&1
     grep -cE "^PASS" "$out/kernels.log"; grep -E "^(FAIL|ERROR)" "$out/kernels.log"
     timeout 60 python3 tools/torch_varlen_peer.py > "$out/torch_varlen.log" 2>&1  # same call as the table
     sed -n '/^DECODE (q_len/,$p' "$out/kernels.log" | grep -v "^PASS"; cat "$out/torch_varlen.log"
