@@ -332,7 +332,7 @@ def _use_mosaic(backend, *, q, k_pages, seq_info, ring_rows, window, softcap, nu
         runnable = not interpret and varlen_attention_mgpu.is_hopper()
         if not runnable or not covered or num_splits not in (None, 1) or block_sizes is not None:
             raise ValueError(
-                f"varlen_attention: backend='mosaic' needs a Hopper GPU, bf16/f16, head_dim % 64 == 0, page_size % 8"
+                f"varlen_attention: backend='mosaic' needs a Hopper GPU, bf16/f16, head_dim % 64 == 0, page_size % 16"
                 f" == 0, no ring/window/softcap, num_splits and block_sizes unset (q {q.shape} {q.dtype}, page_size "
                 f"{k_pages.shape[1]}, ring_rows={ring_rows}, window={window}, softcap={softcap}, "
                 f"num_splits={num_splits}, interpret={interpret})"

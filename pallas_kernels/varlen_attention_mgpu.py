@@ -9,8 +9,8 @@ the page table on the device. The compute warpgroups take turns on the tensor
 cores (a schedule barrier) so one's softmax overlaps the other's matmuls.
 
 Scope: flat (non-ring) layers without sliding window or soft-cap, bf16/f16,
-head_dim a multiple of 64, page sizes a multiple of 8 that divide or are
-divided by `block_kv`. Everything else runs on the Triton kernel
+head_dim a multiple of 64, page sizes a multiple of 16 that divide or are
+divided by `block_kv` (16, 64 and 256 were checked on the H200). Everything else runs on the Triton kernel
 (varlen_attention.py), which `varlen_attention` picks by itself.
 
 Output rows are written per tile into a padded buffer and gathered back to
@@ -48,7 +48,7 @@ def supports(*, dtype, head_dim: int, page_size: int, block_kv: int, ring_rows, 
         jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         and head_dim % 64 == 0
         and head_dim <= 256
-        and page_size % 8 == 0
+        and page_size % 16 == 0
         and (block_kv % page_size == 0 or page_size % block_kv == 0)
         and ring_rows is None
         and window == 0
@@ -65,6 +65,15 @@ def padded_rows(seq_info, tile_rows: int):
     """i32[S]: query rows each segment occupies in whole tiles (0 for empty segments)."""
     q_len = jnp.maximum(seq_info[:, 1], 0)
     return jnp.where(q_len > 0, (q_len + seq_info[:, 0] % _ALIGN + tile_rows - 1) // tile_rows * tile_rows, 0)
+
+
+def max_tiles(num_rows: int, num_segments: int, tile_rows: int) -> int:
+    """Static tile count that covers any layout of `num_segments` segments in `num_rows` rows.
+
+    Segment i takes 1 + m_i tiles. Its first m_i tiles, counted from its aligned start
+    floor8(q_start_i), end before its last row, so these runs are disjoint and lie in [0, num_rows):
+    the m_i sum to at most num_rows // tile_rows. Each tile holds a row, so never more than num_rows."""
+    return max(1, min(num_rows // tile_rows + num_segments, num_rows))
 
 
 def _tiles(seq_info, tile_rows: int, num_tiles: int):
@@ -295,12 +304,15 @@ def varlen_attention_mgpu(
 
     A tile is 2 * block_q query rows of one segment and one query head; block_kv keys per pipeline
     step (halved for head_dim 256); num_stages K/V shared-memory slots."""
+    if num_stages < 2:
+        # The memory warpgroup refills a slot only after both its K and V were consumed.
+        raise ValueError(f"varlen_attention_mgpu: num_stages={num_stages} must be >= 2")
     num_rows, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     block_kv = block_kv_for(head_dim, block_kv)
     tile_rows = _COMPUTE_WGS * block_q
     num_segments = seq_info.shape[0]
-    num_tiles = max(1, min(pl.cdiv(num_rows, tile_rows) + num_segments, num_rows))
+    num_tiles = max_tiles(num_rows, num_segments, tile_rows)
     tiles, first_tile = _tiles(seq_info, tile_rows, num_tiles)
     flat = (num_pages * page_size, num_kv_heads, head_dim)
     dtype = q.dtype

@@ -32,6 +32,30 @@ def test_tiles_and_gather_put_every_row_back():
     np.testing.assert_array_equal(got[:, 1, 2], want)
 
 
+def test_max_tiles_covers_every_layout():
+    """The static tile count is enough for random layouts and for ones where the 8-row alignment costs
+    every segment an extra tile (122 rows starting at q_start % 8 == 7: 129 aligned rows, two tiles)."""
+    rng = np.random.default_rng(0)
+    tile_rows = 128
+    padded_rows = jax.jit(lambda info: mg.padded_rows(info, tile_rows))
+    for trial in range(400):
+        num_segments = int(rng.integers(1, 301))
+        if trial % 2:
+            lengths = np.full(num_segments, tile_rows - 6)
+            gaps = np.full(num_segments, 6)  # keeps every q_start % 8 at 7
+        else:
+            lengths = rng.integers(0, 300, num_segments)
+            gaps = rng.integers(0, 9, num_segments)
+        starts, row = [], 7
+        for q_len, gap in zip(lengths, gaps):
+            starts.append(row)
+            row += int(q_len) + int(gap)
+        info = np.zeros((300, 4), np.int32)  # one shape for every trial; q_len 0 rows take no tiles
+        info[:num_segments] = np.stack([starts, lengths, np.zeros_like(lengths), lengths], 1)
+        needed = int(np.asarray(padded_rows(jnp.asarray(info))).sum()) // tile_rows
+        assert needed <= mg.max_tiles(row, num_segments, tile_rows), (num_segments, row, needed)
+
+
 def test_supports():
     ok = dict(dtype=jnp.bfloat16, head_dim=128, page_size=16, block_kv=128, ring_rows=None, window=0, softcap=0.0)
     assert mg.supports(**ok)
@@ -40,6 +64,7 @@ def test_supports():
         {"dtype": jnp.float32},
         {"head_dim": 80},
         {"page_size": 12},
+        {"page_size": 8},  # allowed by TMA, not checked on the GPU
         {"ring_rows": 96},
         {"window": 64},
         {"softcap": 30.0},
@@ -89,6 +114,14 @@ def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, dtype, causal):
     fn = jax.jit(lambda *a: mg.varlen_attention_mgpu(*a, causal=causal, scale=d**-0.5))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_one_stage_is_refused():
+    q = jax.ShapeDtypeStruct((64, 4, 64), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((8, 16, 1, 64), jnp.bfloat16)
+    table, info = jax.ShapeDtypeStruct((2, 4), jnp.int32), jax.ShapeDtypeStruct((1, 4), jnp.int32)
+    with pytest.raises(ValueError, match="num_stages=1 must be >= 2"):
+        jax.eval_shape(lambda *a: mg.varlen_attention_mgpu(*a, scale=0.1, num_stages=1), q, pages, pages, table, info)
 
 
 def test_auto_splits_segments_between_the_kernels(monkeypatch):
