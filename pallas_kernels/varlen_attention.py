@@ -21,12 +21,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+from glint.pallas_kernels import segments, tuning, varlen_attention_mgpu
+from glint.pallas_kernels.reference import varlen_attention_reference
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
-from glint.pallas_kernels import tuning, varlen_attention_mgpu
-from glint.pallas_kernels.reference import varlen_attention_reference
 
 __all__ = ["BlockSizes", "varlen_attention", "varlen_attention_reference", "default_block_sizes", "default_num_splits"]
 
@@ -183,30 +182,6 @@ def _attention_kernel(
             plgpu.store(l_ref.at[split, q_rows, heads], l, mask=row_ok)
 
 
-def _query_tiles(seq_info, block_q: int, num_tiles: int):
-    """i32[num_tiles, 2]: (segment, tile within it) for every query tile of
-    every segment, in order; -1 segments pad the static tile count."""
-    num_segments = seq_info.shape[0]
-    tiles_per_seg = (jnp.maximum(seq_info[:, 1], 0) + block_q - 1) // block_q
-    ends = jnp.cumsum(tiles_per_seg)
-    b = jnp.arange(num_tiles, dtype=jnp.int32)
-    segment = jnp.searchsorted(ends, b, side="right").astype(jnp.int32)
-    valid = segment < num_segments
-    seg = jnp.minimum(segment, num_segments - 1)
-    local = b - (ends[seg] - tiles_per_seg[seg])
-    return jnp.stack([jnp.where(valid, segment, -1), jnp.where(valid, local, 0)], 1)
-
-
-def _covered_rows(seq_info, num_rows: int):
-    """bool[num_rows]: whether some segment covers each query row."""
-    q_start, q_len = seq_info[:, 0], seq_info[:, 1]
-    step = jnp.where(q_len > 0, 1, 0)
-    edges = jnp.zeros((num_rows + 1,), jnp.int32)
-    edges = edges.at[jnp.clip(q_start, 0, num_rows)].add(step)
-    edges = edges.at[jnp.clip(q_start + q_len, 0, num_rows)].add(-step)
-    return jnp.cumsum(edges)[:num_rows] > 0
-
-
 def _varlen_attention_call(
     q,
     k_flat,
@@ -234,7 +209,7 @@ def _varlen_attention_call(
     block_m = block_q * group_pad
     # Segments do not overlap, so every tile holds at least one distinct row.
     num_tiles = max(1, min(pl.cdiv(num_rows, block_q) + num_segments, num_rows))
-    tiles = _query_tiles(seq_info, block_q, num_tiles)
+    tiles, _ = segments.tile_map((jnp.maximum(seq_info[:, 1], 0) + block_q - 1) // block_q, num_tiles)
 
     kernel = functools.partial(
         _attention_kernel,
@@ -288,7 +263,7 @@ def _varlen_attention_call(
     w = jnp.exp2(m - m_all[None])  # [NS, T, Hq]; m is in log2 units
     l_all = jnp.sum(w * l, axis=0)
     o = jnp.sum(w[..., None] * acc, axis=0) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
-    o = jnp.where(_covered_rows(seq_info, num_rows)[:, None, None], o, 0.0)
+    o = jnp.where((segments.row_segments(seq_info, num_rows) > 0)[:, None, None], o, 0.0)
     return o.astype(q.dtype)
 
 

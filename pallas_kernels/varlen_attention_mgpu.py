@@ -27,6 +27,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from glint.pallas_kernels import segments
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -81,27 +82,13 @@ def _tiles(seq_info, tile_rows: int, num_tiles: int):
 
     TMA reads query rows from multiples of _ALIGN, so a segment's tiles start aligned: tile k of a
     segment covers its rows [k * tile_rows - q_start % _ALIGN, ...) (rows before 0 are not its own)."""
-    tiles_per_seg = padded_rows(seq_info, tile_rows) // tile_rows
-    ends = jnp.cumsum(tiles_per_seg)
-    b = jnp.arange(num_tiles, dtype=jnp.int32)
-    segment = jnp.searchsorted(ends, b, side="right").astype(jnp.int32)
-    valid = segment < seq_info.shape[0]
-    seg = jnp.minimum(segment, seq_info.shape[0] - 1)
-    local = b - (ends[seg] - tiles_per_seg[seg])
-    tiles = jnp.stack([jnp.where(valid, segment, -1), jnp.where(valid, local, 0)], 1)
-    return tiles, (ends - tiles_per_seg).astype(jnp.int32)
+    return segments.tile_map(padded_rows(seq_info, tile_rows) // tile_rows, num_tiles)
 
 
 def _gather_rows(out_pad, seq_info, first_tile, tile_rows: int, num_rows: int):
     """Packed [T, Hq, D] from the per-tile padded output; uncovered rows zero."""
-    q_start, q_len = seq_info[:, 0], seq_info[:, 1]
-    num_segments = seq_info.shape[0]
-    # Segments do not overlap: a running sum of +(s+1) / -(s+1) at the edges names each row's segment.
-    mark = jnp.where(q_len > 0, jnp.arange(1, num_segments + 1, dtype=jnp.int32), 0)
-    edges = jnp.zeros((num_rows + 1,), jnp.int32)
-    edges = edges.at[jnp.clip(q_start, 0, num_rows)].add(mark)
-    edges = edges.at[jnp.clip(q_start + q_len, 0, num_rows)].add(-mark)
-    seg1 = jnp.cumsum(edges)[:num_rows]
+    q_start = seq_info[:, 0]
+    seg1 = segments.row_segments(seq_info, num_rows)
     seg = jnp.maximum(seg1 - 1, 0)
     t = jnp.arange(num_rows, dtype=jnp.int32)
     src = first_tile[seg] * tile_rows + (t - q_start[seg]) + q_start[seg] % _ALIGN
