@@ -56,6 +56,16 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _rows_per_tile(blocks: BlockSizes, group: int) -> int:
+    """Query rows in one Triton tile: block_m rows hold rows x the group's query heads (padded)."""
+    return max(1, blocks.block_m // _next_pow2(group))
+
+
+def _num_tiles(num_rows: int, num_segments: int, block_q: int) -> int:
+    """Static tile count: segments do not overlap, so every tile holds at least one distinct row."""
+    return max(1, min(pl.cdiv(num_rows, block_q) + num_segments, num_rows))
+
+
 def _attention_kernel(
     tiles_ref,  # i32[NB, 2]: (segment or -1, query tile within segment)
     seq_info_ref,  # i32[S, 4]: (q_start, q_len, seq_slot, kv_end)
@@ -205,10 +215,9 @@ def _varlen_attention_call(
     num_segments = seq_info.shape[0]
     group = num_q_heads // num_kv_heads
     group_pad = _next_pow2(group)
-    block_q = max(1, blocks.block_m // group_pad)
+    block_q = _rows_per_tile(blocks, group)
     block_m = block_q * group_pad
-    # Segments do not overlap, so every tile holds at least one distinct row.
-    num_tiles = max(1, min(pl.cdiv(num_rows, block_q) + num_segments, num_rows))
+    num_tiles = _num_tiles(num_rows, num_segments, block_q)
     tiles, _ = segments.tile_map((jnp.maximum(seq_info[:, 1], 0) + block_q - 1) // block_q, num_tiles)
 
     kernel = functools.partial(
@@ -282,10 +291,8 @@ def default_num_splits(
     """Split-K factor for decode-heavy steps; 1 (plain flash) otherwise."""
     if num_rows > tuning.DECODE_ROWS_PER_SEGMENT * num_segments:
         return 1
-    group_pad = _next_pow2(num_q_heads // num_kv_heads)
-    block_q = max(1, blocks.block_m // group_pad)
-    num_tiles = min(pl.cdiv(num_rows, block_q) + num_segments, num_rows)
-    programs = max(1, num_tiles * num_kv_heads)
+    block_q = _rows_per_tile(blocks, num_q_heads // num_kv_heads)
+    programs = _num_tiles(num_rows, num_segments, block_q) * num_kv_heads
     kv_blocks = pl.cdiv(max_kv_len, blocks.block_k)
     splits = min(tuning.MAX_SPLITS, pl.cdiv(tuning.TARGET_PROGRAMS, programs), kv_blocks // tuning.MIN_BLOCKS_PER_SPLIT)
     return max(1, splits)
@@ -294,18 +301,23 @@ def default_num_splits(
 def _use_mosaic(backend, *, q, k_pages, seq_info, ring_rows, window, softcap, num_splits, block_sizes, interpret):
     """Whether this call runs the Mosaic GPU prefill kernel (varlen_attention_mgpu.py)."""
     num_rows, _, head_dim = q.shape
-    covered = varlen_attention_mgpu.supports(
-        dtype=q.dtype,
-        head_dim=head_dim,
-        page_size=k_pages.shape[1],
-        block_kv=tuning.MOSAIC_PREFILL["block_kv"],
-        ring_rows=ring_rows,
-        window=window,
-        softcap=softcap,
+    runnable = (
+        varlen_attention_mgpu.supports(
+            dtype=q.dtype,
+            head_dim=head_dim,
+            page_size=k_pages.shape[1],
+            block_kv=tuning.MOSAIC_PREFILL["block_kv"],
+            ring_rows=ring_rows,
+            window=window,
+            softcap=softcap,
+        )
+        and num_splits in (None, 1)
+        and block_sizes is None
+        and not interpret
+        and varlen_attention_mgpu.is_hopper()
     )
     if backend == "mosaic":
-        runnable = not interpret and varlen_attention_mgpu.is_hopper()
-        if not runnable or not covered or num_splits not in (None, 1) or block_sizes is not None:
+        if not runnable:
             raise ValueError(
                 f"varlen_attention: backend='mosaic' needs a Hopper GPU, bf16/f16, head_dim % 64 == 0, page_size % 16"
                 f" == 0, no ring/window/softcap, num_splits and block_sizes unset (q {q.shape} {q.dtype}, page_size "
@@ -313,18 +325,8 @@ def _use_mosaic(backend, *, q, k_pages, seq_info, ring_rows, window, softcap, nu
                 f"num_splits={num_splits}, interpret={interpret})"
             )
         return True
-    if backend != "auto":
-        return False
     prefill = num_rows > tuning.DECODE_ROWS_PER_SEGMENT * seq_info.shape[0]
-    return (
-        tuning.PREFILL_BACKEND == "mosaic"
-        and prefill
-        and covered
-        and not interpret
-        and num_splits in (None, 1)
-        and block_sizes is None
-        and varlen_attention_mgpu.is_hopper()
-    )
+    return backend == "auto" and tuning.PREFILL_BACKEND == "mosaic" and prefill and runnable
 
 
 def _check_args(q, k_pages, v_pages, page_table, seq_info, ring_rows, window, softcap, num_splits, backend):
@@ -447,9 +449,8 @@ def varlen_attention(
     if backend == "mosaic":
         return run_mosaic(seq_info)
     # "auto": each segment goes to the kernel that costs it less; the two outputs cover disjoint rows.
-    group = q.shape[1] // k_pages.shape[2]
-    triton_rows = default_block_sizes(q.shape[0], seq_info.shape[0], q.shape[2]).block_m // _next_pow2(group)
-    to_mosaic = _mosaic_segments(seq_info, max(1, triton_rows))
+    blocks = default_block_sizes(q.shape[0], seq_info.shape[0], q.shape[2])
+    to_mosaic = _mosaic_segments(seq_info, _rows_per_tile(blocks, q.shape[1] // k_pages.shape[2]))
     q_len = seq_info[:, 1]
     mosaic_info = seq_info.at[:, 1].set(jnp.where(to_mosaic, q_len, 0))
     triton_info = seq_info.at[:, 1].set(jnp.where(to_mosaic, 0, q_len))
