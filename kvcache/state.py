@@ -13,6 +13,9 @@ from glint.kvcache.config import CacheConfig
 
 # Budget assumed where a device reports no memory stats (CPU).
 CPU_FALLBACK_BYTES = 1 << 30
+# The default pool is sized from free memory rounded down to this, so the same machine gets the same pool
+# (and the same compiled programs, found again in the persistent compilation cache) run after run.
+POOL_GRANULE_BYTES = 1 << 30
 
 
 @jax.tree_util.register_dataclass
@@ -113,6 +116,12 @@ def default_num_pages(cfg: CacheConfig, fraction: float = 0.9, device: jax.Devic
     """num_pages that fits the free device memory, for `cfg`'s geometry.
 
     `cfg.num_pages` is ignored; build the final config with
-    `dataclasses.replace(cfg, num_pages=default_num_pages(cfg))`.
+    `dataclasses.replace(cfg, num_pages=default_num_pages(cfg))`. Budgets of two granules or more are
+    rounded down to a whole number of POOL_GRANULE_BYTES.
     """
-    return cfg.num_pages_for_budget(free_device_bytes(fraction, device))
+    return cfg.num_pages_for_budget(stable_budget(free_device_bytes(fraction, device)))
+
+
+def stable_budget(num_bytes: int) -> int:
+    """`num_bytes` rounded down to whole POOL_GRANULE_BYTES when it holds two or more of them."""
+    return num_bytes // POOL_GRANULE_BYTES * POOL_GRANULE_BYTES if num_bytes >= 2 * POOL_GRANULE_BYTES else num_bytes

@@ -20,7 +20,7 @@ from rich.table import Table
 from glint.runtime.engine import Engine
 from glint.runtime.params import SamplingParams
 from glint.runtime.sampling import SamplerInputs
-from glint.runtime.step import DeviceMeta, pad_rows
+from glint.runtime.programs import DeviceMeta, forward_name
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -108,12 +108,14 @@ class StepBench:
             greedy = [SamplingParams(temperature=0.0)] * len(rows)
             sampler = SamplerInputs.from_params(greedy, [context] * len(rows), rows=eng.config.max_sample_rows)
             zeros = np.zeros(width, np.int32)
+            padded_rows = np.zeros(eng.config.max_sample_rows, np.int32)
+            padded_rows[:len(rows)] = rows
             args = (zeros, zeros - 1, np.zeros(eng.config.max_sample_rows, np.int32), DeviceMeta.from_host(meta),
-                    pad_rows(rows, eng.config.max_sample_rows), sampler)
+                    padded_rows, sampler)
             host = time.perf_counter() - t0
 
             def run():
-                out, _, eng.kv = eng._step_fn(eng.params, eng.kv, *args, is_filtered=False, num_logprobs=0)
+                out, _, eng.kv = eng.runner.forward(width, eng.params, eng.kv, *args)
                 return out
 
             jax.block_until_ready(run())
@@ -162,17 +164,45 @@ def workload_ceiling(engine: Engine, bench: StepBench, e2e: dict, flops: float) 
     return n * g / (prefill_s + decode_s)
 
 
+def engine_settings(args) -> dict:
+    """The engine the bench builds (also the one each cold-start process builds)."""
+    batches = [int(b) for b in args.batch.split(",")]
+    return dict(max_seqs=max(batches), page_size=args.page_size, max_step_tokens=args.max_step_tokens,
+                capacity=args.prompt_len + args.gen_len + args.max_step_tokens, attention=args.attention,
+                compile_cache=args.compile_cache)
+
+
+def run_cold_start(args) -> dict:
+    """Process start -> first token, three ways, each in a fresh process; this process never touches the device."""
+    from glint.runtime.coldstart import cold_start
+
+    rows = cold_start(args.model, args.dtype, engine_settings(args), workdir=args.workdir)
+    result = dict(model=args.model, dtype=args.dtype, date=time.strftime("%Y-%m-%d"), cold_start=rows)
+    t = Table(title=f"cold start: {args.model} (seconds from process start)")
+    for col in ("way", "first token", "import", "load", "warm-up", "export"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(r["way"], f"{r['first_token_s']:.1f}", f"{r['python_to_import_s']:.1f}", f"{r['load_s']:.1f}",
+                  f"{r['warmup_s']:.1f}", f"{r['export_s']:.1f}" if "export_s" in r else "")
+    Console().print(t)
+    same = len({tuple(r["token_ids"]) for r in rows}) == 1
+    Console().print(f"first tokens {'agree' if same else 'DIFFER'}: {[r['token_ids'] for r in rows]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
 def run_bench(args) -> dict:
+    if args.cold_start:
+        return run_cold_start(args)
     console = Console()
     on_gpu = jax.default_backend() == "gpu"
     rates = measure_bandwidth((4 << 30) if on_gpu else (64 << 20))
     bandwidth = args.bandwidth_gbps * 1e9 if args.bandwidth_gbps else max(rates.values())
     flops = measure_matmul(8192 if on_gpu else 512, jnp.bfloat16 if on_gpu else jnp.float32)
     batches = [int(b) for b in args.batch.split(",")]
-    engine = Engine.from_pretrained(args.model, dtype=args.dtype, max_seqs=max(batches),
-                                    page_size=args.page_size, max_step_tokens=args.max_step_tokens,
-                                    capacity=args.prompt_len + args.gen_len + args.max_step_tokens,
-                                    attention=args.attention)
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, **engine_settings(args))
     result = dict(model=args.model, dtype=args.dtype, device=str(jax.devices()[0].device_kind),
                   jax=jax.__version__, attention=engine.attention, bandwidth_GBps=bandwidth / 1e9,
                   measured_GBps={k: v / 1e9 for k, v in rates.items()},
@@ -182,7 +212,10 @@ def run_bench(args) -> dict:
     console.print(f"[bold]{args.model}[/] {args.dtype} on {result['device']}: roofline {bandwidth / 1e9:.0f} GB/s "
                   f"(measured GB/s: {measured}), "
                   f"matmul {flops / 1e12:.2f} TFLOP/s, {engine.cache.num_pages} KV pages")
-    compile_s = engine.warmup(filtered=(False,))
+    t0 = time.perf_counter()
+    times = engine.warmup()  # programs compile in parallel: each time is its own lowering + compile
+    result["warmup_s"] = time.perf_counter() - t0
+    compile_s = {w: times.get(forward_name(w), 0.0) for w in engine.config.buckets}
     result["compile_s"] = compile_s
     bench = StepBench(engine, bandwidth)
     buckets = [bench.time_step(min(w, engine.config.max_seqs), args.prompt_len,
@@ -270,4 +303,10 @@ def register(sub) -> None:
                    help="roofline bandwidth (default: the best this harness measures)")
     p.add_argument("--json", help="write the results as JSON here")
     p.add_argument("--peer-json", help="JSON lines of a peer's end-to-end run on the same mix (tools/hf_peer.py)")
+    p.add_argument("--cold-start", action="store_true",
+                   help="instead: seconds from process start to the first token in fresh processes, with an empty "
+                   "compilation cache, a warm one and an exported artifact")
+    p.add_argument("--workdir", help="--cold-start: where the temporary cache and artifact go (default: system temp)")
+    p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
+                   help="do not use the persistent compilation cache ($GLINT_CACHE_DIR, default ~/.cache/glint)")
     p.set_defaults(func=lambda args: run_bench(args) and 0)

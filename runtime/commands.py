@@ -1,24 +1,33 @@
 """Subcommands that run the engine: generate (streaming) and demo (the built-in default job)."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
 
 
 def _engine_args(p) -> None:
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--max-seqs", type=int, default=64)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-step-tokens", type=int, default=4096)
-    p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--capacity", type=int, default=None, help="most positions per sequence")
-    p.add_argument("--attention", default="auto", choices=["auto", "pallas", "reference", "interpret"])
+    from glint.runtime.config import EngineConfig as C
+
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="weights and KV dtype (default bfloat16; an exported artifact keeps its own)")
+    p.add_argument("--max-seqs", type=int, help=f"sequences served at once (default {C.max_seqs})")
+    p.add_argument("--page-size", type=int, help=f"KV rows per page (default {C.page_size})")
+    p.add_argument("--max-step-tokens", type=int, help=f"widest step (default {C.max_step_tokens})")
+    p.add_argument("--num-pages", type=int, help=f"KV pool pages (default: {C.memory_fraction} of free memory)")
+    p.add_argument("--capacity", type=int, help="most positions per sequence (default: the model's context, "
+                   "at most 32768)")
+    p.add_argument("--attention", choices=["auto", "pallas", "reference", "interpret"],
+                   help="attention implementation (default auto: Pallas on GPU, the jnp reference elsewhere)")
+    p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
+                   help="do not use the persistent compilation cache ($GLINT_CACHE_DIR, default ~/.cache/glint)")
 
 
 def _engine_config(args) -> dict:
-    return dict(max_seqs=args.max_seqs, page_size=args.page_size, max_step_tokens=args.max_step_tokens,
-                num_pages=args.num_pages, capacity=args.capacity, attention=args.attention)
+    """The engine settings given on the command line (the rest keep EngineConfig's or the artifact's)."""
+    names = ("max_seqs", "page_size", "max_step_tokens", "num_pages", "capacity", "attention")
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None} | {"compile_cache": args.compile_cache}
 
 
 def _cmd_generate(args) -> int:
@@ -63,7 +72,7 @@ def _cmd_demo(args) -> int:
     from glint.runtime.params import SamplingParams
 
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, max_seqs=32, page_size=16, max_step_tokens=256,
-                                    capacity=1024)
+                                    capacity=1024, compile_cache=args.compile_cache)
     rng = np.random.default_rng(args.seed)
     vocab = engine.model.vocab_size
     prompts = [rng.integers(3, vocab, int(rng.integers(4, 200))).tolist() for _ in range(args.requests)]
@@ -92,7 +101,32 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _cmd_export(args) -> int:
+    from glint.export.exporter import export_engine
+
+    meta = export_engine(args.checkpoint, args.out, dtype=args.dtype or "bfloat16", compiled=args.compiled,
+                         **_engine_config(args))
+    kernels = sorted({c for p in meta["programs"].values() for c in p["custom_calls"]})
+    executables = any("compiled" in p for p in meta["programs"].values())
+    print(f"wrote {args.out}: {len(meta['programs'])} programs (widths {meta['widths']}), "
+          f"{meta['engine']['num_pages']} KV pages of {meta['engine']['page_size']} rows, attention "
+          f"{meta['engine']['attention']} (kernels: {', '.join(kernels) or 'none'}), "
+          f"{'with' if executables else 'without'} executables for {meta['device_kind']}")
+    return 0
+
+
 def register(sub) -> None:
+    p = sub.add_parser("export", help="export the step programs, weights and metadata into a folder",
+                       description="Export an engine: one jax.export program per step width (plus sampling, "
+                       "logprobs and page copies), the weights (orbax) and metadata.json. Serve it with "
+                       "`glint generate OUT` or Engine.from_export(OUT).")
+    p.add_argument("checkpoint", help="HF folder, orbax folder or preset name")
+    p.add_argument("out", help="output folder (must not exist, or be empty)")
+    p.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
+                   help="also store the executables compiled for this GPU and jaxlib (default: on a GPU)")
+    _engine_args(p)
+    p.set_defaults(func=_cmd_export)
+
     p = sub.add_parser("generate", help="generate from one prompt, streaming tokens as they come")
     p.add_argument("checkpoint", help="HF folder, orbax folder or preset name")
     p.add_argument("--prompt", help="prompt text (needs a tokenizer)")
@@ -111,6 +145,8 @@ def register(sub) -> None:
     p = sub.add_parser("demo", help="the built-in default job: 64 random requests on the demo model")
     p.add_argument("--model", default="demo", help="preset name or checkpoint folder")
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
+                   help="do not use the persistent compilation cache ($GLINT_CACHE_DIR, default ~/.cache/glint)")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_demo)

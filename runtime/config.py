@@ -26,6 +26,7 @@ class EngineConfig:
     capacity: int | None = None
     attention: str = "auto"
     seed: int = 0
+    compile_cache: bool = True  # JAX's persistent compilation cache in $GLINT_CACHE_DIR (~/.cache/glint)
 
     def __post_init__(self):
         if self.max_sample_rows is None:  # every running sequence can sample in one step
@@ -46,6 +47,8 @@ class EngineConfig:
             raise ValueError(f"num_pages must be >= 2 (page 0 is scratch), got {self.num_pages}")
         if self.capacity is not None and self.capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {self.capacity}")
+        if not isinstance(self.compile_cache, bool):
+            raise ValueError(f"compile_cache must be a bool, got {self.compile_cache!r}")
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention {self.attention!r} is not one of {ATTENTION_IMPLS}")
 

@@ -8,22 +8,21 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from rich.progress import Progress
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from glint.kvcache import BatchControl, CacheConfig, KVState, default_num_pages, pad_copies
-from glint.model.config import ModelConfig
+from glint.kvcache import BatchControl, CacheConfig, KVState, default_num_pages
+from glint.runtime import compile_cache
 from glint.runtime.config import EngineConfig
-from glint.runtime.loading import load_model
 from glint.runtime.params import SamplingParams
+from glint.runtime.programs import DeviceMeta, ProgramSet, Runner, forward_name
 from glint.runtime.request import Completion, Request, RequestOutput, Status
 from glint.runtime.sampling import SamplerInputs, uses_filters
 from glint.runtime.scheduler import Entry, Scheduler
-from glint.runtime.step import DeviceMeta, make_copy_fn, make_step_fn, num_logprobs_bucket, pad_rows
 
 DEFAULT_MAX_CAPACITY = 32768
 
 
-def cache_config_for(model: ModelConfig, config: EngineConfig) -> CacheConfig:
+def cache_config_for(model, config: EngineConfig) -> CacheConfig:
     """The KV cache geometry for a model under an engine config (pool size from free memory by default)."""
     capacity = config.capacity or min(model.max_position_embeddings, DEFAULT_MAX_CAPACITY)
     fields = dict(page_size=config.page_size, max_seqs=config.max_seqs, max_write=config.buckets[-1],
@@ -39,6 +38,7 @@ class EngineStats:
     fed_tokens: int = 0  # tokens run through the model (prefill, recompute and decode)
     generated_tokens: int = 0
     preemptions: int = 0
+    page_copies: int = 0  # copy-on-write page copies (n > 1 clones writing into a shared page)
     host_seconds: float = 0.0  # host busy: scheduling, metadata, dispatch, postprocessing
     wait_seconds: float = 0.0  # host blocked on the device's results
 
@@ -64,47 +64,87 @@ class InFlight:
 class Engine:
     """Continuous-batching generation over one set of weights.
 
-    Build with `Engine.from_pretrained(path_or_preset, ...)`; use `generate` for batches, or
-    `add_request` + `step` for streaming.
+    Build with `Engine.from_pretrained(path_or_preset, ...)` (a checkpoint, a preset or an exported
+    artifact folder) or `Engine.from_export(folder)`; use `generate` for batches, or `add_request` +
+    `step` for streaming. `warmup()` compiles every program up front; serving then never compiles.
     """
 
-    def __init__(self, model: ModelConfig, graphdef, params, config: EngineConfig | None = None,
-                 tokenizer=None, warmup: bool = False):
-        self.model, self.config, self.tokenizer = model, config or EngineConfig(), tokenizer
-        self.params, self.graphdef = params, graphdef
-        self.cache = cache_config_for(model, self.config)
-        self.capacity = self.cache.capacity
-        for g in range(self.cache.num_groups):
-            if self.cache.group_pages_per_seq(g) > self.cache.num_pages - 1:
-                raise ValueError(f"num_pages {self.cache.num_pages} cannot hold one sequence of capacity "
-                                 f"{self.capacity} (needs {self.cache.group_pages_per_seq(g) + 1} pages)")
-        impl = self.config.attention
+    def __init__(self, model, graphdef, params, config: EngineConfig | None = None, tokenizer=None,
+                 warmup: bool = False):
+        """A live engine over a model config, its graph definition and (nested or flat) parameters."""
+        from glint.export.checkpoint import flatten
+        from glint.runtime.step import live_programs
+
+        config = config or EngineConfig()
+        compile_cache.configure(config.compile_cache)
+        impl = config.attention
         if impl == "auto":
             impl = "pallas" if jax.default_backend() == "gpu" else "reference"
-        self.attention = impl
-        self.control = BatchControl(self.cache)
-        self.kv = KVState.create(self.cache)
-        self.scheduler = Scheduler(self.config, self.control)
-        self._step_fn = make_step_fn(graphdef, self.cache, impl)
-        self._copy_fn = make_copy_fn(self.cache)
+        cache = cache_config_for(model, config)
+        flat = flatten(params)  # programs take {"dotted.name": array}; a flat dict stays as it is
+        programs = live_programs(model, flat, cache, impl, config.buckets, config.max_seqs, config.max_sample_rows)
+        self.graphdef = graphdef
+        self._start(model, config, cache, impl, programs, flat, tokenizer)
+        if warmup:
+            self.warmup()
+
+    def _start(self, model, config: EngineConfig, cache: CacheConfig, attention: str, programs: ProgramSet,
+               params: dict, tokenizer) -> None:
+        self.model, self.config, self.cache, self.tokenizer = model, config, cache, tokenizer
+        self.attention, self.programs, self.params = attention, programs, params
+        self.capacity = cache.capacity
+        for g in range(cache.num_groups):
+            if cache.group_pages_per_seq(g) > cache.num_pages - 1:
+                raise ValueError(f"num_pages {cache.num_pages} cannot hold one sequence of capacity "
+                                 f"{self.capacity} (needs {cache.group_pages_per_seq(g) + 1} pages)")
+        self.control = BatchControl(cache)
+        self.kv = KVState.create(cache)
+        self.scheduler = Scheduler(config, self.control)
+        self.runner = Runner(programs, cache, config.max_seqs)
         self._requests: dict[int, Request] = {}
         self._children: dict[int, list[Request]] = {}
         self._next_rid = 0
         self._inflight: InFlight | None = None
-        self._rng = np.random.default_rng(self.config.seed)
+        self._rng = np.random.default_rng(config.seed)
         self.stats = EngineStats()
-        if warmup:
-            self.warmup()
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: str = "bfloat16", warmup: bool = False, seed: int = 0,
+    def from_pretrained(cls, path: str, dtype: str | None = None, warmup: bool = False, seed: int = 0,
                         **engine_config) -> Engine:
-        """An engine for an HF folder, an orbax folder or a preset name (random weights).
+        """An engine for an HF folder, an orbax folder, an exported artifact or a preset name (random weights).
 
-        Keyword arguments are EngineConfig fields (max_seqs, page_size, max_step_tokens, ...).
+        `dtype` defaults to bfloat16 (an artifact keeps the dtype it was exported with). Keyword arguments
+        are EngineConfig fields (max_seqs, page_size, max_step_tokens, ...).
         """
-        cfg, graphdef, params, tokenizer = load_model(path, dtype=dtype, seed=seed)
-        return cls(cfg, graphdef, params, EngineConfig(**engine_config), tokenizer=tokenizer, warmup=warmup)
+        from glint.runtime.artifact import is_artifact
+
+        if is_artifact(path):
+            return cls.from_export(path, dtype=dtype, warmup=warmup, **engine_config)
+        from glint.runtime.loading import load_model
+
+        config = EngineConfig(**engine_config)
+        compile_cache.configure(config.compile_cache)  # before loading: random weights compile too
+        cfg, graphdef, params, tokenizer = load_model(path, dtype=dtype or "bfloat16", seed=seed)
+        return cls(cfg, graphdef, params, config, tokenizer=tokenizer, warmup=warmup)
+
+    @classmethod
+    def from_export(cls, folder: str, dtype: str | None = None, warmup: bool = False, compiled: bool = True,
+                    **engine_config) -> Engine:
+        """An engine over the programs and weights of a `glint export` folder (no model code imported).
+
+        Keyword arguments are EngineConfig fields; geometry fields must equal the exported ones.
+        `compiled=False` ignores stored executables and compiles the StableHLO (cached as usual).
+        """
+        from glint.runtime.artifact import load_artifact
+
+        compile_cache.configure(engine_config.get("compile_cache", True))
+        engine = cls.__new__(cls)
+        art = load_artifact(folder, dtype=dtype, compiled=compiled, **engine_config)
+        engine.graphdef = None
+        engine._start(art.model, art.config, art.cache, art.attention, art.programs, art.params, art.tokenizer)
+        if warmup:
+            engine.warmup()
+        return engine
 
     # ---- requests ----
 
@@ -220,18 +260,8 @@ class Engine:
         width = self.config.bucket_for(sum(e.count for e in entries))
         meta = self.control.prepare_step(width=width, num_segments=min(width, self.config.max_seqs))
         tokens, token_src, rows, sample_reqs = self._pack(entries, width)
-        prev = self._inflight.next_tokens if self._inflight else np.zeros(self.config.max_sample_rows, np.int32)
         try:
-            if any(len(c) for c in meta.copies):
-                self.kv = self._copy_fn(self.kv, pad_copies(meta.copies))
-            params = [r.params for r, _ in sample_reqs]
-            sampler = SamplerInputs.from_params(params, [len(r.prompt) + len(r.generated) for r, _ in sample_reqs],
-                                                rows=self.config.max_sample_rows, seeds=[s for _, s in sample_reqs])
-            num_lp = num_logprobs_bucket(max((p.logprobs for p in params), default=0))
-            next_tokens, lp, self.kv = self._step_fn(
-                self.params, self.kv, tokens, token_src, prev, DeviceMeta.from_host(meta),
-                pad_rows(rows, self.config.max_sample_rows), sampler, is_filtered=uses_filters(params),
-                num_logprobs=num_lp)
+            next_tokens, lp = self._run(width, meta, tokens, token_src, rows, sample_reqs)
         except BaseException:
             self.control.abort_step()
             raise
@@ -247,6 +277,25 @@ class Engine:
                 e.req.num_children = 0
                 row += e.samples
         return InFlight(sampled, next_tokens, lp)
+
+    def _run(self, width: int, meta, tokens, token_src, rows, sample_reqs):
+        """Launch the step's programs: page copies, the forward, and top-k/top-p or logprobs when asked."""
+        rows_out = self.config.max_sample_rows
+        prev = self._inflight.next_tokens if self._inflight else np.zeros(rows_out, np.int32)
+        if any(len(c) for c in meta.copies):
+            self.kv = self.runner.copy(self.kv, meta.copies)
+            self.stats.page_copies += sum(len(c) for c in meta.copies)
+        params = [r.params for r, _ in sample_reqs]
+        sampler = SamplerInputs.from_params(params, [len(r.prompt) + len(r.generated) for r, _ in sample_reqs],
+                                            rows=rows_out, seeds=[s for _, s in sample_reqs])
+        padded_rows = np.zeros(rows_out, np.int32)
+        padded_rows[:len(rows)] = rows
+        next_tokens, logits, self.kv = self.runner.forward(width, self.params, self.kv, tokens, token_src, prev,
+                                                           DeviceMeta.from_host(meta), padded_rows, sampler)
+        if uses_filters(params):
+            next_tokens = self.runner.sample(logits, sampler)
+        lp = self.runner.logprobs(logits, next_tokens) if any(p.logprobs for p in params) else None
+        return next_tokens, lp
 
     def _pack(self, entries: list[Entry], width: int):
         """Token ids (from the host, or `token_src` rows of the previous step's output), sampled rows."""
@@ -330,8 +379,9 @@ class Engine:
     @staticmethod
     def _row_logprobs(lp, row: int, k: int, token: int) -> dict[int, float]:
         """The `k` most likely tokens and the sampled one (token id -> logprob), as vLLM reports them."""
-        out = {int(t): float(v) for t, v in zip(lp.top_ids[row][:k], lp.top[row][:k])}
-        out[token] = float(lp.token[row])
+        chosen, top, top_ids = lp
+        out = {int(t): float(v) for t, v in zip(top_ids[row][:k], top[row][:k])}
+        out[token] = float(chosen[row])
         return out
 
     def _encode(self, prompt) -> list[int]:
@@ -351,23 +401,16 @@ class Engine:
     def _decode(self, tokens: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(tokens)
 
-    def warmup(self, filtered: tuple[bool, ...] = (False, True)) -> dict[int, float]:
-        """Compile every step bucket by running it on padding only (writes land in the scratch page).
+    def program_names(self) -> list[str]:
+        """Every program this engine may run: decode widths first (a server needs them first), then the rest."""
+        return [forward_name(w) for w in self.config.buckets] + ["sample", "logprobs", "copy"]
 
-        `filtered`: which sampler variants to compile (top-k/top-p off, on). Returns seconds per bucket.
-        """
-        times, rows = {}, self.config.max_sample_rows
-        sampler = SamplerInputs.from_params([], [], rows=rows)
-        for width in self.config.buckets:
-            t0 = time.perf_counter()
-            num_segments = min(width, self.config.max_seqs)
-            zeros = np.zeros(width, np.int32)
-            meta = DeviceMeta(zeros, (zeros,) * self.cache.num_groups, np.zeros((num_segments, 4), np.int32),
-                              tuple(np.zeros((num_segments, self.cache.group_pages_per_seq(g)), np.int32)
-                                    for g in range(self.cache.num_groups)))
-            for is_filtered in filtered:
-                out, _, self.kv = self._step_fn(self.params, self.kv, zeros, zeros - 1, np.zeros(rows, np.int32), meta,
-                                                np.zeros(rows, np.int32), sampler, is_filtered=is_filtered, num_logprobs=0)
-            jax.block_until_ready(out)
-            times[width] = time.perf_counter() - t0
-        return times
+    def warmup(self, progress: bool = True) -> dict[str, float]:
+        """Compile every program (all step widths, top-k/top-p sampling, logprobs, page copies) in parallel
+        threads, with the persistent compilation cache when it is on. Returns seconds per program."""
+        names = self.program_names()
+        columns = (TextColumn("compiling"), BarColumn(), TextColumn("{task.completed}/{task.total} {task.description}"),
+                   TimeElapsedColumn())
+        with Progress(*columns, disable=not progress, transient=True) as bar:
+            task = bar.add_task("", total=len(names))
+            return self.programs.compile_all(names, lambda name, _: bar.update(task, advance=1, description=name))

@@ -11,6 +11,7 @@ from glint.export.checkpoint import GLINT_CONFIG, load_checkpoint
 from glint.model import transformer
 from glint.model.config import ModelConfig
 from glint.model.presets import PRESETS, preset
+from glint.runtime.tokenizer import load_tokenizer
 
 
 def resolve_config(name_or_path: str, dtype: str | None = None) -> ModelConfig:
@@ -50,13 +51,3 @@ def random_params(shapes, seed: int = 0):
     out = [jnp.ones(x.shape, x.dtype) if x.ndim == 1 and x.dtype == jnp.float32
            else _normal(jax.random.fold_in(key, i), x.shape, x.dtype) for i, x in enumerate(leaves)]
     return jax.tree.unflatten(treedef, out)
-
-
-def load_tokenizer(folder: pathlib.Path):
-    """An HF `tokenizers` tokenizer when the folder has tokenizer.json, else None."""
-    path = folder / "tokenizer.json"
-    if not path.exists():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(path))

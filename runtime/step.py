@@ -1,4 +1,9 @@
-"""Jitted step functions over the paged KV state: forward, selected-row logits, on-device sampling."""
+"""The live model's programs: jitted step functions over the paged KV state, sampling, logprobs, page copies.
+
+`live_programs` binds the model (graph definition + parameter layout) and the Pallas kernels into a
+`ProgramSet` with the signatures `glint.runtime.programs` documents; `glint export` serializes the same
+programs.
+"""
 from __future__ import annotations
 
 import functools
@@ -6,30 +11,17 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from glint.kvcache import CacheConfig, KVState, StepMetadata, apply_copies
+from glint.export.checkpoint import unflatten
+from glint.kvcache import CacheConfig, KVState, apply_copies
 from glint.model import transformer
 from glint.model.attention import LayerAttention
+from glint.model.config import ModelConfig
 from glint.pallas_kernels import (ring_write, ring_write_reference, varlen_attention,
                                   varlen_attention_reference)
 from glint.runtime.params import MAX_LOGPROBS
-from glint.runtime.sampling import SamplerInputs, logprobs, sample
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class DeviceMeta:
-    """The int32 metadata of one step, as the jitted function sees it."""
-
-    positions: jax.Array  # i32[W]
-    slots: tuple[jax.Array, ...]  # per layer group, i32[W]
-    seq_info: jax.Array  # i32[S, 4]
-    page_tables: tuple[jax.Array, ...]  # per layer group, i32[S, P_g]
-
-    @classmethod
-    def from_host(cls, meta: StepMetadata) -> DeviceMeta:
-        return cls(meta.positions, tuple(meta.slots), meta.seq_info, tuple(meta.page_tables))
+from glint.runtime.programs import DeviceMeta, Program, ProgramSet, abstract_args, forward_name
+from glint.runtime.sampling import SamplerInputs, logprobs, sample, sample_argmax
 
 
 @dataclass(frozen=True)
@@ -68,41 +60,58 @@ def run_model(graphdef, backend, params, kv: KVState, tokens, meta: DeviceMeta, 
 
 
 @functools.lru_cache(maxsize=16)
-def make_step_fn(graphdef, cache: CacheConfig, impl: str):
-    """The engine's step: (params, kv, tokens, token_src, prev_tokens, meta, rows, sampler)
-    -> (next tokens i32[R], logprobs, kv).
+def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str):
+    """The engine's step (one program per width): (flat params, (k, v), tokens, token_src, prev_tokens,
+    meta tuple, rows, sampler tuple) -> (tokens i32[R], logits f32[R, V], (k, v)).
 
     Token t is `prev_tokens[token_src[t]]` where token_src[t] >= 0 (a token sampled by the previous
-    step, still on the device), else `tokens[t]`.
-
-    Static flags: `is_filtered` (some row uses top-k/top-p) and `num_logprobs` (0: none returned).
-    Cached, so engines of one model and cache geometry share their compiled executables.
+    step, still on the device), else `tokens[t]`. The returned tokens are drawn without top-k/top-p
+    (greedy rows: argmax); rows that filter are redrawn from the logits by the `sample` program, so no
+    sampler variant needs a program of its own. Cached, so engines of one model and cache geometry
+    share their programs.
     """
     backend = PagedAttention(cache, impl)
+    graphdef, like = transformer.split(transformer.abstract_model(model))
 
-    def step(params, kv, tokens, token_src, prev_tokens, meta, rows, sampler: SamplerInputs, *, is_filtered: bool,
-             num_logprobs: int):
+    def step(params, kv, tokens, token_src, prev_tokens, meta, rows, sampler):
         tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], tokens)
-        logits, kv = run_model(graphdef, backend, params, kv, tokens, meta, rows)
-        next_tokens = sample(logits, sampler, is_filtered=is_filtered)
-        lp = logprobs(logits, next_tokens, num_logprobs) if num_logprobs else None
-        return next_tokens, lp, kv
+        meta = DeviceMeta(meta[0], tuple(meta[1]), meta[2], tuple(meta[3]))
+        logits, kv = run_model(graphdef, backend, unflatten(params, like), KVState(*kv), tokens, meta, rows)
+        return sample(logits, SamplerInputs(*sampler), is_filtered=False), logits, (kv.k, kv.v)
 
-    return jax.jit(step, donate_argnums=(1,), static_argnames=("is_filtered", "num_logprobs"))
+    return jax.jit(step, donate_argnums=(1,))
+
+
+@jax.jit
+def _sample_filtered(logits, sampler):
+    return sample(logits, SamplerInputs(*sampler), is_filtered=True)
+
+
+@jax.jit
+def _sample_argmax(logits):
+    return sample_argmax(logits)
+
+
+@jax.jit
+def _logprobs(logits, tokens):
+    return tuple(logprobs(logits, tokens, MAX_LOGPROBS))
 
 
 @functools.lru_cache(maxsize=16)
 def make_copy_fn(cache: CacheConfig):
     """Copy-on-write page copies, run before a step that writes into shared pages."""
-    return jax.jit(lambda kv, copies: apply_copies(kv, cache, copies), donate_argnums=(0,))
+
+    def copy(kv, copies):
+        out = apply_copies(KVState(*kv), cache, copies)
+        return out.k, out.v
+
+    return jax.jit(copy, donate_argnums=(0,))
 
 
-def num_logprobs_bucket(k: int) -> int:
-    """Logprobs requests share a few compiled variants: 0, or MAX_LOGPROBS alternatives."""
-    return 0 if k == 0 else MAX_LOGPROBS
-
-
-def pad_rows(rows: list[int], num_rows: int) -> np.ndarray:
-    out = np.zeros(num_rows, np.int32)
-    out[: len(rows)] = rows
-    return out
+def live_programs(model: ModelConfig, params: dict, cache: CacheConfig, impl: str, widths, max_seqs: int,
+                  rows: int) -> ProgramSet:
+    """Every program an engine runs, for the live model (params: the flat parameter dict)."""
+    fns = {forward_name(w): make_step_fn(model, cache, impl) for w in widths}
+    fns.update(sample=_sample_filtered, sample_argmax=_sample_argmax, logprobs=_logprobs, copy=make_copy_fn(cache))
+    return ProgramSet({name: Program(fn, abstract_args(name, params, cache, max_seqs, rows, model.vocab_size))
+                       for name, fn in fns.items()})

@@ -1,8 +1,11 @@
 """Shared test fixtures: the HF reference checkpoints beside the repo (or GLINT_HF_FIXTURES)."""
 import os
 import pathlib
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Each test process compiles into a fresh persistent cache of its own (never the user's ~/.cache/glint).
+os.environ["GLINT_CACHE_DIR"] = tempfile.mkdtemp(prefix="glint-test-cache-")
 
 import pytest  # noqa: E402
 

@@ -170,32 +170,20 @@ def test_eos_stops_unless_ignored():
 def test_wide_step_output_does_not_scale_with_width_times_vocab():
     """Compiled memory analysis: logits exist only for max_sample_rows rows, whatever the width."""
     cfg = preset("tiny", dtype="bfloat16").replace(vocab_size=32000)
-    graphdef, params = transformer.split(transformer.abstract_model(cfg))
+    params = transformer.split(transformer.abstract_model(cfg))[1]
+    from glint.export.checkpoint import flatten
     from glint.runtime.config import EngineConfig
     from glint.runtime.engine import cache_config_for
-    from glint.runtime.step import DeviceMeta, make_step_fn
-    from glint.runtime.sampling import SamplerInputs
-    from glint.kvcache import KVState
+    from glint.runtime.programs import forward_name
+    from glint.runtime.step import live_programs
 
     config = EngineConfig(max_seqs=64, page_size=16, max_step_tokens=4096, num_pages=64, capacity=4096)
     cache = cache_config_for(cfg, config)
-    step = make_step_fn(graphdef, cache, "reference")
-    kv = jax.eval_shape(lambda: KVState.create(cache))
-    rows = config.max_sample_rows
-    sampler = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                           SamplerInputs.from_params([], [], rows=rows))
-
-    def analysis(width):
-        s = min(width, config.max_seqs)
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
-        meta = DeviceMeta(i32(width), tuple(i32(width) for _ in range(cache.num_groups)), i32(s, 4),
-                          tuple(i32(s, cache.group_pages_per_seq(g)) for g in range(cache.num_groups)))
-        return step.lower(params, kv, i32(width), i32(width), i32(rows), meta, i32(rows), sampler, is_filtered=True,
-                          num_logprobs=0).compile().memory_analysis()
-
-    narrow, wide = analysis(64), analysis(4096)
+    programs = live_programs(cfg, flatten(params), cache, "reference", (64, 4096), config.max_seqs,
+                             config.max_sample_rows)
+    narrow, wide = (programs.lower(forward_name(w)).compile().memory_analysis() for w in (64, 4096))
     full_logits = 4096 * cfg.vocab_size * 4
-    assert wide.output_size_in_bytes == narrow.output_size_in_bytes  # tokens[R] + the (aliased) KV state
+    assert wide.output_size_in_bytes == narrow.output_size_in_bytes  # tokens[R], logits[R, V], the aliased KV
     assert wide.temp_size_in_bytes < full_logits / 4
     print(f"width 4096: output {wide.output_size_in_bytes:,} B, temp {wide.temp_size_in_bytes:,} B; "
           f"full logits would be {full_logits:,} B")
@@ -216,7 +204,10 @@ def test_logprobs_are_the_models_log_softmax():
     out = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True))[0]
     completion = out.outputs[0]
     assert len(completion.logprobs) == 4
-    logits = transformer.full_sequence_logits(engine.graphdef, engine.params, prompt + out.token_ids)
+    from glint.export.checkpoint import unflatten
+
+    nested = unflatten(engine.params, transformer.split(transformer.abstract_model(engine.model))[1])
+    logits = transformer.full_sequence_logits(engine.graphdef, nested, prompt + out.token_ids)
     expected = np.asarray(jax.nn.log_softmax(logits, -1))
     for i, (token, lps) in enumerate(zip(out.token_ids, completion.logprobs)):
         row = expected[len(prompt) - 1 + i]

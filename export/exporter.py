@@ -1,0 +1,115 @@
+"""`glint export`: an engine's programs per step width, its weights and metadata, as one self-describing folder.
+
+`glint.runtime.artifact` documents the layout and loads it (`Engine.from_export`) without the model code.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import pathlib
+import pickle
+import re
+import shutil
+
+import jax
+import jaxlib
+import orbax.checkpoint as ocp
+from jax.experimental.pallas import triton as pallas_triton
+from rich.progress import Progress
+
+from glint.export.checkpoint import SIDE_FILES
+from glint.runtime.artifact import FORMAT, FORMAT_VERSION, METADATA, PARAMS_DIR, platform_name
+
+# The Pallas Triton custom call is not among jax.export's stable targets (Mosaic GPU's is): we export it
+# knowingly, and the artifact pins the jax/jaxlib versions that load it.
+DISABLED_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(pallas_triton.CUSTOM_CALL_TARGET_NAME)]
+_CUSTOM_CALL = re.compile(r'stablehlo\.custom_call @([\w$.]+)|call_target_name = "([^"]+)"')
+
+
+def check_output_folder(out: pathlib.Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} already exists and is not an empty folder; remove it or choose another")
+
+
+def custom_calls(exported: jax.export.Exported) -> list[str]:
+    """The custom-call targets (the kernels) inside an exported program."""
+    text = exported.mlir_module()
+    return sorted({a or b for a, b in _CUSTOM_CALL.findall(text)})
+
+
+def export_engine(checkpoint: str, out, *, dtype: str = "bfloat16", compiled: bool | None = None,
+                  show_progress: bool = True, **engine_config) -> dict:
+    """Export every program of an engine over `checkpoint` (HF folder, orbax folder or preset) into `out`.
+
+    `compiled` (default: on a GPU) also stores the executables compiled for this GPU and jaxlib.
+    Keyword arguments are EngineConfig fields; the pool size (`num_pages`) is fixed at export.
+    Returns the metadata written to `out/metadata.json`.
+    """
+    from glint.runtime.engine import Engine
+
+    out = pathlib.Path(out)
+    check_output_folder(out)
+    engine = Engine.from_pretrained(checkpoint, dtype=dtype, **engine_config)
+    on_gpu = jax.default_backend() == "gpu"
+    compiled = on_gpu if compiled is None else compiled
+    if compiled and not on_gpu:  # XLA:CPU executables do not survive serialization (symbols go missing)
+        raise ValueError(f"compiled executables are stored for GPUs only; this process runs on {platform_name()}")
+    (out / "programs").mkdir(parents=True, exist_ok=True)
+    if compiled:
+        (out / "compiled").mkdir(exist_ok=True)
+    programs = {}
+    names = engine.program_names() + ["sample_argmax"]
+    with Progress(disable=not show_progress, transient=True) as bar:
+        task = bar.add_task("exporting", total=len(names))
+        if compiled:
+            engine.programs.compile_all(names)
+        for name in names:
+            program = engine.programs.programs[name]
+            exported = jax.export.export(program.fn, disabled_checks=DISABLED_CHECKS)(*program.args)
+            entry = {"file": f"programs/{name}.jax", "custom_calls": custom_calls(exported)}
+            (out / entry["file"]).write_bytes(exported.serialize())
+            if compiled:
+                from jax.experimental.serialize_executable import serialize
+
+                entry["compiled"] = f"compiled/{name}.bin"
+                (out / entry["compiled"]).write_bytes(pickle.dumps(serialize(engine.programs[name])))
+            if name.startswith("forward_"):
+                entry["width"] = int(name.removeprefix("forward_"))
+            programs[name] = entry
+            bar.advance(task)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(out.absolute() / PARAMS_DIR, engine.params)
+    source = pathlib.Path(checkpoint)
+    for name in SIDE_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, out / name)
+    meta = metadata(engine, programs)
+    (out / METADATA).write_text(json.dumps(meta, indent=1))
+    return meta
+
+
+def metadata(engine, programs: dict) -> dict:
+    cache, config, model = engine.cache, engine.config, engine.model
+    groups = [{"window": cache.group_windows[g], "ring_rows": cache.group_ring_rows(g),
+               "pages_per_seq": cache.group_pages_per_seq(g), "layers": list(cache.group_layers(g))}
+              for g in range(cache.num_groups)]
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION,
+        "glint": importlib.metadata.version("glint"), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+        "platform": platform_name(), "device_kind": jax.devices()[0].device_kind,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": {**json.loads(model.to_json()), "num_params": model.num_params},
+        "engine": {"max_seqs": config.max_seqs, "page_size": config.page_size,
+                   "max_step_tokens": config.max_step_tokens, "forward_sizes": list(config.forward_sizes),
+                   "max_sample_rows": config.max_sample_rows, "min_prefill_chunk": config.min_prefill_chunk,
+                   "num_pages": cache.num_pages, "capacity": cache.capacity, "attention": engine.attention},
+        "cache": {"page_size": cache.page_size, "num_pages": cache.num_pages, "max_seqs": cache.max_seqs,
+                  "max_write": cache.max_write, "capacity": cache.capacity, "windows": list(cache.windows),
+                  "kv_heads": list(cache.kv_heads), "head_dim": list(cache.head_dim), "dtype": cache.dtype,
+                  "groups": groups},
+        "widths": list(config.buckets), "decode_widths": list(config.forward_sizes),
+        "selected_logit_rows": config.max_sample_rows, "native_context": model.max_position_embeddings,
+        "capacity": cache.capacity, "vocab_size": model.vocab_size, "eos_token_ids": list(model.eos_token_ids),
+        "programs": programs,
+    }

@@ -1,0 +1,218 @@
+"""Loading a `glint export` folder: metadata, the serialized programs, the weights. No glint.model import.
+
+Layout of an artifact folder:
+  metadata.json          model, cache geometry, engine limits, programs, versions, GPU, date
+  programs/NAME.jax      one `jax.export.Exported` (StableHLO, kernels inside) per program
+  compiled/NAME.bin      optional: the executable compiled for `device_kind` with this jaxlib
+  params/                the weights, as the orbax checkpoint `glint convert` writes
+  tokenizer.json, ...    the checkpoint's side files, when it had them
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pathlib
+import pickle
+from dataclasses import dataclass
+
+import jax
+import jaxlib
+import numpy as np
+
+from glint.kvcache import CacheConfig
+from glint.runtime.config import EngineConfig
+from glint.runtime.programs import Program, ProgramSet, abstract_args
+from glint.runtime.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+METADATA = "metadata.json"
+FORMAT = "glint-export"
+FORMAT_VERSION = 1
+PARAMS_DIR = "params"
+# EngineConfig fields the programs are built for: a caller may repeat them, not change them.
+GEOMETRY_FIELDS = ("max_seqs", "page_size", "max_step_tokens", "forward_sizes", "max_sample_rows", "num_pages",
+                   "capacity")
+# Arguments each program donates (the KV state), so XLA updates it in place.
+DONATED = {"copy": (0,)}
+FORWARD_DONATED = (1,)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the host loop knows of an exported model (the full config stays in metadata.json)."""
+
+    model_type: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    num_params: int
+    tie_embeddings: bool
+    max_position_embeddings: int
+    dtype: str
+
+    def replace(self, **changes) -> ModelInfo:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class Artifact:
+    folder: pathlib.Path
+    metadata: dict
+    model: ModelInfo
+    config: EngineConfig
+    cache: CacheConfig
+    attention: str
+    programs: ProgramSet
+    params: dict
+    tokenizer: object
+
+
+def is_artifact(path) -> bool:
+    return isinstance(path, (str, pathlib.Path)) and (pathlib.Path(path) / METADATA).is_file()
+
+
+def platform_name() -> str:
+    """The platform name jax.export uses for this process's default backend."""
+    platform = jax.devices()[0].platform
+    return "cuda" if platform == "gpu" else platform
+
+
+def read_metadata(folder: pathlib.Path) -> dict:
+    path = folder / METADATA
+    if not path.is_file():
+        raise ValueError(f"{folder} is not a glint export: {METADATA} is missing")
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); the artifact is damaged, export it again") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is not glint export metadata (format {FORMAT!r} expected)")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: format_version {meta.get('format_version')!r}, this glint reads {FORMAT_VERSION}")
+    missing = [k for k in ("jax", "jaxlib", "platform", "model", "engine", "cache", "programs") if k not in meta]
+    if missing:
+        raise ValueError(f"{path} lacks {missing}; the artifact is damaged, export it again")
+    return meta
+
+
+def check_compatible(meta: dict, folder: pathlib.Path) -> None:
+    """The artifact's jax/jaxlib versions and platform must be this process's."""
+    for name, have in (("jax", jax.__version__), ("jaxlib", jaxlib.__version__)):
+        if meta[name] != have:
+            raise ValueError(f"{folder} was exported with {name} {meta[name]}, this process runs {name} {have}; "
+                             f"export it again with {name} {have}")
+    if meta["platform"] != platform_name():
+        raise ValueError(f"{folder} was exported for {meta['platform']}, this process runs on {platform_name()}")
+
+
+def engine_config(meta: dict, folder: pathlib.Path, overrides: dict) -> EngineConfig:
+    """The exported EngineConfig with the caller's overrides, which may not change the geometry."""
+    exported = dict(meta["engine"])
+    exported["forward_sizes"] = tuple(exported["forward_sizes"])
+    for name in GEOMETRY_FIELDS:
+        if name in overrides and overrides[name] is not None:
+            asked = tuple(overrides[name]) if name == "forward_sizes" else overrides[name]
+            if asked != exported[name]:
+                raise ValueError(f"{folder} was exported with {name}={exported[name]}; asked {name}={asked}. "
+                                 f"Export again with the geometry you need")
+    attention = overrides.get("attention", "auto")
+    if attention not in ("auto", exported["attention"]):
+        raise ValueError(f"{folder} was exported with attention={exported['attention']}; asked {attention}")
+    fields = {k: v for k, v in overrides.items() if k not in GEOMETRY_FIELDS and k != "attention"}
+    return EngineConfig(**{**exported, **fields})
+
+
+def cache_config(meta: dict) -> CacheConfig:
+    c = meta["cache"]
+    return CacheConfig(page_size=c["page_size"], num_pages=c["num_pages"], max_seqs=c["max_seqs"],
+                       max_write=c["max_write"], capacity=c["capacity"], windows=tuple(c["windows"]),
+                       kv_heads=tuple(c["kv_heads"]), head_dim=tuple(c["head_dim"]), dtype=c["dtype"])
+
+
+def _read_bytes(path: pathlib.Path) -> bytes:
+    if not path.is_file():
+        raise ValueError(f"{path} is missing; the artifact is incomplete, export it again")
+    return path.read_bytes()
+
+
+def load_program(folder: pathlib.Path, name: str, entry: dict) -> Program:
+    """One exported program as a jitted call of its StableHLO."""
+    path = folder / entry["file"]
+    data = _read_bytes(path)
+    try:
+        exported = jax.export.deserialize(bytearray(data))
+    except Exception as e:  # flatbuffer / MLIR errors of a truncated or foreign file
+        raise ValueError(f"{path} is not a readable jax.export program ({type(e).__name__}: {e}); "
+                         "the artifact is damaged, export it again") from None
+    args = jax.tree.unflatten(exported.in_tree, exported.in_avals)[0]
+    donated = FORWARD_DONATED if name.startswith("forward_") else DONATED.get(name, ())
+    return Program(jax.jit(exported.call, donate_argnums=donated), args)
+
+
+def check_args(folder: pathlib.Path, name: str, args, expected) -> None:
+    specs = lambda tree: [(tuple(x.shape), np.dtype(x.dtype)) for x in jax.tree.leaves(tree)]  # noqa: E731
+    if jax.tree.structure(args) != jax.tree.structure(expected) or specs(args) != specs(expected):
+        raise ValueError(f"{folder / 'programs' / name}: its arguments do not match the geometry in {METADATA}; "
+                         "the artifact is inconsistent, export it again")
+
+
+def load_compiled(folder: pathlib.Path, meta: dict, name: str) -> jax.stages.Compiled | None:
+    """The serialized executable of `name` when it was built for this GPU and jaxlib; else None (logged)."""
+    entry = meta["programs"][name]
+    if not entry.get("compiled"):
+        return None
+    device_kind = jax.devices()[0].device_kind
+    if meta.get("device_kind") != device_kind:
+        log.info("%s: executables were built on %s, this is %s: compiling the StableHLO", folder,
+                 meta.get("device_kind"), device_kind)
+        return None
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    path = folder / entry["compiled"]
+    try:
+        payload, in_tree, out_tree = pickle.loads(_read_bytes(path))
+        return deserialize_and_load(payload, in_tree, out_tree)
+    except Exception as e:  # a damaged executable is not fatal: the StableHLO is there
+        log.warning("%s could not be loaded (%s: %s); compiling the StableHLO instead", path, type(e).__name__, e)
+        return None
+
+
+def load_params(folder: pathlib.Path, like: dict) -> dict:
+    """The flat weights from `params/`, shaped and typed as the forward programs take them."""
+    import orbax.checkpoint as ocp
+
+    path = folder.absolute() / PARAMS_DIR
+    if not path.is_dir():
+        raise ValueError(f"{path} is missing; the artifact has no weights")
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            return ckpt.restore(path, {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in like.items()})
+    except Exception as e:  # orbax / tensorstore errors of missing or truncated files
+        raise ValueError(f"{path}: the weights could not be read ({type(e).__name__}: {e})") from None
+
+
+def load_artifact(folder, dtype: str | None = None, compiled: bool = True, **overrides) -> Artifact:
+    """Read an artifact folder; `overrides` are EngineConfig fields (geometry must equal the exported)."""
+    folder = pathlib.Path(folder)
+    meta = read_metadata(folder)
+    check_compatible(meta, folder)
+    if dtype is not None and dtype != meta["model"]["dtype"]:
+        raise ValueError(f"{folder} was exported with dtype {meta['model']['dtype']}; asked {dtype}")
+    config = engine_config(meta, folder, overrides)
+    cache = cache_config(meta)
+    model = ModelInfo(**{f.name: meta["model"][f.name] for f in dataclasses.fields(ModelInfo)
+                         if f.name != "eos_token_ids"}, eos_token_ids=tuple(meta["model"]["eos_token_ids"]))
+    programs = {name: load_program(folder, name, entry) for name, entry in meta["programs"].items()}
+    forwards = [p for name, p in programs.items() if name.startswith("forward_")]
+    if not forwards:
+        raise ValueError(f"{folder / METADATA} lists no forward programs")
+    params_like = forwards[0].args[0]
+    for name, program in programs.items():
+        check_args(folder, name, program.args, abstract_args(name, params_like, cache, config.max_seqs,
+                                                             config.max_sample_rows, model.vocab_size))
+    loaded = {name: executable for name in programs
+              if compiled and (executable := load_compiled(folder, meta, name)) is not None}
+    params = load_params(folder, params_like)
+    return Artifact(folder, meta, model, config, cache, meta["engine"]["attention"], ProgramSet(programs, loaded),
+                    params, load_tokenizer(folder))

@@ -1,0 +1,84 @@
+"""`glint bench --cold-start`: seconds from process start to the first token, each way in a fresh process.
+
+Three ways: an empty compilation cache (everything compiles), the cache that run left behind (warm), and
+an exported artifact (its stored executables on a GPU; on a CPU its StableHLO, compiled into an empty
+cache). Each child builds the engine, warms it up (every program, as a server does before it serves) and
+generates one greedy token; it prints one JSON line of timestamps, which the parent turns into seconds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+CHILD_PREFIX = "coldstart: "
+
+
+def child(argv: list[str]) -> None:
+    """python -m glint.runtime.coldstart SOURCE ENGINE_CONFIG_JSON: build, warm up, first token, print times."""
+    t_start = time.time()
+    from glint.runtime.engine import Engine
+    from glint.runtime.params import SamplingParams
+
+    t_import = time.time()
+    source, config = argv[0], json.loads(argv[1])
+    engine = Engine.from_pretrained(source, **config)
+    t_load = time.time()
+    engine.warmup(progress=False)
+    t_warm = time.time()
+    out = engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0]
+    t_first = time.time()
+    print(CHILD_PREFIX + json.dumps(dict(start=t_start, imported=t_import, loaded=t_load, warm=t_warm,
+                                         first_token=t_first, token_ids=out.token_ids)), flush=True)
+
+
+def export_child(argv: list[str]) -> None:
+    """python -m glint.runtime.coldstart --export SOURCE OUT ENGINE_CONFIG_JSON"""
+    from glint.export.exporter import export_engine
+
+    source, out, config = argv[0], argv[1], json.loads(argv[2])
+    export_engine(source, out, show_progress=False, **config)
+    print(CHILD_PREFIX + json.dumps({}), flush=True)
+
+
+def _child_process(args: list[str], cache_dir: str, timeout: float) -> tuple[dict, float, float]:
+    """Run a child in a fresh process (the parent never touches the device); (its JSON, start, wall seconds)."""
+    env = dict(os.environ, GLINT_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "glint.runtime.coldstart", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    wall = time.time() - t0
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(CHILD_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"cold-start child {args[:2]} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix(CHILD_PREFIX)), t0, wall
+
+
+def _run_child(source: str, config: dict, cache_dir: str, timeout: float) -> dict:
+    t, t0, wall = _child_process([source, json.dumps(config)], cache_dir, timeout)
+    return dict(process_s=wall, python_to_import_s=t["imported"] - t0, load_s=t["loaded"] - t["imported"],
+                warmup_s=t["warm"] - t["loaded"], first_token_s=t["first_token"] - t0, token_ids=t["token_ids"])
+
+
+def cold_start(source: str, dtype: str | None, engine_config: dict, workdir: str | None = None,
+               timeout: float = 1800) -> list[dict]:
+    """Time the three ways; returns one dict per way (seconds from process start, and the parts)."""
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        cache, artifact_cache = os.path.join(tmp, "cache"), os.path.join(tmp, "artifact-cache")
+        config = dict(engine_config, dtype=dtype)
+        rows = [dict(way="no cache", **_run_child(source, config, cache, timeout)),
+                dict(way="warm cache", **_run_child(source, config, cache, timeout))]
+        artifact = os.path.join(tmp, "artifact")
+        _, _, export_s = _child_process(["--export", source, artifact, json.dumps(dict(config, dtype=dtype or
+                                                                                      "bfloat16"))], cache, timeout)
+        rows.append(dict(way="exported artifact", export_s=export_s,
+                         **_run_child(artifact, {"compile_cache": engine_config.get("compile_cache", True)},
+                                      artifact_cache, timeout)))
+    return rows
+
+
+if __name__ == "__main__":
+    export_child(sys.argv[2:]) if sys.argv[1] == "--export" else child(sys.argv[1:])

@@ -1,0 +1,41 @@
+"""JAX's persistent compilation cache, on by default for every engine and command.
+
+Compiled programs are stored in `$GLINT_CACHE_DIR` (default `~/.cache/glint`), so a second process
+loads them instead of compiling. The cache is process-wide (a JAX setting); `configure(False)` turns it
+off. A corrupted or unreadable entry is not fatal: JAX warns and compiles instead.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("GLINT_CACHE_DIR") or pathlib.Path.home() / ".cache" / "glint").expanduser()
+
+
+def configure(enabled: bool = True, path: str | os.PathLike | None = None) -> pathlib.Path | None:
+    """Point JAX's persistent cache at `path` (default `cache_dir()`), caching every program whatever its
+    compile time or size; or turn it off. Returns the directory in use, or None."""
+    target = None
+    if enabled:
+        target = pathlib.Path(path) if path is not None else cache_dir()
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            log.warning("compilation cache %s is not usable (%s); compiling without it", target, e)
+            target = None
+    current = jax.config.jax_compilation_cache_dir
+    if (str(target) if target else None) != current:
+        jax.config.update("jax_compilation_cache_dir", str(target) if target else None)
+        compilation_cache.reset_cache()  # JAX decides once per process whether to use the cache: ask again
+    if target is not None:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return target

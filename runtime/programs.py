@@ -1,0 +1,183 @@
+"""The engine's device programs, whoever built them: the live model (jit) or an exported artifact.
+
+A `ProgramSet` is a table of named programs, each a jitted function with the abstract arguments it is
+compiled for: `forward_{W}` for every step width W, `sample` (top-k / top-p draws), `logprobs` and
+`copy` (copy-on-write pages). Each compiles once: `compile_all` lowers them one by one (decode widths
+first) and compiles in parallel threads; a program not yet compiled compiles on first use.
+
+Arguments cross the program boundary as plain tuples and a flat `{"dotted.name": array}` parameter dict,
+so the exported signatures need no custom pytree types. No glint.model import: an engine served from an
+artifact runs on this module alone.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from glint.kvcache import CacheConfig, KVState, StepMetadata
+
+COPY_ROWS = 64  # page copies per `copy` call; a step needing more runs it again
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class DeviceMeta:
+    """The int32 metadata of one step, as the jitted function sees it."""
+
+    positions: jax.Array  # i32[W]
+    slots: tuple[jax.Array, ...]  # per layer group, i32[W]
+    seq_info: jax.Array  # i32[S, 4]
+    page_tables: tuple[jax.Array, ...]  # per layer group, i32[S, P_g]
+
+    @classmethod
+    def from_host(cls, meta: StepMetadata) -> DeviceMeta:
+        return cls(meta.positions, tuple(meta.slots), meta.seq_info, tuple(meta.page_tables))
+
+
+def forward_name(width: int) -> str:
+    return f"forward_{width}"
+
+
+def num_segments(width: int, max_seqs: int) -> int:
+    """Segments a step of `width` tokens can hold: one per sequence, at most one per token."""
+    return min(width, max_seqs)
+
+
+def _spec(shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
+
+
+def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, rows: int, vocab_size: int) -> tuple:
+    """The abstract arguments program `name` is compiled for (params: flat dict of arrays or specs).
+
+    forward_W: (params, (k, v), tokens i32[W], token_src i32[W], prev_tokens i32[R],
+                (positions i32[W], slots, seq_info i32[S, 4], page_tables), rows i32[R],
+                (temperature f32[R], top_k i32[R], top_p f32[R], seed u32[R], position i32[R]))
+    sample:    (logits f32[R, V], sampler tuple)
+    sample_argmax: (logits f32[R, V],)
+    logprobs:  (logits f32[R, V], tokens i32[R])
+    copy:      ((k, v), per group i32[COPY_ROWS, 2])
+    """
+    i32 = lambda *shape: _spec(shape, np.int32)  # noqa: E731
+    kv = (tuple(_spec((cache.num_pages, cache.page_size, cache.kv_heads[l], cache.head_dim[l]), cache.dtype)
+                for l in range(cache.num_layers)),) * 2
+    sampler = (_spec((rows,), np.float32), i32(rows), _spec((rows,), np.float32), _spec((rows,), np.uint32), i32(rows))
+    logits = _spec((rows, vocab_size), np.float32)
+    if name == "sample":
+        return logits, sampler
+    if name == "sample_argmax":
+        return (logits,)
+    if name == "logprobs":
+        return logits, i32(rows)
+    if name == "copy":
+        return kv, tuple(i32(COPY_ROWS, 2) for _ in range(cache.num_groups))
+    width = int(name.removeprefix("forward_"))
+    s = num_segments(width, max_seqs)
+    meta = (i32(width), tuple(i32(width) for _ in range(cache.num_groups)), i32(s, 4),
+            tuple(i32(s, cache.group_pages_per_seq(g)) for g in range(cache.num_groups)))
+    params = {k: _spec(v.shape, v.dtype) for k, v in params.items()}
+    return params, kv, i32(width), i32(width), i32(rows), meta, i32(rows), sampler
+
+
+@dataclass
+class Program:
+    fn: Callable  # a jax.jit-wrapped function
+    args: tuple  # abstract arguments (ShapeDtypeStruct pytree)
+
+
+class ProgramSet:
+    """Named programs, each compiled once and then called directly (no retracing, no cache lookups)."""
+
+    def __init__(self, programs: dict[str, Program], compiled: dict[str, jax.stages.Compiled] | None = None):
+        self.programs = programs
+        self._compiled = dict(compiled or {})
+        self._lock = threading.Lock()
+
+    def __getitem__(self, name: str) -> jax.stages.Compiled:
+        compiled = self._compiled.get(name)
+        if compiled is None:
+            with self._lock:
+                if name not in self._compiled:
+                    self._compiled[name] = self.lower(name).compile()
+                compiled = self._compiled[name]
+        return compiled
+
+    def lower(self, name: str):
+        p = self.programs[name]
+        return p.fn.lower(*p.args)
+
+    def is_compiled(self, name: str) -> bool:
+        return name in self._compiled
+
+    def compile_all(self, names: Iterable[str], progress: Callable[[str, float], None] | None = None,
+                    max_workers: int | None = None) -> dict[str, float]:
+        """Lower `names` in order on this thread and compile them in a thread pool as they are lowered.
+
+        Returns seconds per program (lowering + compiling); `progress(name, seconds)` is called as each is done.
+        """
+        todo = [n for n in names if n not in self._compiled]
+        times: dict[str, float] = {}
+        workers = max_workers or max(1, min(len(todo), os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="glint-compile") as pool:
+            futures = {}
+            for name in todo:
+                t0 = time.perf_counter()
+                lowered = self.lower(name)
+                futures[pool.submit(lowered.compile)] = (name, t0)
+            for future in concurrent.futures.as_completed(futures):
+                name, t0 = futures[future]
+                self._compiled[name] = future.result()
+                times[name] = time.perf_counter() - t0
+                if progress is not None:
+                    progress(name, times[name])
+        return times
+
+
+class Runner:
+    """Calls a ProgramSet with the engine's objects (KVState, DeviceMeta, SamplerInputs)."""
+
+    def __init__(self, programs: ProgramSet, cache: CacheConfig, max_seqs: int):
+        self.programs, self.cache, self.max_seqs = programs, cache, max_seqs
+
+    def forward(self, width: int, params: dict, kv: KVState, tokens, token_src, prev_tokens, meta: DeviceMeta, rows,
+                sampler) -> tuple[jax.Array, jax.Array, KVState]:
+        """-> (tokens i32[R] drawn without top-k/top-p, logits f32[R, V], kv)."""
+        meta_args = (meta.positions, tuple(meta.slots), meta.seq_info, tuple(meta.page_tables))
+        sampler_args = tuple(getattr(sampler, f.name) for f in dataclasses.fields(sampler))
+        next_tokens, logits, (k, v) = self.programs[forward_name(width)](
+            params, (kv.k, kv.v), tokens, token_src, prev_tokens, meta_args, rows, sampler_args)
+        return next_tokens, logits, KVState(k=k, v=v)
+
+    def sample(self, logits, sampler) -> jax.Array:
+        """Tokens i32[R] with every row's top-k / top-p applied."""
+        return self.programs["sample"](logits, tuple(getattr(sampler, f.name) for f in dataclasses.fields(sampler)))
+
+    def logprobs(self, logits, tokens):
+        """(chosen f32[R], top f32[R, k], top_ids i32[R, k])."""
+        return self.programs["logprobs"](logits, tokens)
+
+    def copy(self, kv: KVState, copies: tuple[np.ndarray, ...]) -> KVState:
+        """Apply per-group (src, dst) page copies, COPY_ROWS at a time; pads (0, 0) copy scratch onto itself.
+
+        Chunks may run one after another: a destination is a page just taken from the free list, never the
+        source of another copy of the same step.
+        """
+        longest = max(len(c) for c in copies)
+        state = (kv.k, kv.v)
+        for start in range(0, longest, COPY_ROWS):
+            chunk = []
+            for c in copies:
+                part = np.zeros((COPY_ROWS, 2), np.int32)
+                rows = np.asarray(c, np.int32).reshape(-1, 2)[start:start + COPY_ROWS]
+                part[:len(rows)] = rows
+                chunk.append(part)
+            state = self.programs["copy"](state, tuple(chunk))
+        return KVState(k=state[0], v=state[1])
