@@ -179,11 +179,12 @@ def run_cold_start(args) -> dict:
     rows = cold_start(args.model, args.dtype, engine_settings(args), workdir=args.workdir)
     result = dict(model=args.model, dtype=args.dtype, date=time.strftime("%Y-%m-%d"), cold_start=rows)
     t = Table(title=f"cold start: {args.model} (seconds from process start)")
-    for col in ("way", "first token", "import", "load", "warm-up", "export"):
+    for col in ("way", "first token", "import", "load", "warm-up", "compiles", "cache hits", "export"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(r["way"], f"{r['first_token_s']:.1f}", f"{r['python_to_import_s']:.1f}", f"{r['load_s']:.1f}",
-                  f"{r['warmup_s']:.1f}", f"{r['export_s']:.1f}" if "export_s" in r else "")
+                  f"{r['warmup_s']:.1f}", str(r["compiles"]), str(r["cache_hits"]),
+                  f"{r['export_s']:.1f}" if "export_s" in r else "")
     Console().print(t)
     same = len({tuple(r["token_ids"]) for r in rows}) == 1
     Console().print(f"first tokens {'agree' if same else 'DIFFER'}: {[r['token_ids'] for r in rows]}")

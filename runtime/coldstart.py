@@ -20,9 +20,14 @@ CHILD_PREFIX = "coldstart: "
 def child(argv: list[str]) -> None:
     """python -m glint.runtime.coldstart SOURCE ENGINE_CONFIG_JSON: build, warm up, first token, print times."""
     t_start = time.time()
+    import jax
+
     from glint.runtime.engine import Engine
     from glint.runtime.params import SamplingParams
 
+    events: list[str] = []  # XLA compilations (cache hits included) and persistent-cache hits
+    jax.monitoring.register_event_duration_secs_listener(lambda event, duration, **kw: events.append(event))
+    jax.monitoring.register_event_listener(lambda event, **kw: events.append(event))
     t_import = time.time()
     source, config = argv[0], json.loads(argv[1])
     engine = Engine.from_pretrained(source, **config)
@@ -31,8 +36,11 @@ def child(argv: list[str]) -> None:
     t_warm = time.time()
     out = engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0]
     t_first = time.time()
+    hits = events.count("/jax/compilation_cache/cache_hits")
+    compiles = events.count("/jax/core/compile/backend_compile_duration") - hits
     print(CHILD_PREFIX + json.dumps(dict(start=t_start, imported=t_import, loaded=t_load, warm=t_warm,
-                                         first_token=t_first, token_ids=out.token_ids)), flush=True)
+                                         first_token=t_first, token_ids=out.token_ids, compiles=compiles,
+                                         cache_hits=hits)), flush=True)
 
 
 def export_child(argv: list[str]) -> None:
@@ -60,7 +68,8 @@ def _child_process(args: list[str], cache_dir: str, timeout: float) -> tuple[dic
 def _run_child(source: str, config: dict, cache_dir: str, timeout: float) -> dict:
     t, t0, wall = _child_process([source, json.dumps(config)], cache_dir, timeout)
     return dict(process_s=wall, python_to_import_s=t["imported"] - t0, load_s=t["loaded"] - t["imported"],
-                warmup_s=t["warm"] - t["loaded"], first_token_s=t["first_token"] - t0, token_ids=t["token_ids"])
+                warmup_s=t["warm"] - t["loaded"], first_token_s=t["first_token"] - t0, token_ids=t["token_ids"],
+                compiles=t["compiles"], cache_hits=t["cache_hits"])
 
 
 def cold_start(source: str, dtype: str | None, engine_config: dict, workdir: str | None = None,
