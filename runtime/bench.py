@@ -176,7 +176,8 @@ def run_cold_start(args) -> dict:
     """Process start -> first token, three ways, each in a fresh process; this process never touches the device."""
     from glint.runtime.coldstart import cold_start
 
-    rows = cold_start(args.model, args.dtype, engine_settings(args), workdir=args.workdir)
+    rows = cold_start(args.model, args.dtype, engine_settings(args), workdir=args.workdir,
+                      ways=tuple(args.ways.split(",")))
     result = dict(model=args.model, dtype=args.dtype, date=time.strftime("%Y-%m-%d"), cold_start=rows)
     t = Table(title=f"cold start: {args.model} (seconds from process start)")
     for col in ("way", "first token", "import", "load", "warm-up", "compiles", "cache hits", "export"):
@@ -308,6 +309,7 @@ def register(sub) -> None:
                    help="instead: seconds from process start to the first token in fresh processes, with an empty "
                    "compilation cache, a warm one and an exported artifact")
     p.add_argument("--workdir", help="--cold-start: where the temporary cache and artifact go (default: system temp)")
+    p.add_argument("--ways", default="no-cache,warm,artifact", help="--cold-start: which ways to time")
     p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
                    help="do not use the persistent compilation cache ($GLINT_CACHE_DIR, default ~/.cache/glint)")
     p.set_defaults(func=lambda args: run_bench(args) and 0)
