@@ -29,7 +29,7 @@ case "${1:-all}" in
     tail -45 "$out/bench.log"
     ;;
   export)  # exported artifacts == live engine through the Pallas kernels; llama3-8b cold start (~9 min)
-    timeout 220 python3 tools/gpu_export.py .gpu/fixtures .gpu/stories260K > "$out/export_parity.log" 2>&1
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 220 python3 tools/gpu_export.py .gpu/fixtures .gpu/stories260K > "$out/export_parity.log" 2>&1
     tail -9 "$out/export_parity.log"
     timeout 340 python3 -m glint.runtime.cli bench llama3-8b --cold-start --batch 1,256 --prompt-len 512 \
       --gen-len 256 --workdir /tmp --json "$out/cold_llama3.json" > "$out/cold_llama3.log" 2>&1
