@@ -34,6 +34,7 @@ PARAMS_DIR = "params"
 # EngineConfig fields the programs are built for: a caller may repeat them, not change them.
 GEOMETRY_FIELDS = ("max_seqs", "page_size", "max_step_tokens", "forward_sizes", "max_sample_rows", "num_pages",
                    "capacity")
+MOSAIC_GPU_CALL = "mosaic_gpu_v2"
 # Arguments each program donates (the KV state), so XLA updates it in place.
 DONATED = {"copy": (0,)}
 FORWARD_DONATED = (1,)
@@ -203,6 +204,8 @@ def load_artifact(folder, dtype: str | None = None, compiled: bool = True, **ove
     cache = cache_config(meta)
     model = ModelInfo(**{f.name: meta["model"][f.name] for f in dataclasses.fields(ModelInfo)
                          if f.name != "eos_token_ids"}, eos_token_ids=tuple(meta["model"]["eos_token_ids"]))
+    if any(MOSAIC_GPU_CALL in entry.get("custom_calls", ()) for entry in meta["programs"].values()):
+        import jax.experimental.mosaic.gpu  # noqa: F401  (registers the Mosaic GPU runtime its kernels call)
     programs = {name: load_program(folder, name, entry) for name, entry in meta["programs"].items()}
     forwards = [p for name, p in programs.items() if name.startswith("forward_")]
     if not forwards:

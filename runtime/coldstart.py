@@ -32,6 +32,7 @@ def child(argv: list[str]) -> None:
     source, config = argv[0], json.loads(argv[1])
     engine = Engine.from_pretrained(source, **config)
     t_load = time.time()
+    loaded = engine.programs.num_compiled  # executables an artifact brought ready to run
     engine.warmup(progress=False)
     t_warm = time.time()
     out = engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0]
@@ -40,7 +41,7 @@ def child(argv: list[str]) -> None:
     compiles = events.count("/jax/core/compile/backend_compile_duration") - hits
     print(CHILD_PREFIX + json.dumps(dict(start=t_start, imported=t_import, loaded=t_load, warm=t_warm,
                                          first_token=t_first, token_ids=out.token_ids, compiles=compiles,
-                                         cache_hits=hits)), flush=True)
+                                         cache_hits=hits, executables_loaded=loaded)), flush=True)
 
 
 def export_child(argv: list[str]) -> None:
@@ -61,7 +62,8 @@ def _child_process(args: list[str], cache_dir: str, timeout: float) -> tuple[dic
     wall = time.time() - t0
     lines = [line for line in proc.stdout.splitlines() if line.startswith(CHILD_PREFIX)]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"cold-start child {args[:2]} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        sys.stderr.write(proc.stderr)
+        raise RuntimeError(f"cold-start child {args[:2]} failed (exit {proc.returncode}): {proc.stderr[-500:]}")
     return json.loads(lines[-1].removeprefix(CHILD_PREFIX)), t0, wall
 
 
@@ -69,7 +71,7 @@ def _run_child(source: str, config: dict, cache_dir: str, timeout: float) -> dic
     t, t0, wall = _child_process([source, json.dumps(config)], cache_dir, timeout)
     return dict(process_s=wall, python_to_import_s=t["imported"] - t0, load_s=t["loaded"] - t["imported"],
                 warmup_s=t["warm"] - t["loaded"], first_token_s=t["first_token"] - t0, token_ids=t["token_ids"],
-                compiles=t["compiles"], cache_hits=t["cache_hits"])
+                compiles=t["compiles"], cache_hits=t["cache_hits"], executables_loaded=t["executables_loaded"])
 
 
 WAYS = ("no-cache", "warm", "artifact")
@@ -85,8 +87,11 @@ def cold_start(source: str, dtype: str | None, engine_config: dict, workdir: str
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         cache, artifact_cache = os.path.join(tmp, "cache"), os.path.join(tmp, "artifact-cache")
         config = dict(engine_config, dtype=dtype)
-        rows = [dict(way=name, **_run_child(source, config, cache, timeout))
-                for way, name in (("no-cache", "no cache"), ("warm", "warm cache")) if way in ways]
+        rows = []
+        for way, name in (("no-cache", "no cache"), ("warm", "warm cache")):
+            if way in ways:
+                rows.append(dict(way=name, **_run_child(source, config, cache, timeout)))
+                print(CHILD_PREFIX + json.dumps(rows[-1]), flush=True)  # each way as it is measured
         if "artifact" not in ways:
             return rows
         artifact = os.path.join(tmp, "artifact")
@@ -95,6 +100,7 @@ def cold_start(source: str, dtype: str | None, engine_config: dict, workdir: str
         rows.append(dict(way="exported artifact", export_s=export_s,
                          **_run_child(artifact, {"compile_cache": engine_config.get("compile_cache", True)},
                                       artifact_cache, timeout)))
+        print(CHILD_PREFIX + json.dumps(rows[-1]), flush=True)
     return rows
 
 

@@ -117,6 +117,10 @@ class ProgramSet:
     def is_compiled(self, name: str) -> bool:
         return name in self._compiled
 
+    @property
+    def num_compiled(self) -> int:
+        return len(self._compiled)
+
     def compile_all(self, names: Iterable[str], progress: Callable[[str, float], None] | None = None,
                     max_workers: int | None = None) -> dict[str, float]:
         """Lower `names` in order on this thread and compile them in a thread pool as they are lowered.
