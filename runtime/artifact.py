@@ -14,6 +14,7 @@ import json
 import logging
 import pathlib
 import pickle
+import time
 from dataclasses import dataclass
 
 import jax
@@ -67,6 +68,7 @@ class Artifact:
     programs: ProgramSet
     params: dict
     tokenizer: object
+    seconds: dict  # loading time per part: programs (StableHLO), executables, params
 
 
 def is_artifact(path) -> bool:
@@ -206,6 +208,7 @@ def load_artifact(folder, dtype: str | None = None, compiled: bool = True, **ove
                          if f.name != "eos_token_ids"}, eos_token_ids=tuple(meta["model"]["eos_token_ids"]))
     if any(MOSAIC_GPU_CALL in entry.get("custom_calls", ()) for entry in meta["programs"].values()):
         import jax.experimental.mosaic.gpu  # noqa: F401  (registers the Mosaic GPU runtime its kernels call)
+    t0 = time.perf_counter()
     programs = {name: load_program(folder, name, entry) for name, entry in meta["programs"].items()}
     forwards = [p for name, p in programs.items() if name.startswith("forward_")]
     if not forwards:
@@ -214,8 +217,11 @@ def load_artifact(folder, dtype: str | None = None, compiled: bool = True, **ove
     for name, program in programs.items():
         check_args(folder, name, program.args, abstract_args(name, params_like, cache, config.max_seqs,
                                                              config.max_sample_rows, model.vocab_size))
+    t1 = time.perf_counter()
     loaded = {name: executable for name in programs
               if compiled and (executable := load_compiled(folder, meta, name)) is not None}
+    t2 = time.perf_counter()
     params = load_params(folder, params_like)
+    seconds = dict(programs=t1 - t0, executables=t2 - t1, params=time.perf_counter() - t2)
     return Artifact(folder, meta, model, config, cache, meta["engine"]["attention"], ProgramSet(programs, loaded),
-                    params, load_tokenizer(folder))
+                    params, load_tokenizer(folder), seconds)

@@ -22,6 +22,7 @@ def child(argv: list[str]) -> None:
     t_start = time.time()
     import jax
 
+    from glint.runtime import executables
     from glint.runtime.engine import Engine
     from glint.runtime.params import SamplingParams
 
@@ -41,7 +42,9 @@ def child(argv: list[str]) -> None:
     compiles = events.count("/jax/core/compile/backend_compile_duration") - hits
     print(CHILD_PREFIX + json.dumps(dict(start=t_start, imported=t_import, loaded=t_load, warm=t_warm,
                                          first_token=t_first, token_ids=out.token_ids, compiles=compiles,
-                                         cache_hits=hits, executables_loaded=loaded)), flush=True)
+                                         cache_hits=hits, executables_loaded=loaded,
+                                         load_parts=getattr(engine, "load_seconds", None),
+                                         executables_cache=dict(executables.counts))), flush=True)
 
 
 def export_child(argv: list[str]) -> None:
@@ -71,7 +74,8 @@ def _run_child(source: str, config: dict, cache_dir: str, timeout: float) -> dic
     t, t0, wall = _child_process([source, json.dumps(config)], cache_dir, timeout)
     return dict(process_s=wall, python_to_import_s=t["imported"] - t0, load_s=t["loaded"] - t["imported"],
                 warmup_s=t["warm"] - t["loaded"], first_token_s=t["first_token"] - t0, token_ids=t["token_ids"],
-                compiles=t["compiles"], cache_hits=t["cache_hits"], executables_loaded=t["executables_loaded"])
+                compiles=t["compiles"], cache_hits=t["cache_hits"], executables_loaded=t["executables_loaded"],
+                load_parts=t["load_parts"], executables_cache=t["executables_cache"])
 
 
 WAYS = ("no-cache", "warm", "artifact")

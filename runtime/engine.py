@@ -142,6 +142,7 @@ class Engine:
         art = load_artifact(folder, dtype=dtype, compiled=compiled, **engine_config)
         engine.graphdef = None
         engine._start(art.model, art.config, art.cache, art.attention, art.programs, art.params, art.tokenizer)
+        engine.load_seconds = art.seconds
         if warmup:
             engine.warmup()
         return engine

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from glint.kvcache import CacheConfig, KVState, StepMetadata
+from glint.runtime import executables
 
 COPY_ROWS = 64  # page copies per `copy` call; a step needing more runs it again
 
@@ -96,8 +97,11 @@ class Program:
 class ProgramSet:
     """Named programs, each compiled once and then called directly (no retracing, no cache lookups)."""
 
-    def __init__(self, programs: dict[str, Program], compiled: dict[str, jax.stages.Compiled] | None = None):
-        self.programs = programs
+    def __init__(self, programs: dict[str, Program], compiled: dict[str, jax.stages.Compiled] | None = None,
+                 identity: str | None = None):
+        """`identity`: what, besides the name, determines each program (model, geometry, kernels); given, the
+        executables are also kept between processes (`glint.runtime.executables`)."""
+        self.programs, self.identity = programs, identity
         self._compiled = dict(compiled or {})
         self._lock = threading.Lock()
 
@@ -106,8 +110,16 @@ class ProgramSet:
         if compiled is None:
             with self._lock:
                 if name not in self._compiled:
-                    self._compiled[name] = self.lower(name).compile()
+                    self._compiled[name] = self._cached(name) or self._finish(name, self.lower(name).compile())
                 compiled = self._compiled[name]
+        return compiled
+
+    def _cached(self, name: str) -> jax.stages.Compiled | None:
+        return executables.load(self.identity, name) if self.identity is not None else None
+
+    def _finish(self, name: str, compiled: jax.stages.Compiled) -> jax.stages.Compiled:
+        if self.identity is not None:
+            executables.store(self.identity, name, compiled)
         return compiled
 
     def lower(self, name: str):
@@ -134,8 +146,11 @@ class ProgramSet:
             futures = {}
             for name in todo:
                 t0 = time.perf_counter()
+                if (cached := self._cached(name)) is not None:
+                    futures[pool.submit(lambda c=cached: c)] = (name, t0)
+                    continue
                 lowered = self.lower(name)
-                futures[pool.submit(lowered.compile)] = (name, t0)
+                futures[pool.submit(lambda n=name, low=lowered: self._finish(n, low.compile()))] = (name, t0)
             for future in concurrent.futures.as_completed(futures):
                 name, t0 = futures[future]
                 self._compiled[name] = future.result()

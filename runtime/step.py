@@ -113,5 +113,7 @@ def live_programs(model: ModelConfig, params: dict, cache: CacheConfig, impl: st
     """Every program an engine runs, for the live model (params: the flat parameter dict)."""
     fns = {forward_name(w): make_step_fn(model, cache, impl) for w in widths}
     fns.update(sample=_sample_filtered, sample_argmax=_sample_argmax, logprobs=_logprobs, copy=make_copy_fn(cache))
-    return ProgramSet({name: Program(fn, abstract_args(name, params, cache, max_seqs, rows, model.vocab_size))
-                       for name, fn in fns.items()})
+    programs = {name: Program(fn, abstract_args(name, params, cache, max_seqs, rows, model.vocab_size))
+                for name, fn in fns.items()}
+    identity = repr((model, cache, impl, max_seqs, rows, sorted((k, v.shape, str(v.dtype)) for k, v in params.items())))
+    return ProgramSet(programs, identity=identity)
