@@ -9,6 +9,7 @@ Layout of an artifact folder:
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -189,8 +190,10 @@ def load_params(folder: pathlib.Path, like: dict) -> dict:
     if not path.is_dir():
         raise ValueError(f"{path} is missing; the artifact has no weights")
     try:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # straight onto the device
         with ocp.StandardCheckpointer() as ckpt:
-            return ckpt.restore(path, {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in like.items()})
+            return ckpt.restore(path, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=device)
+                                       for k, v in like.items()})
     except Exception as e:  # orbax / tensorstore errors of missing or truncated files
         raise ValueError(f"{path}: the weights could not be read ({type(e).__name__}: {e})") from None
 
@@ -218,8 +221,11 @@ def load_artifact(folder, dtype: str | None = None, compiled: bool = True, **ove
         check_args(folder, name, program.args, abstract_args(name, params_like, cache, config.max_seqs,
                                                              config.max_sample_rows, model.vocab_size))
     t1 = time.perf_counter()
-    loaded = {name: executable for name in programs
-              if compiled and (executable := load_compiled(folder, meta, name)) is not None}
+    loaded = {}
+    if compiled:
+        with concurrent.futures.ThreadPoolExecutor(len(programs)) as pool:
+            executables = pool.map(lambda name: (name, load_compiled(folder, meta, name)), programs)
+            loaded = {name: executable for name, executable in executables if executable is not None}
     t2 = time.perf_counter()
     params = load_params(folder, params_like)
     seconds = dict(programs=t1 - t0, executables=t2 - t1, params=time.perf_counter() - t2)

@@ -36,8 +36,14 @@ def child(argv: list[str]) -> None:
     loaded = engine.programs.num_compiled  # executables an artifact brought ready to run
     engine.warmup(progress=False)
     t_warm = time.time()
-    out = engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0]
-    t_first = time.time()
+    # A 300-token prompt (prefill kernels) and 16 greedy tokens (decode): the ways must agree on all of them.
+    prompt = [(7 * i + 3) % engine.model.vocab_size for i in range(300)]
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    t_first = None
+    while engine.has_unfinished():
+        if engine.step().get(rid) and t_first is None:
+            t_first = time.time()
+    out = engine.output(rid)
     hits = events.count("/jax/compilation_cache/cache_hits")
     compiles = events.count("/jax/core/compile/backend_compile_duration") - hits
     print(CHILD_PREFIX + json.dumps(dict(start=t_start, imported=t_import, loaded=t_load, warm=t_warm,

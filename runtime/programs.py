@@ -142,21 +142,27 @@ class ProgramSet:
         todo = [n for n in names if n not in self._compiled]
         times: dict[str, float] = {}
         workers = max_workers or max(1, min(len(todo), os.cpu_count() or 1))
+        t_start = time.perf_counter()
+
+        def done(name: str, compiled: jax.stages.Compiled, t0: float) -> None:
+            self._compiled[name] = compiled
+            times[name] = time.perf_counter() - t0
+            if progress is not None:
+                progress(name, times[name])
+
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="glint-compile") as pool:
+            loads = {name: pool.submit(self._cached, name) for name in todo}  # kept executables, in parallel
             futures = {}
             for name in todo:
-                t0 = time.perf_counter()
-                if (cached := self._cached(name)) is not None:
-                    futures[pool.submit(lambda c=cached: c)] = (name, t0)
+                if (cached := loads[name].result()) is not None:
+                    done(name, cached, t_start)
                     continue
-                lowered = self.lower(name)
+                t0 = time.perf_counter()
+                lowered = self.lower(name)  # tracing holds the GIL: one at a time, here
                 futures[pool.submit(lambda n=name, low=lowered: self._finish(n, low.compile()))] = (name, t0)
             for future in concurrent.futures.as_completed(futures):
                 name, t0 = futures[future]
-                self._compiled[name] = future.result()
-                times[name] = time.perf_counter() - t0
-                if progress is not None:
-                    progress(name, times[name])
+                done(name, future.result(), t0)
         return times
 
 

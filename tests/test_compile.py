@@ -141,11 +141,11 @@ def test_default_pool_size_is_stable_across_small_changes_in_free_memory():
 
 def test_bench_cold_start_three_ways(tmp_path, capsys):
     out = tmp_path / "cold.json"
-    assert main(["bench", "tiny", "--cold-start", "--batch", "2", "--prompt-len", "8", "--gen-len", "8",
+    assert main(["bench", "tiny", "--cold-start", "--batch", "2", "--prompt-len", "300", "--gen-len", "16",
                  "--max-step-tokens", "64", "--workdir", str(tmp_path), "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["cold_start"]
     assert [r["way"] for r in rows] == ["no cache", "warm cache", "exported artifact"]
-    assert len({tuple(r["token_ids"]) for r in rows}) == 1 and len(rows[0]["token_ids"]) == 1
+    assert len({tuple(r["token_ids"]) for r in rows}) == 1 and len(rows[0]["token_ids"]) == 16
     assert all(0 < r["first_token_s"] <= r["process_s"] for r in rows) and rows[2]["export_s"] > 0
     cold, warm, artifact = rows
     assert cold["compiles"] >= 9 and cold["cache_hits"] == 0  # every width, sample, logprobs, copy
