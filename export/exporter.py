@@ -19,7 +19,7 @@ from jax.experimental.pallas import triton as pallas_triton
 from rich.progress import Progress
 
 from glint.export.checkpoint import SIDE_FILES
-from glint.runtime.artifact import FORMAT, FORMAT_VERSION, METADATA, PARAMS_DIR, platform_name
+from glint.runtime.artifact import FORMAT, FORMAT_VERSION, METADATA, PARAMS_DIR, PROGRAM_ABI, platform_name
 
 # The Pallas Triton custom call is not among jax.export's stable targets (Mosaic GPU's is): we export it
 # knowingly, and the artifact pins the jax/jaxlib versions that load it.
@@ -95,7 +95,7 @@ def metadata(engine, programs: dict) -> dict:
                "pages_per_seq": cache.group_pages_per_seq(g), "layers": list(cache.group_layers(g))}
               for g in range(cache.num_groups)]
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION,
+        "format": FORMAT, "format_version": FORMAT_VERSION, "program_abi": PROGRAM_ABI,
         "glint": importlib.metadata.version("glint"), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
         "platform": platform_name(), "device_kind": jax.devices()[0].device_kind,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

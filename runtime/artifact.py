@@ -24,7 +24,7 @@ import numpy as np
 
 from glint.kvcache import CacheConfig
 from glint.runtime.config import EngineConfig
-from glint.runtime.programs import Program, ProgramSet, abstract_args
+from glint.runtime.programs import RUNTIME_PROGRAMS, Program, ProgramSet, abstract_args, forward_name
 from glint.runtime.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 METADATA = "metadata.json"
 FORMAT = "glint-export"
 FORMAT_VERSION = 1
+# The programs' calling convention (argument order and meaning, `glint.runtime.programs`): bump on any change,
+# since shapes and dtypes alone cannot tell e.g. temperature from top_p.
+PROGRAM_ABI = 1
 PARAMS_DIR = "params"
 # EngineConfig fields the programs are built for: a caller may repeat them, not change them.
 GEOMETRY_FIELDS = ("max_seqs", "page_size", "max_step_tokens", "forward_sizes", "max_sample_rows", "num_pages",
@@ -94,6 +97,9 @@ def read_metadata(folder: pathlib.Path) -> dict:
         raise ValueError(f"{path} is not glint export metadata (format {FORMAT!r} expected)")
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: format_version {meta.get('format_version')!r}, this glint reads {FORMAT_VERSION}")
+    if meta.get("program_abi") != PROGRAM_ABI:
+        raise ValueError(f"{path}: programs of calling convention {meta.get('program_abi')!r}, this glint runs "
+                         f"{PROGRAM_ABI}; export it again")
     missing = [k for k in ("jax", "jaxlib", "platform", "model", "engine", "cache", "programs") if k not in meta]
     if missing:
         raise ValueError(f"{path} lacks {missing}; the artifact is damaged, export it again")
@@ -116,7 +122,7 @@ def engine_config(meta: dict, folder: pathlib.Path, overrides: dict) -> EngineCo
     exported["forward_sizes"] = tuple(exported["forward_sizes"])
     for name in GEOMETRY_FIELDS:
         if name in overrides and overrides[name] is not None:
-            asked = tuple(overrides[name]) if name == "forward_sizes" else overrides[name]
+            asked = tuple(sorted(set(overrides[name]))) if name == "forward_sizes" else overrides[name]
             if asked != exported[name]:
                 raise ValueError(f"{folder} was exported with {name}={exported[name]}; asked {name}={asked}. "
                                  f"Export again with the geometry you need")
@@ -162,7 +168,10 @@ def check_args(folder: pathlib.Path, name: str, args, expected) -> None:
 
 
 def load_compiled(folder: pathlib.Path, meta: dict, name: str) -> jax.stages.Compiled | None:
-    """The serialized executable of `name` when it was built for this GPU and jaxlib; else None (logged)."""
+    """The serialized executable of `name` when it was built for this GPU and jaxlib; else None (logged).
+
+    Executables are pickled: load only artifacts you trust, or pass compiled=False (the StableHLO is then
+    compiled, which runs no code from the artifact)."""
     entry = meta["programs"][name]
     if not entry.get("compiled"):
         return None
@@ -212,6 +221,10 @@ def load_artifact(folder, dtype: str | None = None, compiled: bool = True, **ove
     if any(MOSAIC_GPU_CALL in entry.get("custom_calls", ()) for entry in meta["programs"].values()):
         import jax.experimental.mosaic.gpu  # noqa: F401  (registers the Mosaic GPU runtime its kernels call)
     t0 = time.perf_counter()
+    needed = {forward_name(w) for w in config.buckets} | set(RUNTIME_PROGRAMS)
+    missing, unknown = sorted(needed - set(meta["programs"])), sorted(set(meta["programs"]) - needed - {"sample_argmax"})
+    if missing or unknown:
+        raise ValueError(f"{folder / METADATA}: programs missing {missing}, unknown {unknown}; export it again")
     programs = {name: load_program(folder, name, entry) for name, entry in meta["programs"].items()}
     forwards = [p for name, p in programs.items() if name.startswith("forward_")]
     if not forwards:

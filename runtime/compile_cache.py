@@ -1,8 +1,10 @@
 """JAX's persistent compilation cache, on by default for every engine and command.
 
-Compiled programs are stored in `$GLINT_CACHE_DIR` (default `~/.cache/glint`), so a second process
-loads them instead of compiling. The cache is process-wide (a JAX setting); `configure(False)` turns it
-off. A corrupted or unreadable entry is not fatal: JAX warns and compiles instead.
+Compiled programs are stored in `$GLINT_CACHE_DIR` (default: JAX's own cache folder when the user set one
+with JAX_COMPILATION_CACHE_DIR, else `~/.cache/glint`), so a second process loads them instead of
+compiling. The cache is process-wide (JAX settings: every jit of the process may use it, programs of any
+compile time are kept, least recently used entries go beyond MAX_BYTES); `configure(False)` turns it off.
+A corrupted or unreadable entry is not fatal: JAX warns and compiles instead.
 """
 from __future__ import annotations
 
@@ -16,8 +18,12 @@ from jax.experimental.compilation_cache import compilation_cache
 log = logging.getLogger(__name__)
 
 
+MAX_BYTES = 16 << 30
+
+
 def cache_dir() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("GLINT_CACHE_DIR") or pathlib.Path.home() / ".cache" / "glint").expanduser()
+    folder = os.environ.get("GLINT_CACHE_DIR") or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    return pathlib.Path(folder or pathlib.Path.home() / ".cache" / "glint").expanduser()
 
 
 def configure(enabled: bool = True, path: str | os.PathLike | None = None) -> pathlib.Path | None:
@@ -38,4 +44,5 @@ def configure(enabled: bool = True, path: str | os.PathLike | None = None) -> pa
     if target is not None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return target

@@ -11,10 +11,10 @@ import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from glint.kvcache import BatchControl, CacheConfig, KVState, default_num_pages
-from glint.runtime import compile_cache
+from glint.runtime import compile_cache, interrupts
 from glint.runtime.config import EngineConfig
 from glint.runtime.params import SamplingParams
-from glint.runtime.programs import DeviceMeta, ProgramSet, Runner, forward_name
+from glint.runtime.programs import RUNTIME_PROGRAMS, DeviceMeta, ProgramSet, Runner, forward_name
 from glint.runtime.request import Completion, Request, RequestOutput, Status
 from glint.runtime.sampling import SamplerInputs, uses_filters
 from glint.runtime.scheduler import Entry, Scheduler
@@ -52,6 +52,7 @@ class Sampled:
     index: int
     num_children: int
     num_cached: int  # the request's cached positions when it sampled (the prompt, for n > 1 clones)
+    is_applied: bool = False  # its tokens were recorded (a resumed postprocess skips it)
 
 
 @dataclasses.dataclass
@@ -104,7 +105,9 @@ class Engine:
         self._requests: dict[int, Request] = {}
         self._children: dict[int, list[Request]] = {}
         self._next_rid = 0
-        self._inflight: InFlight | None = None
+        self._inflight: InFlight | None = None  # dispatched, its tokens not yet read
+        self._unread: InFlight | None = None  # the step before it, while it is being read
+        self._undelivered: dict[int, list[int]] = {}  # tokens recorded but not yet returned by step()
         self._rng = np.random.default_rng(config.seed)
         self.stats = EngineStats()
 
@@ -176,7 +179,7 @@ class Engine:
                 self._finish(req, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._inflight is not None
+        return self.scheduler.has_work() or self._inflight is not None or self._unread is not None
 
     def output(self, rid: int) -> RequestOutput:
         req = self._requests[rid]
@@ -232,20 +235,49 @@ class Engine:
 
         The host schedules step n+1 while the device runs step n: a token sampled in step n feeds step
         n+1 on the device, and stands on the host as a placeholder until step n's results are read.
+
+        A KeyboardInterrupt or an exception anywhere in a step leaves the engine consistent, and calling
+        `step()` again carries on: no token is lost or drawn twice. Only the wait for the device can be
+        interrupted; the bookkeeping around it holds Ctrl-C until it is done. Tokens a call could not
+        return are returned by the next one.
         """
         t0 = time.perf_counter()
-        entries = self._schedule()
-        dispatched = self._dispatch(entries) if entries else None
-        previous, self._inflight = self._inflight, dispatched
-        if previous is None and dispatched is None and self.scheduler.has_work():
+        if self._unread is not None:  # a step whose results an interrupted call did not get to read
+            self._read(self._unread)
+        with interrupts.deferred():
+            entries = self._schedule()
+            dispatched = self._dispatch(entries) if entries else None
+            self._unread, self._inflight = self._inflight, dispatched
+        if self._unread is None and dispatched is None and self.scheduler.has_work():
             raise RuntimeError("no request can be scheduled: the KV pool is too small for the waiting requests")
-        t1 = time.perf_counter()
-        next_tokens, lp = (None, None) if previous is None else jax.device_get((previous.next_tokens, previous.lp))
-        t2 = time.perf_counter()
-        new = {} if previous is None else self._postprocess(previous, next_tokens, lp)
-        self.stats.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
-        self.stats.wait_seconds += t2 - t1
+        self.stats.host_seconds += time.perf_counter() - t0
+        if self._unread is not None:
+            self._read(self._unread)
+        with interrupts.deferred() as held:
+            new, self._undelivered = self._undelivered, {}
+            held.on_interrupt(lambda: self._undeliver(new))
         return new
+
+    def _read(self, step: InFlight) -> None:
+        """Wait for a dispatched step's tokens (interruptible), then apply them (not)."""
+        t0 = time.perf_counter()
+        next_tokens, lp = self._fetch(step)
+        t1 = time.perf_counter()
+        with interrupts.deferred():
+            self._postprocess(step, next_tokens, lp)
+            self._unread = None
+        self.stats.wait_seconds += t1 - t0
+        self.stats.host_seconds += time.perf_counter() - t1
+
+    @staticmethod
+    def _fetch(step: InFlight):
+        return jax.device_get((step.next_tokens, step.lp))
+
+    def _undeliver(self, new: dict[int, list[int]]) -> None:
+        """Put back tokens a call took but could not return (it is raising an interrupt instead)."""
+        for rid, tokens in self._undelivered.items():
+            new.setdefault(rid, []).extend(tokens)
+        self._undelivered = new
 
     def _schedule(self) -> list[Entry]:
         entries = self.scheduler.schedule()
@@ -313,11 +345,12 @@ class Engine:
         token_src[start:] = -1
         return tokens, token_src, rows, sample_reqs
 
-    def _postprocess(self, step: InFlight, next_tokens: np.ndarray, lp) -> dict[int, list[int]]:
-        new: dict[int, list[int]] = {}
+    def _postprocess(self, step: InFlight, next_tokens: np.ndarray, lp) -> None:
+        """Apply a step's tokens (into `_undelivered`); resumable: a request already applied is skipped."""
+        new = self._undelivered
         for s in step.sampled:
-            if s.req.status is Status.FINISHED:
-                continue  # finished or aborted while this step ran: its token is dropped
+            if s.is_applied or s.req.status is Status.FINISHED:
+                continue  # applied by an earlier, interrupted call; or finished or aborted while this step ran
             drawn = next_tokens[s.row:s.row + 1 + s.num_children].tolist()
             k = s.req.params.logprobs
             lps = [self._row_logprobs(lp, s.row + i, k, t) if k else None for i, t in enumerate(drawn)]
@@ -325,7 +358,7 @@ class Engine:
                 self._spawn_child(s, i + 1, token, lps[i + 1], new)
             s.req.generated[s.index] = drawn[0]
             self._accept(s.req, drawn[0], s.index + 1, lps[0], new)
-        return new
+            s.is_applied = True
 
     def _spawn_child(self, s: Sampled, i: int, token: int, lp, new: dict[int, list[int]]) -> None:
         """Completion i of an n > 1 request: a clone of the prompt's pages, with its own first token."""
@@ -404,7 +437,7 @@ class Engine:
 
     def program_names(self) -> list[str]:
         """Every program this engine may run: decode widths first (a server needs them first), then the rest."""
-        return [forward_name(w) for w in self.config.buckets] + ["sample", "logprobs", "copy"]
+        return [forward_name(w) for w in self.config.buckets] + list(RUNTIME_PROGRAMS)
 
     def warmup(self, progress: bool = True) -> dict[str, float]:
         """Compile every program (all step widths, top-k/top-p sampling, logprobs, page copies) in parallel

@@ -16,14 +16,18 @@ import logging
 import os
 import pathlib
 import pickle
+import re
+import tempfile
 
 import jax
 import jaxlib
+from jax._src import config as jax_config
 
 log = logging.getLogger(__name__)
 counts: collections.Counter = collections.Counter()  # "loaded" and "stored" entries, in this process
 
 SOURCE_PACKAGES = ("model", "kvcache", "pallas_kernels", "runtime", "export")
+MAX_BYTES = 8 << 30  # kept executables beyond this are dropped, least recently used first
 
 
 @functools.cache
@@ -32,16 +36,24 @@ def source_digest() -> str:
     root = pathlib.Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for package in SOURCE_PACKAGES:
-        for path in sorted((root / package).glob("*.py")):
-            h.update(path.name.encode())
+        for path in sorted((root / package).rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())
     return h.hexdigest()
 
 
 def key(identity: str, name: str) -> str:
-    parts = (identity, name, source_digest(), jax.__version__, jaxlib.__version__, jax.devices()[0].device_kind,
-             os.environ.get("XLA_FLAGS", ""))
+    """Everything the lowered program depends on besides its identity: glint's source, versions, the GPU and
+    its driver, XLA_FLAGS, and JAX's settings that enter tracing (PRNG implementation, matmul precision, ...)."""
+    device = jax.devices()[0]
+    parts = (identity, name, source_digest(), jax.__version__, jaxlib.__version__, device.device_kind,
+             device.client.platform_version, os.environ.get("XLA_FLAGS", ""), _settings())
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def _settings() -> str:
+    """JAX's trace-affecting settings, without the object addresses some of their reprs carry."""
+    return re.sub(r" at 0x[0-9a-f]+", "", str(jax_config.trace_context()))
 
 
 def folder() -> pathlib.Path | None:
@@ -60,12 +72,23 @@ def load(identity: str, name: str) -> jax.stages.Compiled | None:
     from jax.experimental.serialize_executable import deserialize_and_load
 
     try:
-        compiled = deserialize_and_load(*pickle.loads(path.read_bytes()))
+        compiled = deserialize_and_load(*pickle.loads(path.read_bytes()))  # trusted: this user's own cache
+        os.utime(path)  # recently used: pruned last
         counts["loaded"] += 1
         return compiled
     except Exception as e:  # a damaged entry: compile again (and overwrite it)
         log.warning("cached executable %s could not be loaded (%s: %s); compiling", path, type(e).__name__, e)
         return None
+
+
+def prune(where: pathlib.Path, max_bytes: int = MAX_BYTES) -> None:
+    """Drop the least recently used entries (by modification time) beyond `max_bytes`."""
+    entries = sorted(where.glob("*.bin"), key=lambda p: p.stat().st_mtime, reverse=True)
+    total = 0
+    for path in entries:
+        total += path.stat().st_size
+        if total > max_bytes:
+            path.unlink(missing_ok=True)
 
 
 def store(identity: str, name: str, compiled: jax.stages.Compiled) -> None:
@@ -77,9 +100,11 @@ def store(identity: str, name: str, compiled: jax.stages.Compiled) -> None:
     try:
         where.mkdir(parents=True, exist_ok=True)
         path = where / f"{key(identity, name)}.bin"
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(pickle.dumps(serialize(compiled)))
-        tmp.replace(path)  # atomic: a concurrent reader sees the old entry or the new one
+        fd, tmp = tempfile.mkstemp(dir=where, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(pickle.dumps(serialize(compiled)))
+        os.replace(tmp, path)  # atomic: a concurrent reader sees the old entry or the new one
         counts["stored"] += 1
+        prune(where)
     except Exception as e:  # a read-only or full disk costs the next start a compile, nothing more
         log.warning("could not store the executable of %s in %s (%s: %s)", name, where, type(e).__name__, e)

@@ -26,6 +26,7 @@ from glint.kvcache import CacheConfig, KVState, StepMetadata
 from glint.runtime import executables
 
 COPY_ROWS = 64  # page copies per `copy` call; a step needing more runs it again
+RUNTIME_PROGRAMS = ("sample", "logprobs", "copy")  # besides one forward per width, what an engine runs
 
 
 @jax.tree_util.register_dataclass

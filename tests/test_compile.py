@@ -58,6 +58,7 @@ def test_serving_never_compiles_after_warmup(source, tmp_path):
         engine = Engine.from_export(tmp_path / "art")
     else:
         engine = Engine.from_pretrained(llama, dtype="float32", **TIGHT)
+    live = Engine.from_pretrained(llama, dtype="float32", **TIGHT)
     times = engine.warmup(progress=False)
     assert set(times) == {f"forward_{w}" for w in (1, 2, 4, 8, 16, 32)} | {"sample", "logprobs", "copy"}
     # A stop token the greedy request really meets: its 5th token when run alone.
@@ -68,6 +69,8 @@ def test_serving_never_compiles_after_warmup(source, tmp_path):
     with counting_compiles() as counts:
         outs = engine.generate(prompts, params)
     assert counts == dict.fromkeys(EVENTS, 0), counts
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [
+        [c.token_ids for c in o.outputs] for o in live.generate(prompts, params)]
     assert engine.stats.preemptions > 0 and engine.stats.page_copies > 0
     assert outs[4].finish_reason == "stop" and outs[4].token_ids == alone[:alone.index(alone[4]) + 1]
     assert len(outs[3].outputs) == 3 and outs[2].outputs[0].logprobs is not None
@@ -152,3 +155,51 @@ def test_bench_cold_start_three_ways(tmp_path, capsys):
     assert warm["compiles"] == 0 and warm["cache_hits"] >= 9
     assert artifact["compiles"] >= 9  # on a CPU the artifact's StableHLO compiles (into an empty cache)
     assert "first tokens agree" in capsys.readouterr().out
+
+
+def test_page_copies_in_chunks_give_the_same_tokens(monkeypatch):
+    """A step with more copy-on-write copies than one `copy` call takes runs it several times."""
+    from glint.runtime import programs
+
+    llama = str(HF_FIXTURES / "llama")
+    prompts, params = mixed_workload(320, 0)
+    want = Engine.from_pretrained(llama, dtype="float32", **TIGHT)
+    expected = [[c.token_ids for c in o.outputs] for o in want.generate(prompts, params)]
+    monkeypatch.setattr(programs, "COPY_ROWS", 1)
+    chunked = Engine.from_pretrained(llama, dtype="float32", **TIGHT)
+    calls = []
+    copy = chunked.programs["copy"]
+    chunked.programs._compiled["copy"] = lambda *args: calls.append(1) or copy(*args)
+    assert [[c.token_ids for c in o.outputs] for o in chunked.generate(prompts, params)] == expected
+    assert len(calls) == chunked.stats.page_copies > 1  # one call per copy: the chunks ran
+
+
+def test_kept_executables_keys_and_damaged_entries(tmp_path, monkeypatch, caplog):
+    """The executable cache (GPU only; stubbed serialization here): keys follow what the program depends on,
+    entries round-trip, and a damaged entry is logged and compiled again."""
+    from glint.runtime import executables
+
+    base = executables.key("model A", "forward_8")
+    assert executables.key("model B", "forward_8") != base and executables.key("model A", "forward_16") != base
+    with jax.default_matmul_precision("highest"):
+        assert executables.key("model A", "forward_8") != base
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0")
+    assert executables.key("model A", "forward_8") != base
+    monkeypatch.delenv("XLA_FLAGS")
+    assert executables.key("model A", "forward_8") == base
+
+    import jax.experimental.serialize_executable as se
+
+    monkeypatch.setattr(executables, "folder", lambda: tmp_path)
+    monkeypatch.setattr(se, "serialize", lambda compiled: (compiled, None, None))
+    monkeypatch.setattr(se, "deserialize_and_load", lambda payload, in_tree, out_tree: payload)
+    executables.store("model A", "forward_8", "an executable")
+    assert executables.load("model A", "forward_8") == "an executable"
+    assert executables.load("model A", "forward_16") is None
+    (tmp_path / f"{base}.bin").write_bytes(b"garbage")
+    assert executables.load("model A", "forward_8") is None
+    assert "could not be loaded" in caplog.text
+    for i in range(3):
+        (tmp_path / f"old{i}.bin").write_bytes(b"x" * 100)
+    executables.prune(tmp_path, max_bytes=250)
+    assert len(list(tmp_path.glob("*.bin"))) == 2

@@ -149,6 +149,29 @@ def test_damaged_artifacts_are_clear_errors(llama_artifact, tmp_path):
         Engine.from_export(art)
 
 
+def test_incomplete_or_foreign_program_tables_are_refused(llama_artifact, tmp_path):
+    art = copy_artifact(llama_artifact, tmp_path / "a")
+    meta = json.loads((art / "metadata.json").read_text())
+    programs = {k: v for k, v in meta["programs"].items() if k not in ("forward_16", "sample")}
+    (art / "metadata.json").write_text(json.dumps(dict(meta, programs=programs)))
+    with pytest.raises(ValueError, match=r"programs missing \['forward_16', 'sample'\], unknown \[\]"):
+        Engine.from_export(art)
+    (art / "metadata.json").write_text(json.dumps(dict(meta, program_abi=0)))
+    with pytest.raises(ValueError, match=r"programs of calling convention 0, this glint runs 1"):
+        Engine.from_export(art)
+    assert Engine.from_export(llama_artifact, forward_sizes=(8, 1)).config.forward_sizes == (1, 8)
+
+
+def test_exported_sample_argmax_is_the_argmax(llama_artifact):
+    import jax
+
+    engine = Engine.from_export(llama_artifact)
+    logits = np.random.default_rng(0).standard_normal((SMALL["max_seqs"], engine.model.vocab_size)).astype(np.float32)
+    logits[0, 3] = logits[0, 5] = logits[0].max() + 1  # a tie goes to the lower id
+    tokens = np.asarray(jax.device_get(engine.programs["sample_argmax"](logits)))
+    assert tokens.tolist() == [3] + np.argmax(logits[1:], axis=-1).tolist()
+
+
 def test_foreign_versions_and_geometry_are_refused(llama_artifact, tmp_path):
     import jax
 
