@@ -179,7 +179,10 @@ class Engine:
                 self._finish(req, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._inflight is not None or self._unread is not None
+        """Whether `step()` has more to do or to return: requests to run, tokens in flight or not yet returned."""
+        in_flight = [s for step in (self._unread, self._inflight) if step is not None for s in step.sampled]
+        return (self.scheduler.has_work() or bool(self._undelivered)
+                or any(s.req.status is not Status.FINISHED for s in in_flight))
 
     def output(self, rid: int) -> RequestOutput:
         req = self._requests[rid]
@@ -201,29 +204,44 @@ class Engine:
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
                  progress: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (token lists or strings); one SamplingParams for all or one each."""
+        """Generate for every prompt (token lists or strings); one SamplingParams for all or one each.
+
+        If it fails (bad input, an exception, Ctrl-C), the requests it added are aborted and released:
+        the engine is left as it was, serving whatever else it had.
+        """
+        if isinstance(prompts, (str, np.ndarray)) or not isinstance(prompts, Sequence):
+            raise ValueError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+        if prompts and all(isinstance(p, (int, np.integer)) and not isinstance(p, bool) for p in prompts):
+            raise ValueError(f"prompts is a flat list of token ids; generate takes a list of prompts: "
+                             f"wrap one prompt as [{list(prompts)[:4]}...]")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
+        if isinstance(params, (dict, str)) or not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError(f"params must be a SamplingParams or a list of them, got {type(params).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         rids = []
         try:
-            for prompt, p in zip(prompts, params):
-                rids.append(self.add_request(prompt, p))
-        except ValueError:
-            for rid in rids:
-                self.abort(rid)
-                self.release(rid)
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                try:
+                    rids.append(self.add_request(prompt, p))
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from None
+            pending = set(rids)
+            with Progress(disable=not progress, transient=True) as bar:
+                task = bar.add_task("generating", total=len(rids))
+                while pending:
+                    self.step()
+                    done = {rid for rid in pending if self._is_done(rid)}
+                    pending -= done
+                    bar.advance(task, len(done))
+            outs = [self.output(rid) for rid in rids]
+        except BaseException:
+            with interrupts.deferred():
+                for rid in rids:
+                    self.abort(rid)
+                    self.release(rid)
             raise
-        pending = set(rids)
-        with Progress(disable=not progress, transient=True) as bar:
-            task = bar.add_task("generating", total=len(rids))
-            while pending:
-                self.step()
-                done = {rid for rid in pending if self._is_done(rid)}
-                pending -= done
-                bar.advance(task, len(done))
-        outs = [self.output(rid) for rid in rids]
         for rid in rids:
             self.release(rid)
         return outs
@@ -419,12 +437,24 @@ class Engine:
         return out
 
     def _encode(self, prompt) -> list[int]:
+        """Token ids of a prompt: a string (needs a tokenizer), a list or tuple of ints, or a 1-D integer array."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer, and this checkpoint has none (pass token ids)")
             tokens = self.tokenizer.encode(prompt).ids
+        elif isinstance(prompt, np.ndarray):
+            if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+                raise ValueError(f"a prompt array must hold integer token ids in one dimension, got shape "
+                                 f"{prompt.shape} of {prompt.dtype}")
+            tokens = prompt.tolist()
+        elif isinstance(prompt, (list, tuple)):
+            for i, t in enumerate(prompt):
+                if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                    raise ValueError(f"token {i} of the prompt is {t!r} ({type(t).__name__}); token ids are ints")
+            tokens = [int(t) for t in prompt]
         else:
-            tokens = [int(t) for t in np.asarray(prompt).reshape(-1)] if len(prompt) else []
+            raise ValueError(f"a prompt is a list of int token ids, a 1-D integer array or a string; got "
+                             f"{type(prompt).__name__}")
         if not tokens:
             raise ValueError("prompt is empty")
         bad = [t for t in tokens if not 0 <= t < self.model.vocab_size]

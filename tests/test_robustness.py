@@ -1,0 +1,173 @@
+"""Interrupts and exceptions anywhere in a step lose nothing; a failed generate() leaves no orphan; prompts are
+taken only as integer ids, with messages that say what was wrong."""
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+from conftest import HF_FIXTURES
+
+from glint.runtime.engine import Engine
+from glint.runtime.params import SamplingParams
+
+TIGHT = dict(max_seqs=4, page_size=8, max_step_tokens=32, forward_sizes=(1, 2, 4, 8), num_pages=14, capacity=64,
+             min_prefill_chunk=4)  # 13 usable pages of 8 rows: the requests below preempt each other
+
+
+def engine() -> Engine:
+    return Engine.from_pretrained(str(HF_FIXTURES / "llama"), dtype="float32", **TIGHT)
+
+
+def requests(sampled: bool, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 320, int(n)).tolist() for n in rng.integers(3, 20, 14)]
+    lengths = rng.integers(16, 44, 14)
+    if sampled:
+        params = [SamplingParams(max_tokens=int(m), temperature=0.9, top_p=0.9, top_k=int(k), seed=100 + i,
+                                 ignore_eos=True, n=1 + (i == 2))
+                  for i, (m, k) in enumerate(zip(lengths, rng.integers(0, 30, 14)))]
+    else:
+        params = [SamplingParams(max_tokens=int(m), temperature=0.0, ignore_eos=True) for m in lengths]
+    return prompts, params
+
+
+def outputs(eng: Engine, rids) -> list[list[list[int]]]:
+    return [[c.token_ids for c in eng.output(rid).outputs] for rid in rids]
+
+
+def reference(sampled: bool):
+    eng = engine()
+    prompts, params = requests(sampled)
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats.preemptions > 0  # the pool is tight enough to preempt
+    return outputs(eng, rids)
+
+
+class Interrupter:
+    """Sends SIGINT to this process at random moments; the next one only after the main thread caught one."""
+
+    def __init__(self, seed: int):
+        self.rng, self.lock = np.random.default_rng(seed), threading.Lock()
+        self.caught, self.stop = threading.Event(), False
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        while True:
+            self.caught.wait(float(self.rng.uniform(0.0001, 0.002)))
+            with self.lock:
+                if self.stop:
+                    return
+                if not self.caught.is_set():
+                    os.kill(os.getpid(), signal.SIGINT)
+                    self.caught.wait()
+                self.caught.clear()
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_sigint_at_random_moments_loses_no_token(sampled):
+    want = reference(sampled)
+    eng = engine()
+    prompts, params = requests(sampled)
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    interrupter, caught = Interrupter(seed=int(sampled)), 0
+    interrupter.thread.start()
+    while True:
+        try:
+            while eng.has_unfinished():
+                eng.step()
+            with interrupter.lock:  # inside the try: a SIGINT sent before this lands here
+                interrupter.stop = True
+            break
+        except KeyboardInterrupt:
+            caught += 1
+            interrupter.caught.set()
+    interrupter.thread.join()
+    print("interrupts caught:", caught)
+    assert caught >= 20, caught
+    assert outputs(eng, rids) == want
+    assert eng.stats.preemptions > 0
+
+
+@pytest.mark.parametrize("stage", ["_schedule", "_dispatch", "_fetch", "_postprocess"])
+def test_an_exception_at_any_stage_of_a_step_loses_no_token(stage):
+    want = reference(sampled=True)
+    eng = engine()
+    rng = np.random.default_rng(7)
+    original, raised = getattr(eng, stage), [0]
+
+    def flaky(*args, **kwargs):
+        if rng.random() < 0.3:
+            raised[0] += 1
+            raise RuntimeError(f"injected into {stage}")
+        out = original(*args, **kwargs)
+        if stage == "_fetch" and rng.random() < 0.3:  # the device answered, then the host failed
+            raised[0] += 1
+            raise RuntimeError(f"injected after {stage}")
+        return out
+
+    setattr(eng, stage, flaky)
+    prompts, params = requests(sampled=True)
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while eng.has_unfinished():
+        try:
+            eng.step()
+        except RuntimeError as e:
+            assert "injected" in str(e)
+    assert raised[0] >= 5
+    assert outputs(eng, rids) == want
+
+
+def test_a_failed_generate_leaves_no_orphans():
+    eng = engine()
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = eng.generate([[5, 6, 7]], greedy)[0].token_ids
+    with pytest.raises(ValueError, match=r"prompt 2: a prompt is a list of int token ids.*got NoneType"):
+        eng.generate([[1, 2, 3], [4, 5], None], greedy)
+    assert not eng.has_unfinished() and not eng._requests
+
+    calls = [0]
+    step = eng.step
+
+    def interrupted_step():
+        calls[0] += 1
+        if calls[0] == 4:
+            raise KeyboardInterrupt
+        return step()
+
+    eng.step = interrupted_step
+    with pytest.raises(KeyboardInterrupt):
+        eng.generate([[1, 2, 3]] * 6, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    eng.step = step
+    assert not eng.has_unfinished() and not eng._requests
+    assert all(eng.control.pages_in_use(g) == 0 for g in range(eng.cache.num_groups))
+    assert eng.generate([[5, 6, 7]], greedy)[0].token_ids == want
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([1.9, 461.7], r"token 0 of the prompt is 1.9 \(float\); token ids are ints"),
+    (["a", 3], r"token 0 of the prompt is 'a' \(str\)"),
+    ([True, 3], r"token 0 of the prompt is True \(bool\)"),
+    ([[1, 2], [3]], r"token 0 of the prompt is \[1, 2\] \(list\)"),
+    (np.array([[1, 2], [3, 4]]), r"one dimension, got shape \(2, 2\) of int64"),
+    (np.array([1.0, 2.0]), r"got shape \(2,\) of float64"),
+    (7, r"a prompt is a list of int token ids, a 1-D integer array or a string; got int"),
+])
+def test_prompts_are_integer_ids_only(prompt, message):
+    eng = engine()
+    with pytest.raises(ValueError, match=message):
+        eng.add_request(prompt, SamplingParams(max_tokens=2))
+    assert eng.add_request(np.array([1, 2, 3], np.int32), SamplingParams(max_tokens=2)) == 0
+
+
+def test_generate_says_what_it_takes():
+    eng = engine()
+    with pytest.raises(ValueError, match=r"flat list of token ids; generate takes a list of prompts: wrap one prompt"):
+        eng.generate([1, 461])
+    with pytest.raises(ValueError, match=r"params must be a SamplingParams or a list of them, got dict"):
+        eng.generate([[1, 2]], {"max_tokens": 4})
+    with pytest.raises(ValueError, match=r"prompts must be a list of prompts, got str"):
+        eng.generate("hello")
+    assert not eng._requests
