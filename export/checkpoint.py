@@ -52,14 +52,16 @@ def read_hf_params(hf_dir: pathlib.Path, cfg: ModelConfig, *, show_progress: boo
     return flat
 
 
-def convert(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str = "bfloat16",
+def convert(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str | None = None,
             show_progress: bool = True) -> ModelConfig:
-    """Convert an HF checkpoint folder to an orbax folder (params/ + glint.json + side files)."""
+    """Convert an HF checkpoint folder to an orbax folder (params/ + glint.json + side files).
+
+    `dtype` defaults to the checkpoint's own."""
     hf_dir, out_dir = pathlib.Path(hf_dir), pathlib.Path(out_dir).absolute()
+    if (out_dir / PARAMS_DIR).exists():  # before reading any weight
+        raise ValueError(f"{out_dir / PARAMS_DIR} already exists; remove it or choose another output folder")
     cfg = ModelConfig.from_hf(hf_dir, dtype=dtype)
     flat = read_hf_params(hf_dir, cfg, show_progress=show_progress)
-    if (out_dir / PARAMS_DIR).exists():
-        raise ValueError(f"{out_dir / PARAMS_DIR} already exists; remove it or choose another output folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(out_dir / PARAMS_DIR, flat)
@@ -77,20 +79,43 @@ def load_checkpoint(path: str | pathlib.Path, dtype: str | None = None, *, show_
     """
     path = pathlib.Path(path)
     if (path / GLINT_CONFIG).exists():
-        cfg = ModelConfig.from_json((path / GLINT_CONFIG).read_text())
+        try:
+            cfg = ModelConfig.from_json((path / GLINT_CONFIG).read_text())
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"{path / GLINT_CONFIG} is not a glint model config ({type(e).__name__}: {e})") from None
         stored = flatten(abstract_params(cfg))
-        with ocp.StandardCheckpointer() as ckpt:
-            flat = ckpt.restore(path.absolute() / PARAMS_DIR, {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
-                                                             for k, v in stored.items()})
+        if not (path / PARAMS_DIR).is_dir():
+            raise ValueError(f"{path / PARAMS_DIR} is missing: the orbax checkpoint has no weights")
+        try:
+            with ocp.StandardCheckpointer() as ckpt:
+                flat = ckpt.restore(path.absolute() / PARAMS_DIR, {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
+                                                                 for k, v in stored.items()})
+        except Exception as e:  # orbax / tensorstore errors of missing, truncated or mis-shaped arrays
+            raise ValueError(f"{path / PARAMS_DIR}: the weights could not be read ({type(e).__name__}: {e})") from None
         if dtype is not None and dtype != cfg.dtype:
             cfg = cfg.replace(dtype=dtype)
     elif (path / "config.json").exists():
-        cfg = ModelConfig.from_hf(path, dtype=dtype or "bfloat16")
+        cfg = ModelConfig.from_hf(path, dtype=dtype)
         flat = read_hf_params(path, cfg, show_progress=show_progress)
+    elif (path / PARAMS_DIR).is_dir():
+        raise ValueError(f"{path} has params/ but no {GLINT_CONFIG}: the orbax checkpoint is incomplete")
     else:
         raise ValueError(f"{path} is neither a glint (orbax) checkpoint nor an HF folder (no {GLINT_CONFIG} "
                          "or config.json)")
     like = abstract_params(cfg)
     flat_like = flatten(like)
     params = {k: jnp.asarray(v, dtype=flat_like[k].dtype) for k, v in flat.items()}
+    bad = non_finite(params)
+    if bad:
+        raise ValueError(f"{path}: non-finite values (NaN or inf) in {', '.join(bad[:10])}")
     return cfg, unflatten(params, like)
+
+
+@jax.jit
+def _all_finite(params: dict) -> dict:
+    return {k: jnp.all(jnp.isfinite(v)) for k, v in params.items()}
+
+
+def non_finite(params: dict[str, jax.Array]) -> list[str]:
+    """Names of the flat parameters holding NaN or inf: one pass over the weights on the device."""
+    return sorted(k for k, ok in jax.device_get(_all_finite(params)).items() if not ok)

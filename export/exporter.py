@@ -38,7 +38,7 @@ def custom_calls(exported: jax.export.Exported) -> list[str]:
     return sorted({a or b for a, b in _CUSTOM_CALL.findall(text)})
 
 
-def export_engine(checkpoint: str, out, *, dtype: str = "bfloat16", compiled: bool | None = None,
+def export_engine(checkpoint: str, out, *, dtype: str | None = None, compiled: bool | None = None,
                   show_progress: bool = True, **engine_config) -> dict:
     """Export every program of an engine over `checkpoint` (HF folder, orbax folder or preset) into `out`.
 

@@ -83,10 +83,18 @@ def safetensors_files(hf_dir: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
+def _open(f: pathlib.Path, framework: str = "numpy"):
+    """safe_open with errors that name the file (empty, truncated or not safetensors at all)."""
+    try:
+        return safe_open(f, framework)
+    except Exception as e:  # safetensors raises its own error types
+        raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+
+
 def _locate(files: list[pathlib.Path]) -> dict[str, pathlib.Path]:
     where: dict[str, pathlib.Path] = {}
     for f in files:
-        with safe_open(f, "numpy") as st:
+        with _open(f) as st:
             for key in st.keys():
                 if key in where:
                     raise ValueError(f"tensor {key!r} appears twice: in {where[key].name} and {f.name}")
@@ -95,8 +103,11 @@ def _locate(files: list[pathlib.Path]) -> dict[str, pathlib.Path]:
 
 
 def _read(f: pathlib.Path, key: str) -> np.ndarray:
-    with safe_open(f, "flax") as st:  # the flax reader handles bfloat16, which numpy's does not
-        return np.asarray(st.get_tensor(key))
+    with _open(f, "flax") as st:  # the flax reader handles bfloat16, which numpy's does not
+        try:
+            return np.asarray(st.get_tensor(key))
+        except Exception as e:  # data past the end of a truncated file
+            raise ValueError(f"{f}: tensor {key!r} could not be read ({type(e).__name__}: {e})") from None
 
 
 def read_hf(hf_dir: pathlib.Path, cfg: ModelConfig, expected_shapes: dict[str, tuple[int, ...]],
@@ -120,11 +131,12 @@ def read_hf(hf_dir: pathlib.Path, cfg: ModelConfig, expected_shapes: dict[str, t
     for e in table:
         expected = tuple(expected_shapes[e.path])
         for name, width in zip(e.hf_names, e.widths or (expected[-1],)):
-            with safe_open(where[name], "numpy") as st:
-                shape = tuple(st.get_slice(name).get_shape())
-            shape, want = shape[::-1] if e.transpose else shape, expected[:-1] + (width,)
-            if shape != want:
-                bad.append(f"{name}: {shape} vs expected {want}")
+            with _open(where[name]) as st:
+                stored = tuple(st.get_slice(name).get_shape())
+            want = expected[:-1] + (width,)
+            want = want[::-1] if e.transpose else want  # as HF stores it: [out, in] for Linear weights
+            if stored != want:
+                bad.append(f"{name}: stored {stored}, expected {want}")
     if bad:
         raise ValueError(f"mis-shaped tensors in {hf_dir}: " + "; ".join(bad))
     for e in table:

@@ -153,15 +153,47 @@ class ModelConfig:
         return cls(**d)
 
     @classmethod
-    def from_hf(cls, config: dict[str, Any] | str | pathlib.Path, dtype: str = "bfloat16") -> ModelConfig:
+    def from_hf(cls, config: dict[str, Any] | str | pathlib.Path, dtype: str | None = None) -> ModelConfig:
         """Map a Hugging Face config.json (dict, file or folder) onto a ModelConfig.
 
-        Raises ValueError for an unknown model_type or a field value we do not implement.
+        `dtype` defaults to the checkpoint's own (`torch_dtype` / `dtype`; bfloat16 where it names none).
+        EOS ids are config.json's (a multimodal wrapper's top-level ones too) and, from a file or folder,
+        generation_config.json's beside it (instruct checkpoints list their end-of-turn ids only there).
+        Raises ValueError, naming the file, for unreadable or incomplete configs, an unknown model_type or a
+        field value we do not implement.
         """
+        source, extra_eos = "config", ()
         if not isinstance(config, dict):
             path = pathlib.Path(config)
-            config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-        return _from_hf(config, dtype)
+            file = path / "config.json" if path.is_dir() else path
+            source, config = str(file), read_json_object(file)
+            generation = file.parent / "generation_config.json"
+            if generation.is_file():
+                extra_eos = _token_ids(read_json_object(generation).get("eos_token_id"), generation)
+        try:
+            return _from_hf(config, dtype, extra_eos)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+
+def read_json_object(path: pathlib.Path) -> dict[str, Any]:
+    """A JSON file that must hold an object; ValueError naming the file otherwise."""
+    try:
+        value = json.loads(pathlib.Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds {type(value).__name__ if value is not None else 'null'}, not a JSON object")
+    return value
+
+
+def _token_ids(value, where) -> tuple[int, ...]:
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"{where}: eos_token_id {value!r} is not a token id or a list of them")
+    return tuple(ids)
 
 
 def _layer_kinds(c: dict[str, Any], family: str) -> list[str]:
@@ -206,12 +238,23 @@ _UNSUPPORTED_FLAGS = {"attention_bias": False, "mlp_bias": False, "pretraining_t
                       "use_bidirectional_attention": False}
 
 
-def _from_hf(c: dict[str, Any], dtype: str) -> ModelConfig:
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
+def _from_hf(c: dict[str, Any], dtype: str | None, extra_eos: tuple[int, ...] = ()) -> ModelConfig:
     family = c.get("model_type")
+    wrapper_eos = ()
     if family == "gemma3":  # multimodal wrapper: the text model is in text_config
+        wrapper_eos = _token_ids(c.get("eos_token_id"), "eos_token_id")
         c, family = {**c.get("text_config", {}), "model_type": "gemma3_text"}, "gemma3_text"
     if family not in _FAMILIES:
         raise ValueError(f"model_type {family!r} is not supported (supported: {_FAMILIES})")
+    missing = [k for k in _REQUIRED if k not in c]
+    if missing:
+        raise ValueError(f"{family} config lacks {missing}")
+    if dtype is None:
+        stored = c.get("torch_dtype") or c.get("dtype")
+        dtype = stored if stored in DTYPES else "bfloat16"
     for key, ok in _UNSUPPORTED_FLAGS.items():
         if c.get(key) not in (None, ok):
             raise ValueError(f"{key}={c[key]!r} is not supported (only {ok!r})")
@@ -226,8 +269,7 @@ def _from_hf(c: dict[str, Any], dtype: str) -> ModelConfig:
     gemma = family.startswith("gemma")
     hidden, heads = c["hidden_size"], c["num_attention_heads"]
     head_dim = c.get("head_dim") or hidden // heads
-    eos = c.get("eos_token_id")
-    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    eos = tuple(dict.fromkeys(_token_ids(c.get("eos_token_id"), "eos_token_id") + wrapper_eos + extra_eos))
     scalar = c.get("query_pre_attn_scalar") if gemma else None
     return ModelConfig(
         model_type=family,

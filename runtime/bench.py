@@ -282,34 +282,3 @@ def print_tables(console: Console, result: dict) -> None:
                           f"glint / peer = {peer['glint_ratio']:.1f}x")
         else:
             console.print(f"peer {peer['peer']} ({peer.get('variant')}): {peer.get('error')}")
-
-
-def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmark step buckets, decode throughput and an end-to-end run")
-    p.add_argument("model", help="preset name (random weights) or checkpoint folder")
-    p.add_argument("--batch", default="1,8,32,64,128")
-    p.add_argument("--contexts", default="", help="decode contexts, e.g. 512,4096 (default prompt + gen/2)")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--gen-len", type=int, default=256)
-    p.add_argument("--requests", type=int, default=256, help="end-to-end requests (0: skip)")
-    p.add_argument("--e2e-gen-len", type=int, default=0, help="generated tokens per end-to-end request "
-                   "(default --gen-len)")
-    p.add_argument("--length-spread", type=float, default=0.0,
-                   help="end-to-end prompt and output lengths uniform within +- this fraction (0: fixed)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-step-tokens", type=int, default=4096)
-    p.add_argument("--attention", default="auto", choices=["auto", "pallas", "reference", "interpret"])
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--bandwidth-gbps", type=float, default=0.0,
-                   help="roofline bandwidth (default: the best this harness measures)")
-    p.add_argument("--json", help="write the results as JSON here")
-    p.add_argument("--peer-json", help="JSON lines of a peer's end-to-end run on the same mix (tools/hf_peer.py)")
-    p.add_argument("--cold-start", action="store_true",
-                   help="instead: seconds from process start to the first token in fresh processes, with an empty "
-                   "compilation cache, a warm one and an exported artifact")
-    p.add_argument("--workdir", help="--cold-start: where the temporary cache and artifact go (default: system temp)")
-    p.add_argument("--ways", default="no-cache,warm,artifact", help="--cold-start: which ways to time")
-    p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
-                   help="do not use the persistent compilation cache ($GLINT_CACHE_DIR, default ~/.cache/glint)")
-    p.set_defaults(func=lambda args: run_bench(args) and 0)

@@ -15,32 +15,57 @@ def _cmd_convert(args) -> int:
 
 
 def _cmd_info(args) -> int:
+    import collections
+
     from glint.runtime.loading import resolve_config
 
     cfg = resolve_config(args.checkpoint)
-    print(cfg.to_json())
-    print(f"parameters: {cfg.num_params:,}")
+    if args.json:
+        print(cfg.to_json())
+        return 0
+
+    def runs(values) -> str:  # per-layer values as "value x count", in order of first appearance
+        return ", ".join(f"{v} x{n}" for v, n in collections.Counter(values).items())
+
+    windows = runs("global" if w == 0 else f"window {w}" for w in cfg.layer_windows)
+    ropes = runs("none" if r is None else f"{r.kind} theta {r.theta:g}" + (f" factor {r.factor:g}" if r.kind != "default"
+                                                                           else "") for r in cfg.layer_rope)
+    extras = [name for name, on in (("q/k norm " + cfg.qk_norm, cfg.qk_norm != "none"), ("sandwich norms",
+              cfg.sandwich_norm), ("embedding norm", cfg.embed_norm), ("attention output gate", cfg.attn_output_gate),
+              (f"attention soft-cap {cfg.attn_softcap:g}", cfg.attn_softcap), (f"logit soft-cap {cfg.final_softcap:g}",
+              cfg.final_softcap), ("tied embeddings", cfg.tie_embeddings)) if on]
+    print(f"{cfg.model_type}: {cfg.num_params:,} parameters, {cfg.dtype}")
+    print(f"  {cfg.num_layers} layers, hidden {cfg.hidden_size}, MLP {cfg.intermediate_size} ({cfg.activation})")
+    print(f"  attention: {cfg.num_heads} query / {cfg.num_kv_heads} KV heads of {cfg.head_dim}; {windows}")
+    print(f"  RoPE: {ropes}")
+    print(f"  vocab {cfg.vocab_size}, context {cfg.max_position_embeddings}, BOS {cfg.bos_token_id}, "
+          f"EOS {list(cfg.eos_token_ids)}")
+    if extras:
+        print(f"  {', '.join(extras)}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from glint.runtime import commands  # no jax import: --help answers at once
+
     parser = argparse.ArgumentParser(prog="glint", description="Batched LLM inference in JAX with Pallas kernels.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("convert", help="convert an HF safetensors folder to an orbax checkpoint")
+    p = sub.add_parser("convert", help="convert an HF safetensors folder to an orbax checkpoint",
+                       formatter_class=commands.Help)
     p.add_argument("hf_dir")
     p.add_argument("out_dir")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="stored dtype (default: the checkpoint's torch_dtype)")
     p.set_defaults(func=_cmd_convert)
 
-    p = sub.add_parser("info", help="print the model config of a checkpoint or preset")
+    p = sub.add_parser("info", help="summarise the model config of a checkpoint or preset",
+                       formatter_class=commands.Help)
     p.add_argument("checkpoint", help="HF folder, orbax folder or preset name")
+    p.add_argument("--json", action="store_true", help="print the whole config as JSON")
     p.set_defaults(func=_cmd_info)
 
-    from glint.runtime import bench, commands
-
     commands.register(sub)
-    bench.register(sub)
     return parser
 
 

@@ -105,8 +105,8 @@ def cold_start(source: str, dtype: str | None, engine_config: dict, workdir: str
         if "artifact" not in ways:
             return rows
         artifact = os.path.join(tmp, "artifact")
-        _, _, export_s = _child_process(["--export", source, artifact, json.dumps(dict(config, dtype=dtype or
-                                                                                      "bfloat16"))], cache, timeout)
+        _, _, export_s = _child_process(["--export", source, artifact, json.dumps(config)], cache,
+                                          timeout)
         rows.append(dict(way="exported artifact", export_s=export_s,
                          **_run_child(artifact, {"compile_cache": engine_config.get("compile_cache", True)},
                                       artifact_cache, timeout)))

@@ -7,11 +7,21 @@ import sys
 import time
 
 
+class Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default where it has a value (flags and None defaults say theirs in the text)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _engine_args(p) -> None:
     from glint.runtime.config import EngineConfig as C
 
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
-                   help="weights and KV dtype (default bfloat16; an exported artifact keeps its own)")
+                   help="weights and KV dtype (default: the checkpoint's torch_dtype; bfloat16 for presets; an "
+                   "exported artifact keeps its own)")
     p.add_argument("--max-seqs", type=int, help=f"sequences served at once (default {C.max_seqs})")
     p.add_argument("--page-size", type=int, help=f"KV rows per page (default {C.page_size})")
     p.add_argument("--max-step-tokens", type=int, help=f"widest step (default {C.max_step_tokens})")
@@ -22,12 +32,17 @@ def _engine_args(p) -> None:
                    help="attention implementation (default auto: Pallas on GPU, the jnp reference elsewhere)")
     p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
                    help="do not use the persistent compilation cache ($GLINT_CACHE_DIR, default ~/.cache/glint)")
+    p.add_argument("--allow-long-context", action="store_true",
+                   help="let --capacity exceed the model's max_position_embeddings")
 
 
 def _engine_config(args) -> dict:
     """The engine settings given on the command line (the rest keep EngineConfig's or the artifact's)."""
     names = ("max_seqs", "page_size", "max_step_tokens", "num_pages", "capacity", "attention")
-    return {n: getattr(args, n) for n in names if getattr(args, n) is not None} | {"compile_cache": args.compile_cache}
+    given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    if args.allow_long_context:
+        given["allow_long_context"] = True
+    return given | {"compile_cache": args.compile_cache}
 
 
 def _cmd_generate(args) -> int:
@@ -71,6 +86,8 @@ def _cmd_demo(args) -> int:
     from glint.runtime.engine import Engine
     from glint.runtime.params import SamplingParams
 
+    if args.requests < 1:
+        raise ValueError(f"--requests must be >= 1, got {args.requests}")
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, max_seqs=32, page_size=16, max_step_tokens=256,
                                     capacity=1024, compile_cache=args.compile_cache)
     rng = np.random.default_rng(args.seed)
@@ -104,7 +121,7 @@ def _cmd_demo(args) -> int:
 def _cmd_export(args) -> int:
     from glint.export.exporter import export_engine
 
-    meta = export_engine(args.checkpoint, args.out, dtype=args.dtype or "bfloat16", compiled=args.compiled,
+    meta = export_engine(args.checkpoint, args.out, dtype=args.dtype, compiled=args.compiled,
                          **_engine_config(args))
     kernels = sorted({c for p in meta["programs"].values() for c in p["custom_calls"]})
     executables = any("compiled" in p for p in meta["programs"].values())
@@ -116,7 +133,9 @@ def _cmd_export(args) -> int:
 
 
 def register(sub) -> None:
+    _register_bench(sub)
     p = sub.add_parser("export", help="export the step programs, weights and metadata into a folder",
+                       formatter_class=Help,
                        description="Export an engine: one jax.export program per step width (plus sampling, "
                        "logprobs and page copies), the weights (orbax) and metadata.json. Serve it with "
                        "`glint generate OUT` or Engine.from_export(OUT).")
@@ -127,26 +146,67 @@ def register(sub) -> None:
     _engine_args(p)
     p.set_defaults(func=_cmd_export)
 
-    p = sub.add_parser("generate", help="generate from one prompt, streaming tokens as they come")
+    p = sub.add_parser("generate", help="generate from one prompt, streaming tokens as they come",
+                       formatter_class=Help)
     p.add_argument("checkpoint", help="HF folder, orbax folder or preset name")
     p.add_argument("--prompt", help="prompt text (needs a tokenizer)")
     p.add_argument("--prompt-ids", help="prompt token ids, e.g. '1 2 3'")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--n", type=int, default=1)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (1: all)")
+    p.add_argument("--seed", type=int, default=None, help="the request's seed (default: drawn from the OS)")
+    p.add_argument("--n", type=int, default=1, help="completions to sample")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the model's EOS tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     _engine_args(p)
     p.set_defaults(func=_cmd_generate)
 
-    p = sub.add_parser("demo", help="the built-in default job: 64 random requests on the demo model")
+    p = sub.add_parser("demo", help="the built-in default job: 64 random requests on the demo model",
+                       formatter_class=Help)
     p.add_argument("--model", default="demo", help="preset name or checkpoint folder")
-    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"], help="weights and KV dtype")
     p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
                    help="do not use the persistent compilation cache ($GLINT_CACHE_DIR, default ~/.cache/glint)")
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--requests", type=int, default=64, help="random requests to run")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random requests")
     p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_bench(args) -> int:
+    from glint.runtime.bench import run_bench
+
+    run_bench(args)
+    return 0
+
+
+def _register_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark step buckets, decode throughput and an end-to-end run",
+                       formatter_class=Help)
+    p.add_argument("model", help="preset name (random weights) or checkpoint folder")
+    p.add_argument("--batch", default="1,8,32,64,128")
+    p.add_argument("--contexts", default="", help="decode contexts, e.g. 512,4096 (default prompt + gen/2)")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--gen-len", type=int, default=256)
+    p.add_argument("--requests", type=int, default=256, help="end-to-end requests (0: skip)")
+    p.add_argument("--e2e-gen-len", type=int, default=0, help="generated tokens per end-to-end request "
+                   "(default --gen-len)")
+    p.add_argument("--length-spread", type=float, default=0.0,
+                   help="end-to-end prompt and output lengths uniform within +- this fraction (0: fixed)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-step-tokens", type=int, default=4096)
+    p.add_argument("--attention", default="auto", choices=["auto", "pallas", "reference", "interpret"])
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--bandwidth-gbps", type=float, default=0.0,
+                   help="roofline bandwidth (default: the best this harness measures)")
+    p.add_argument("--json", help="write the results as JSON here")
+    p.add_argument("--peer-json", help="JSON lines of a peer's end-to-end run on the same mix (tools/hf_peer.py)")
+    p.add_argument("--cold-start", action="store_true",
+                   help="instead: seconds from process start to the first token in fresh processes, with an empty "
+                   "compilation cache, a warm one and an exported artifact")
+    p.add_argument("--workdir", help="--cold-start: where the temporary cache and artifact go (default: system temp)")
+    p.add_argument("--ways", default="no-cache,warm,artifact", help="--cold-start: which ways to time")
+    p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
+                   help="do not use the persistent compilation cache ($GLINT_CACHE_DIR, default ~/.cache/glint)")
+    p.set_defaults(func=_cmd_bench)

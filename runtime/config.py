@@ -12,7 +12,8 @@ class EngineConfig:
 
     `forward_sizes` are the narrow step widths; wider steps get power-of-two buckets up to
     `max_step_tokens`. `capacity` is the most positions a sequence may hold (default: the model's
-    context, capped at 32768). `num_pages` defaults to `memory_fraction` of free device memory.
+    context, capped at 32768; beyond the model's context only with `allow_long_context`). `num_pages`
+    defaults to `memory_fraction` of free device memory.
     """
 
     max_seqs: int = 64
@@ -25,7 +26,8 @@ class EngineConfig:
     memory_fraction: float = 0.9
     capacity: int | None = None
     attention: str = "auto"
-    seed: int = 0
+    seed: int | None = None  # seeds of requests that give none: None draws them from the OS
+    allow_long_context: bool = False  # let capacity exceed the model's max_position_embeddings
     compile_cache: bool = True  # JAX's persistent compilation cache in $GLINT_CACHE_DIR (~/.cache/glint)
 
     def __post_init__(self):
@@ -47,6 +49,8 @@ class EngineConfig:
             raise ValueError(f"num_pages must be >= 2 (page 0 is scratch), got {self.num_pages}")
         if self.capacity is not None and self.capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {self.capacity}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
+            raise ValueError(f"seed must be None or an int >= 0, got {self.seed!r}")
         if not isinstance(self.compile_cache, bool):
             raise ValueError(f"compile_cache must be a bool, got {self.compile_cache!r}")
         if self.attention not in ATTENTION_IMPLS:

@@ -24,6 +24,10 @@ DEFAULT_MAX_CAPACITY = 32768
 
 def cache_config_for(model, config: EngineConfig) -> CacheConfig:
     """The KV cache geometry for a model under an engine config (pool size from free memory by default)."""
+    if config.capacity and config.capacity > model.max_position_embeddings and not config.allow_long_context:
+        raise ValueError(f"capacity {config.capacity} exceeds the model's context (max_position_embeddings "
+                         f"{model.max_position_embeddings}); pass allow_long_context=True (--allow-long-context) "
+                         "to serve beyond it anyway")
     capacity = config.capacity or min(model.max_position_embeddings, DEFAULT_MAX_CAPACITY)
     fields = dict(page_size=config.page_size, max_seqs=config.max_seqs, max_write=config.buckets[-1],
                   capacity=capacity, windows=model.layer_windows, kv_heads=model.num_kv_heads,
@@ -112,12 +116,13 @@ class Engine:
         self.stats = EngineStats()
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: str | None = None, warmup: bool = False, seed: int = 0,
+    def from_pretrained(cls, path: str, dtype: str | None = None, warmup: bool = False, weights_seed: int = 0,
                         **engine_config) -> Engine:
         """An engine for an HF folder, an orbax folder, an exported artifact or a preset name (random weights).
 
-        `dtype` defaults to bfloat16 (an artifact keeps the dtype it was exported with). Keyword arguments
-        are EngineConfig fields (max_seqs, page_size, max_step_tokens, ...).
+        `dtype` defaults to the checkpoint's own (`torch_dtype` in config.json; bfloat16 for presets; an
+        artifact keeps the dtype it was exported with). `weights_seed` seeds a preset's random weights.
+        Keyword arguments are EngineConfig fields (max_seqs, page_size, max_step_tokens, seed, ...).
         """
         from glint.runtime.artifact import is_artifact
 
@@ -127,7 +132,7 @@ class Engine:
 
         config = EngineConfig(**engine_config)
         compile_cache.configure(config.compile_cache)  # before loading: random weights compile too
-        cfg, graphdef, params, tokenizer = load_model(path, dtype=dtype or "bfloat16", seed=seed)
+        cfg, graphdef, params, tokenizer = load_model(path, dtype=dtype, seed=weights_seed)
         return cls(cfg, graphdef, params, config, tokenizer=tokenizer, warmup=warmup)
 
     @classmethod

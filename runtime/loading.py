@@ -22,12 +22,14 @@ def resolve_config(name_or_path: str, dtype: str | None = None) -> ModelConfig:
         cfg = ModelConfig.from_json((path / GLINT_CONFIG).read_text())
         return cfg.replace(dtype=dtype) if dtype else cfg
     if (path / "config.json").exists():
-        return ModelConfig.from_hf(path, dtype=dtype or "bfloat16")
+        return ModelConfig.from_hf(path, dtype=dtype)
     raise ValueError(f"{name_or_path!r} is not a preset ({sorted(PRESETS)}) nor a checkpoint folder")
 
 
 def load_model(name_or_path: str, dtype: str | None = None, seed: int = 0):
-    """(cfg, graphdef, params, tokenizer or None). Presets get random weights built on the device."""
+    """(cfg, graphdef, params, tokenizer or None). Presets get random weights built on the device.
+
+    `dtype` defaults to the checkpoint's own (bfloat16 for presets)."""
     if name_or_path in PRESETS:
         cfg = resolve_config(name_or_path, dtype)
         graphdef, shapes = transformer.split(transformer.abstract_model(cfg))

@@ -177,7 +177,7 @@ def test_wide_step_output_does_not_scale_with_width_times_vocab():
     from glint.runtime.programs import forward_name
     from glint.runtime.step import live_programs
 
-    config = EngineConfig(max_seqs=64, page_size=16, max_step_tokens=4096, num_pages=64, capacity=4096)
+    config = EngineConfig(max_seqs=64, page_size=16, max_step_tokens=4096, num_pages=64, capacity=1024)
     cache = cache_config_for(cfg, config)
     programs = live_programs(cfg, flatten(params), cache, "reference", (64, 4096), config.max_seqs,
                              config.max_sample_rows)
