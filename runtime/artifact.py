@@ -24,7 +24,7 @@ import numpy as np
 
 from glint.kvcache import CacheConfig
 from glint.runtime.config import EngineConfig
-from glint.runtime.programs import RUNTIME_PROGRAMS, Program, ProgramSet, abstract_args, forward_name
+from glint.runtime.programs import RUNTIME_PROGRAMS, START_PROGRAMS, Program, ProgramSet, abstract_args, forward_name
 from glint.runtime.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ FORMAT = "glint-export"
 FORMAT_VERSION = 1
 # The programs' calling convention (argument order and meaning, `glint.runtime.programs`): bump on any change,
 # since shapes and dtypes alone cannot tell e.g. temperature from top_p.
-PROGRAM_ABI = 1
+PROGRAM_ABI = 2  # 2: kv_init
 PARAMS_DIR = "params"
 # EngineConfig fields the programs are built for: a caller may repeat them, not change them.
 GEOMETRY_FIELDS = ("max_seqs", "page_size", "max_step_tokens", "forward_sizes", "max_sample_rows", "num_pages",
@@ -221,7 +221,7 @@ def load_artifact(folder, dtype: str | None = None, compiled: bool = True, **ove
     if any(MOSAIC_GPU_CALL in entry.get("custom_calls", ()) for entry in meta["programs"].values()):
         import jax.experimental.mosaic.gpu  # noqa: F401  (registers the Mosaic GPU runtime its kernels call)
     t0 = time.perf_counter()
-    needed = {forward_name(w) for w in config.buckets} | set(RUNTIME_PROGRAMS)
+    needed = {forward_name(w) for w in config.buckets} | set(RUNTIME_PROGRAMS) | set(START_PROGRAMS)
     missing, unknown = sorted(needed - set(meta["programs"])), sorted(set(meta["programs"]) - needed - {"sample_argmax"})
     if missing or unknown:
         raise ValueError(f"{folder / METADATA}: programs missing {missing}, unknown {unknown}; export it again")
@@ -234,13 +234,12 @@ def load_artifact(folder, dtype: str | None = None, compiled: bool = True, **ove
         check_args(folder, name, program.args, abstract_args(name, params_like, cache, config.max_seqs,
                                                              config.max_sample_rows, model.vocab_size))
     t1 = time.perf_counter()
-    loaded = {}
-    if compiled:
-        with concurrent.futures.ThreadPoolExecutor(len(programs)) as pool:
-            executables = pool.map(lambda name: (name, load_compiled(folder, meta, name)), programs)
-            loaded = {name: executable for name, executable in executables if executable is not None}
-    t2 = time.perf_counter()
-    params = load_params(folder, params_like)
-    seconds = dict(programs=t1 - t0, executables=t2 - t1, params=time.perf_counter() - t2)
+    with concurrent.futures.ThreadPoolExecutor(len(programs) + 1) as pool:
+        params_future = pool.submit(load_params, folder, params_like)  # the weights stream in meanwhile
+        executables = pool.map(lambda name: (name, load_compiled(folder, meta, name)), programs if compiled else [])
+        loaded = {name: executable for name, executable in executables if executable is not None}
+        t2 = time.perf_counter()
+        params = params_future.result()
+    seconds = dict(programs=t1 - t0, executables=t2 - t1, params_and_executables=time.perf_counter() - t1)
     return Artifact(folder, meta, model, config, cache, meta["engine"]["attention"], ProgramSet(programs, loaded),
                     params, load_tokenizer(folder), seconds)

@@ -103,9 +103,9 @@ class Engine:
                 raise ValueError(f"num_pages {cache.num_pages} cannot hold one sequence of capacity "
                                  f"{self.capacity} (needs {cache.group_pages_per_seq(g) + 1} pages)")
         self.control = BatchControl(cache)
-        self.kv = KVState.create(cache)
         self.scheduler = Scheduler(config, self.control)
         self.runner = Runner(programs, cache, config.max_seqs)
+        self.kv = self.runner.kv_init()
         self._requests: dict[int, Request] = {}
         self._children: dict[int, list[Request]] = {}
         self._next_rid = 0

@@ -27,6 +27,7 @@ from glint.runtime import executables
 
 COPY_ROWS = 64  # page copies per `copy` call; a step needing more runs it again
 RUNTIME_PROGRAMS = ("sample", "logprobs", "copy")  # besides one forward per width, what an engine runs
+START_PROGRAMS = ("kv_init",)  # run once, when an engine starts
 
 
 @jax.tree_util.register_dataclass
@@ -67,6 +68,7 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
     sample_argmax: (logits f32[R, V],)
     logprobs:  (logits f32[R, V], tokens i32[R])
     copy:      ((k, v), per group i32[COPY_ROWS, 2])
+    kv_init:   () -> the zeroed pools (k, v)
     """
     i32 = lambda *shape: _spec(shape, np.int32)  # noqa: E731
     kv = (tuple(_spec((cache.num_pages, cache.page_size, cache.kv_heads[l], cache.head_dim[l]), cache.dtype)
@@ -81,6 +83,8 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
         return logits, i32(rows)
     if name == "copy":
         return kv, tuple(i32(COPY_ROWS, 2) for _ in range(cache.num_groups))
+    if name == "kv_init":
+        return ()
     width = int(name.removeprefix("forward_"))
     s = num_segments(width, max_seqs)
     meta = (i32(width), tuple(i32(width) for _ in range(cache.num_groups)), i32(s, 4),
@@ -189,6 +193,10 @@ class Runner:
     def logprobs(self, logits, tokens):
         """(chosen f32[R], top f32[R, k], top_ids i32[R, k])."""
         return self.programs["logprobs"](logits, tokens)
+
+    def kv_init(self) -> KVState:
+        k, v = self.programs["kv_init"]()
+        return KVState(k=k, v=v)
 
     def copy(self, kv: KVState, copies: tuple[np.ndarray, ...]) -> KVState:
         """Apply per-group (src, dst) page copies, COPY_ROWS at a time; pads (0, 0) copy scratch onto itself.

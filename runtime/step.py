@@ -98,6 +98,17 @@ def _logprobs(logits, tokens):
 
 
 @functools.lru_cache(maxsize=16)
+def make_kv_init_fn(cache: CacheConfig):
+    """The zeroed KV pools, (k, v): a program, so an engine (an artifact too) creates them without compiling."""
+
+    def kv_init():
+        state = KVState.create(cache)
+        return state.k, state.v
+
+    return jax.jit(kv_init)
+
+
+@functools.lru_cache(maxsize=16)
 def make_copy_fn(cache: CacheConfig):
     """Copy-on-write page copies, run before a step that writes into shared pages."""
 
@@ -112,7 +123,8 @@ def live_programs(model: ModelConfig, params: dict, cache: CacheConfig, impl: st
                   rows: int) -> ProgramSet:
     """Every program an engine runs, for the live model (params: the flat parameter dict)."""
     fns = {forward_name(w): make_step_fn(model, cache, impl) for w in widths}
-    fns.update(sample=_sample_filtered, sample_argmax=_sample_argmax, logprobs=_logprobs, copy=make_copy_fn(cache))
+    fns.update(sample=_sample_filtered, sample_argmax=_sample_argmax, logprobs=_logprobs, copy=make_copy_fn(cache),
+               kv_init=make_kv_init_fn(cache))
     programs = {name: Program(fn, abstract_args(name, params, cache, max_seqs, rows, model.vocab_size))
                 for name, fn in fns.items()}
     identity = repr((model, cache, impl, max_seqs, rows, sorted((k, v.shape, str(v.dtype)) for k, v in params.items())))

@@ -59,7 +59,7 @@ def test_exported_artifact_gives_the_live_engines_tokens(source, tmp_path):
     assert all(len(c[0]) == 12 for o in want for c in o)
     assert meta["widths"] == [1, 8, 16, 32] and meta["vocab_size"] == live.model.vocab_size
     assert set(meta["programs"]) == {"forward_1", "forward_8", "forward_16", "forward_32", "sample", "sample_argmax",
-                                     "logprobs", "copy"}
+                                     "kv_init", "logprobs", "copy"}
 
 
 def test_metadata_describes_the_build(llama_artifact):
@@ -157,7 +157,7 @@ def test_incomplete_or_foreign_program_tables_are_refused(llama_artifact, tmp_pa
     with pytest.raises(ValueError, match=r"programs missing \['forward_16', 'sample'\], unknown \[\]"):
         Engine.from_export(art)
     (art / "metadata.json").write_text(json.dumps(dict(meta, program_abi=0)))
-    with pytest.raises(ValueError, match=r"programs of calling convention 0, this glint runs 1"):
+    with pytest.raises(ValueError, match=r"programs of calling convention 0, this glint runs 2"):
         Engine.from_export(art)
     assert Engine.from_export(llama_artifact, forward_sizes=(8, 1)).config.forward_sizes == (1, 8)
 
@@ -215,7 +215,7 @@ def test_cli_export_then_generate(tmp_path, capsys):
     geometry = dict(SMALL, max_step_tokens=64)
     args = [f"--{k.replace('_', '-')}={v}" for k, v in geometry.items() if k not in ("forward_sizes", "min_prefill_chunk")]
     assert main(["export", str(HF_FIXTURES / "llama"), str(out), "--dtype", "float32", *args]) == 0
-    assert "11 programs (widths [1, 2, 4, 8, 16, 32, 64])" in capsys.readouterr().out
+    assert "12 programs (widths [1, 2, 4, 8, 16, 32, 64])" in capsys.readouterr().out
     assert main(["generate", str(out), "--prompt-ids", " ".join(map(str, case["prompt"])), "--max-tokens", "8",
                  "--temperature", "0", "--ignore-eos", "--json"]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
