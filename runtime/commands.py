@@ -56,15 +56,26 @@ def _cmd_generate(args) -> int:
                             top_p=args.top_p, seed=args.seed, n=args.n, ignore_eos=args.ignore_eos)
     engine = Engine.from_pretrained(args.checkpoint, dtype=args.dtype, **_engine_config(args))
     rid = engine.add_request(prompt, params)
-    streams: dict[int, list[int]] = {}
+    stream = None
+    if engine.tokenizer is not None:  # text as whole characters: a multi-byte one may span several tokens
+        from tokenizers.decoders import DecodeStream
+
+        stream = DecodeStream(skip_special_tokens=False)
+    printed = ""
     while engine.has_unfinished():
-        for r, toks in engine.step().items():
-            streams.setdefault(r, []).extend(toks)
-            if not args.json and args.n == 1:
-                text = engine.tokenizer.decode(toks) if engine.tokenizer else " ".join(map(str, toks)) + " "
-                sys.stdout.write(text)
-                sys.stdout.flush()
+        engine.step()
+        tokens = engine.new_tokens(rid)[0]
+        if tokens and not args.json and args.n == 1:
+            if stream is None:
+                text = " ".join(map(str, tokens)) + " "
+            else:
+                text = "".join(piece for t in tokens if (piece := stream.step(engine.tokenizer, t)) is not None)
+            printed += text
+            sys.stdout.write(text)
+            sys.stdout.flush()
     out = engine.output(rid)
+    if stream is not None and not args.json and args.n == 1 and out.text.startswith(printed):
+        sys.stdout.write(out.text[len(printed):])  # bytes the stream held back for a character never completed
     if args.json:
         print(json.dumps({"prompt_token_ids": out.prompt_token_ids,
                           "outputs": [{"token_ids": c.token_ids, "finish_reason": c.finish_reason, "text": c.text}

@@ -190,14 +190,35 @@ class Engine:
                 or any(s.req.status is not Status.FINISHED for s in in_flight))
 
     def output(self, rid: int) -> RequestOutput:
-        req = self._requests[rid]
-        reqs = [req, *self._children.get(rid, [])]
+        """Everything request `rid` has generated so far (its n completions), with finish reasons."""
+        req = self._request(rid)
         outs = []
-        for r in reqs:
-            tokens = [t for t in r.generated if t >= 0]  # not a token still in flight
+        for r in [req, *self._children[rid]]:
+            tokens = r.known_tokens
             outs.append(Completion(tokens, r.finish_reason, self._decode(tokens),
                                    r.logprobs if r.params.logprobs else None))
         return RequestOutput(rid, req.prompt, outs)
+
+    def new_tokens(self, rid: int) -> list[list[int]]:
+        """Tokens each completion of request `rid` gained since the last call: a list of n lists, completion i
+        at index i (an n > 1 completion not yet begun gets []).
+
+        Each request has its own cursor, so streaming does not depend on who calls `step()`: one loop may
+        drive the engine (or `generate()` other prompts) while callers stream their own requests.
+        """
+        req = self._request(rid)
+        completions = [req, *self._children[rid]]
+        out = []
+        for r in completions:
+            known = r.known_tokens
+            out.append(known[r.num_read:])
+            r.num_read = len(known)
+        return out + [[] for _ in range(req.params.n - len(completions))]
+
+    def _request(self, rid: int) -> Request:
+        if rid not in self._requests or rid not in self._children:
+            raise ValueError(f"unknown request id {rid!r} (never added, a child of an n > 1 request, or released)")
+        return self._requests[rid]
 
     def release(self, rid: int) -> None:
         """Forget a finished request's bookkeeping."""

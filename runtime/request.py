@@ -28,6 +28,15 @@ class Request:
     seq: int | None = None
     num_cached: int = 0
     finish_reason: str | None = None
+    num_read: int = 0  # tokens `Engine.new_tokens` has handed out
+
+    @property
+    def known_tokens(self) -> list[int]:
+        """Generated tokens whose values the host has (a step still in flight leaves placeholders at the end)."""
+        for i, t in enumerate(self.generated):
+            if t < 0:
+                return self.generated[:i]
+        return self.generated
 
     def token_slice(self, start: int, count: int) -> list[int]:
         """tokens[start:start + count] without building prompt + generated."""

@@ -67,3 +67,18 @@ def test_text_prompts_through_the_tokenizer(tmp_path):
         out = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
         assert out.token_ids == case["greedy"][:8]
         assert out.text == " ".join(f"w{t}" for t in case["greedy"][:8])
+
+
+def test_streamed_text_is_whole_characters(capsys):
+    """Tokens are streamed as text through the tokenizer's streaming decoder: the pieces add up to the full
+    decode even where one character spans several byte-level tokens."""
+    from conftest import SHARED
+
+    chat = SHARED / "fixtures" / "chat" / "llama"
+    args = ["generate", str(chat), "--prompt", "héllo wörld ✓", "--max-tokens", "24", "--temperature", "0",
+            "--ignore-eos", "--dtype", "float32", *SMALL]
+    assert main([*args, "--json"]) == 0
+    full = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["outputs"][0]["text"]
+    assert main(args) == 0
+    streamed = capsys.readouterr().out
+    assert streamed == full + "\n[length]\n"

@@ -171,3 +171,27 @@ def test_generate_says_what_it_takes():
     with pytest.raises(ValueError, match=r"prompts must be a list of prompts, got str"):
         eng.generate("hello")
     assert not eng._requests
+
+
+def test_each_caller_streams_its_own_request_whoever_steps_the_engine():
+    eng = engine()
+    streamed = eng.add_request([3, 4, 5], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    several = eng.add_request([9, 8], SamplingParams(max_tokens=12, temperature=1.0, seed=3, n=3, ignore_eos=True))
+    got, got_n = [], [[], [], []]
+    eng.step()
+    got += eng.new_tokens(streamed)[0]
+    # another caller drives the engine (and consumes step()'s results) for prompts of its own
+    others = eng.generate([[1, 2], [7, 7, 7]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert all(len(o.token_ids) == 6 for o in others)
+    while eng.has_unfinished():
+        eng.step()
+        got += eng.new_tokens(streamed)[0]
+        for i, tokens in enumerate(eng.new_tokens(several)):
+            got_n[i] += tokens
+    got += eng.new_tokens(streamed)[0]
+    assert got == eng.output(streamed).token_ids and len(got) == 20
+    assert got_n == [c.token_ids for c in eng.output(several).outputs] and all(len(t) == 12 for t in got_n)
+    assert eng.new_tokens(streamed) == [[]]
+    child = max(eng._requests)
+    with pytest.raises(ValueError, match=rf"unknown request id {child}"):
+        eng.new_tokens(child)  # children stream under their parent's id
