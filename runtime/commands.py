@@ -34,14 +34,18 @@ def _engine_args(p) -> None:
                    help="do not use the persistent compilation cache ($GLINT_CACHE_DIR, default ~/.cache/glint)")
     p.add_argument("--allow-long-context", action="store_true",
                    help="let --capacity exceed the model's max_position_embeddings")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch invariance: a request's output is bit-identical whatever shares its steps (every "
+                   "step runs at the widest forward size; long prompts prefill in chunks of it)")
 
 
 def _engine_config(args) -> dict:
     """The engine settings given on the command line (the rest keep EngineConfig's or the artifact's)."""
     names = ("max_seqs", "page_size", "max_step_tokens", "num_pages", "capacity", "attention")
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-    if args.allow_long_context:
-        given["allow_long_context"] = True
+    for flag in ("allow_long_context", "deterministic"):
+        if getattr(args, flag):
+            given[flag] = True
     return given | {"compile_cache": args.compile_cache}
 
 

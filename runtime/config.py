@@ -28,12 +28,20 @@ class EngineConfig:
     attention: str = "auto"
     seed: int | None = None  # seeds of requests that give none: None draws them from the OS
     allow_long_context: bool = False  # let capacity exceed the model's max_position_embeddings
+    # Batch invariance: every step runs at one width, forward_sizes[-1] (prompts go in chunks of it), so a
+    # request's arithmetic is the same program's whatever shares its steps: bit-identical solo or batched.
+    deterministic: bool = False
     compile_cache: bool = True  # JAX's persistent compilation cache in $GLINT_CACHE_DIR (~/.cache/glint)
 
     def __post_init__(self):
         if self.max_sample_rows is None:  # every running sequence can sample in one step
             object.__setattr__(self, "max_sample_rows", self.max_seqs)
         object.__setattr__(self, "forward_sizes", tuple(sorted(set(int(w) for w in self.forward_sizes))))
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be a bool, got {self.deterministic!r}")
+        if self.deterministic and self.forward_sizes:  # one width: the widest narrow one
+            object.__setattr__(self, "forward_sizes", self.forward_sizes[-1:])
+            object.__setattr__(self, "max_step_tokens", self.forward_sizes[-1])
         for name in ("max_seqs", "page_size", "max_step_tokens", "max_sample_rows", "min_prefill_chunk"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")

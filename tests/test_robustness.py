@@ -195,3 +195,24 @@ def test_each_caller_streams_its_own_request_whoever_steps_the_engine():
     child = max(eng._requests)
     with pytest.raises(ValueError, match=rf"unknown request id {child}"):
         eng.new_tokens(child)  # children stream under their parent's id
+
+
+@pytest.mark.parametrize("source", ["stories260K", *sorted(p.name for p in HF_FIXTURES.iterdir()
+                                                          if (p / "config.json").exists())])
+def test_deterministic_mode_is_batch_invariant_in_bfloat16(source):
+    """deterministic=True: each request's tokens are bit-identical solo and batched, in bfloat16, greedy and
+    seeded (every step is one program of one width, so nothing a request computes depends on its neighbours)."""
+    from conftest import STORIES
+
+    folder = STORIES if source == "stories260K" else HF_FIXTURES / source
+    eng = Engine.from_pretrained(str(folder), dtype="bfloat16", deterministic=True, max_seqs=12, page_size=8,
+                                 num_pages=400, capacity=256, min_prefill_chunk=4)
+    assert eng.config.buckets == (64,)
+    rng = np.random.default_rng(0)
+    vocab = eng.model.vocab_size
+    prompts = [rng.integers(0, vocab, int(n)).tolist() for n in rng.integers(2, 90, 12)]
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True) if i % 2 else
+              SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True) for i in range(12)]
+    batched = [o.token_ids for o in eng.generate(prompts, params)]
+    solo = [eng.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+    assert batched == solo
