@@ -20,11 +20,34 @@ from rich.progress import Progress
 
 from glint.export.checkpoint import SIDE_FILES
 from glint.runtime.artifact import FORMAT, FORMAT_VERSION, METADATA, PARAMS_DIR, PROGRAM_ABI, platform_name
+from glint.runtime.params import MAX_LOGPROBS
+from glint.runtime.programs import COPY_ROWS
 
 # The Pallas Triton custom call is not among jax.export's stable targets (Mosaic GPU's is): we export it
 # knowingly, and the artifact pins the jax/jaxlib versions that load it.
 DISABLED_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(pallas_triton.CUSTOM_CALL_TARGET_NAME)]
 _CUSTOM_CALL = re.compile(r'stablehlo\.custom_call @([\w$.]+)|call_target_name = "([^"]+)"')
+
+
+# What each program takes and returns (R = selected_logit_rows, V = vocab_size, W = the width, S = min(W,
+# max_seqs), P_g = cache.groups[g].pages_per_seq), for users who drive an artifact without glint. Every forward
+# returns the selected rows' logits beside the tokens: a caller sampling on the host reads those.
+SIGNATURES = {
+    "forward_W": {"inputs": ["params {dotted name: array}", "kv ((k per layer), (v per layer))", "tokens i32[W]",
+                             "token_src i32[W] (>= 0: take prev_tokens[token_src])", "prev_tokens i32[R]",
+                             "meta (positions i32[W], slots per group i32[W], seq_info i32[S, 4], "
+                             "page_tables per group i32[S, P_g])", "rows i32[R]",
+                             "sampler (temperature f32[R], top_k i32[R], top_p f32[R], seed u32[R], position i32[R])"],
+                  "outputs": ["tokens i32[R] (argmax, or drawn without top-k/top-p)", "logits f32[R, V]", "kv"],
+                  "donated": ["kv"]},
+    "sample": {"inputs": ["logits f32[R, V]", "sampler"], "outputs": ["tokens i32[R] (top-k/top-p applied)"]},
+    "sample_argmax": {"inputs": ["logits f32[R, V]"], "outputs": ["tokens i32[R]"]},
+    "logprobs": {"inputs": ["logits f32[R, V]", "tokens i32[R]"],
+                 "outputs": ["chosen f32[R]", f"top f32[R, {MAX_LOGPROBS}]", f"top_ids i32[R, {MAX_LOGPROBS}]"]},
+    "copy": {"inputs": ["kv", f"per group (src, dst) page pairs i32[{COPY_ROWS}, 2] ((0, 0) pads)"], "outputs": ["kv"],
+             "donated": ["kv"]},
+    "kv_init": {"inputs": [], "outputs": ["kv, zeroed"]},
+}
 
 
 def check_output_folder(out: pathlib.Path) -> None:
@@ -109,6 +132,7 @@ def metadata(engine, programs: dict) -> dict:
                   "max_write": cache.max_write, "capacity": cache.capacity, "windows": list(cache.windows),
                   "kv_heads": list(cache.kv_heads), "head_dim": list(cache.head_dim), "dtype": cache.dtype,
                   "groups": groups},
+        "signatures": SIGNATURES,
         "widths": list(config.buckets), "decode_widths": list(config.forward_sizes),
         "selected_logit_rows": config.max_sample_rows, "native_context": model.max_position_embeddings,
         "capacity": cache.capacity, "vocab_size": model.vocab_size, "eos_token_ids": list(model.eos_token_ids),

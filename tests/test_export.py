@@ -71,6 +71,7 @@ def test_metadata_describes_the_build(llama_artifact):
     assert meta["engine"]["min_prefill_chunk"] == SMALL["min_prefill_chunk"]
     assert meta["cache"]["kv_heads"] == [hf["num_key_value_heads"]] * hf["num_hidden_layers"]
     assert meta["decode_widths"] == [1, 8] and meta["platform"] == "cpu" and meta["engine"]["attention"] == "reference"
+    assert set(meta["signatures"]) == {"forward_W", "sample", "sample_argmax", "logprobs", "copy", "kv_init"}
     import jax
 
     assert meta["jax"] == jax.__version__ and meta["created"].startswith("20")
