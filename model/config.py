@@ -246,7 +246,8 @@ def _from_hf(c: dict[str, Any], dtype: str | None, extra_eos: tuple[int, ...] = 
     wrapper_eos = ()
     if family == "gemma3":  # multimodal wrapper: the text model is in text_config
         wrapper_eos = _token_ids(c.get("eos_token_id"), "eos_token_id")
-        c, family = {**c.get("text_config", {}), "model_type": "gemma3_text"}, "gemma3_text"
+        outer_dtype = {k: c[k] for k in ("torch_dtype", "dtype") if k in c}
+        c, family = {**outer_dtype, **c.get("text_config", {}), "model_type": "gemma3_text"}, "gemma3_text"
     if family not in _FAMILIES:
         raise ValueError(f"model_type {family!r} is not supported (supported: {_FAMILIES})")
     missing = [k for k in _REQUIRED if k not in c]

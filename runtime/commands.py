@@ -19,7 +19,7 @@ class Help(argparse.ArgumentDefaultsHelpFormatter):
 def _engine_args(p) -> None:
     from glint.runtime.config import EngineConfig as C
 
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="weights and KV dtype (default: the checkpoint's torch_dtype; bfloat16 for presets; an "
                    "exported artifact keeps its own)")
     p.add_argument("--max-seqs", type=int, help=f"sequences served at once (default {C.max_seqs})")
@@ -64,7 +64,7 @@ def _cmd_generate(args) -> int:
     if engine.tokenizer is not None:  # text as whole characters: a multi-byte one may span several tokens
         from tokenizers.decoders import DecodeStream
 
-        stream = DecodeStream(skip_special_tokens=False)
+        stream = DecodeStream(skip_special_tokens=True)  # as the final text is decoded
     printed = ""
     while engine.has_unfinished():
         engine.step()
@@ -104,7 +104,7 @@ def _cmd_demo(args) -> int:
     if args.requests < 1:
         raise ValueError(f"--requests must be >= 1, got {args.requests}")
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, max_seqs=32, page_size=16, max_step_tokens=256,
-                                    capacity=1024, compile_cache=args.compile_cache)
+                                    compile_cache=args.compile_cache)  # capacity: the model's context
     rng = np.random.default_rng(args.seed)
     vocab = engine.model.vocab_size
     prompts = [rng.integers(3, vocab, int(rng.integers(4, 200))).tolist() for _ in range(args.requests)]

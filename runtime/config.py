@@ -50,7 +50,9 @@ class EngineConfig:
         if self.forward_sizes[-1] > self.max_step_tokens:
             raise ValueError(f"forward_sizes {self.forward_sizes} exceed max_step_tokens {self.max_step_tokens}")
         if self.min_prefill_chunk > self.max_step_tokens:
-            raise ValueError(f"min_prefill_chunk {self.min_prefill_chunk} exceeds max_step_tokens {self.max_step_tokens}")
+            why = " (deterministic runs every step at the widest forward size)" if self.deterministic else ""
+            raise ValueError(f"min_prefill_chunk {self.min_prefill_chunk} exceeds max_step_tokens "
+                             f"{self.max_step_tokens}{why}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.num_pages is not None and self.num_pages < 2:

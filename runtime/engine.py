@@ -57,6 +57,7 @@ class Sampled:
     num_children: int
     num_cached: int  # the request's cached positions when it sampled (the prompt, for n > 1 clones)
     is_applied: bool = False  # its tokens were recorded (a resumed postprocess skips it)
+    num_spawned: int = 0  # n > 1 children already spawned from it (a resumed postprocess spawns the rest)
 
 
 @dataclasses.dataclass
@@ -226,7 +227,9 @@ class Engine:
             raise ValueError(f"request {rid} is not finished; abort it first")
         for child in self._children.pop(rid, []):
             self._requests.pop(child.rid, None)
+            self._undelivered.pop(child.rid, None)
         self._requests.pop(rid, None)
+        self._undelivered.pop(rid, None)
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
                  progress: bool = False) -> list[RequestOutput]:
@@ -235,6 +238,8 @@ class Engine:
         If it fails (bad input, an exception, Ctrl-C), the requests it added are aborted and released:
         the engine is left as it was, serving whatever else it had.
         """
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 2:  # a batch of equal-length prompts, one per row
+            prompts = list(prompts)
         if isinstance(prompts, (str, np.ndarray)) or not isinstance(prompts, Sequence):
             raise ValueError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
         if prompts and all(isinstance(p, (int, np.integer)) and not isinstance(p, bool) for p in prompts):
@@ -289,8 +294,13 @@ class Engine:
         if self._unread is not None:  # a step whose results an interrupted call did not get to read
             self._read(self._unread)
         with interrupts.deferred():
-            entries = self._schedule()
-            dispatched = self._dispatch(entries) if entries else None
+            try:
+                entries = self._schedule()
+                dispatched = self._dispatch(entries) if entries else None
+            except BaseException:  # whatever failed before the commit, the declared step is undone
+                if self.control.has_pending_step:
+                    self.control.abort_step()
+                raise
             self._unread, self._inflight = self._inflight, dispatched
         if self._unread is None and dispatched is None and self.scheduler.has_work():
             raise RuntimeError("no request can be scheduled: the KV pool is too small for the waiting requests")
@@ -337,11 +347,7 @@ class Engine:
         width = self.config.bucket_for(sum(e.count for e in entries))
         meta = self.control.prepare_step(width=width, num_segments=min(width, self.config.max_seqs))
         tokens, token_src, rows, sample_reqs = self._pack(entries, width)
-        try:
-            next_tokens, lp = self._run(width, meta, tokens, token_src, rows, sample_reqs)
-        except BaseException:
-            self.control.abort_step()
-            raise
+        next_tokens, lp = self._run(width, meta, tokens, token_src, rows, sample_reqs)
         self.control.commit_step()
         self.stats.steps_per_bucket[width] += 1
         sampled, row = [], 0
@@ -399,7 +405,10 @@ class Engine:
             k = s.req.params.logprobs
             lps = [self._row_logprobs(lp, s.row + i, k, t) if k else None for i, t in enumerate(drawn)]
             for i, token in enumerate(drawn[1:]):
+                if i < s.num_spawned:
+                    continue  # spawned by an earlier, interrupted call
                 self._spawn_child(s, i + 1, token, lps[i + 1], new)
+                s.num_spawned += 1
             s.req.generated[s.index] = drawn[0]
             self._accept(s.req, drawn[0], s.index + 1, lps[0], new)
             s.is_applied = True
@@ -468,7 +477,10 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer, and this checkpoint has none (pass token ids)")
             tokens = self.tokenizer.encode(prompt).ids
-        elif isinstance(prompt, np.ndarray):
+        elif isinstance(prompt, range):
+            tokens = list(prompt)
+        elif hasattr(prompt, "__array__") and not isinstance(prompt, (list, tuple)):  # NumPy, jax arrays
+            prompt = np.asarray(prompt)
             if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
                 raise ValueError(f"a prompt array must hold integer token ids in one dimension, got shape "
                                  f"{prompt.shape} of {prompt.dtype}")

@@ -13,7 +13,10 @@ from collections.abc import Callable
 
 
 class deferred:
-    """with deferred() as d: ...; d.on_interrupt(fn): fn runs if the block ends by raising the held interrupt."""
+    """with deferred() as d: ...; d.on_interrupt(fn): fn runs if the block ends by raising the held interrupt.
+
+    A second Ctrl-C inside the block is not held: it raises at once (a stuck block must stay stoppable).
+    """
 
     def __enter__(self) -> deferred:
         self.received, self._hooks, self._previous = False, [], None
@@ -22,6 +25,8 @@ class deferred:
         return self
 
     def _hold(self, signum, frame) -> None:
+        if self.received:
+            raise KeyboardInterrupt
         self.received = True
 
     def on_interrupt(self, hook: Callable[[], None]) -> None:
@@ -31,10 +36,13 @@ class deferred:
         if self._previous is None:
             return
         signal.signal(signal.SIGINT, self._previous)
-        if self.received and exc_type is None:
-            for hook in self._hooks:
-                hook()
-            if callable(self._previous):
-                self._previous(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt
-            elif self._previous != signal.SIG_IGN:
-                raise KeyboardInterrupt
+        if self.received and exc_type is None and self._previous != signal.SIG_IGN:
+            try:
+                if callable(self._previous):
+                    self._previous(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt
+                else:
+                    raise KeyboardInterrupt
+            except BaseException:
+                for hook in self._hooks:  # only when the block ends by raising
+                    hook()
+                raise

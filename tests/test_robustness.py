@@ -25,7 +25,7 @@ def requests(sampled: bool, seed: int = 0):
     lengths = rng.integers(16, 44, 14)
     if sampled:
         params = [SamplingParams(max_tokens=int(m), temperature=0.9, top_p=0.9, top_k=int(k), seed=100 + i,
-                                 ignore_eos=True, n=1 + (i == 2))
+                                 ignore_eos=True, n=1 + 2 * (i == 2))
                   for i, (m, k) in enumerate(zip(lengths, rng.integers(0, 30, 14)))]
     else:
         params = [SamplingParams(max_tokens=int(m), temperature=0.0, ignore_eos=True) for m in lengths]
@@ -51,10 +51,11 @@ class Interrupter:
 
     def __init__(self, seed: int):
         self.rng, self.lock = np.random.default_rng(seed), threading.Lock()
-        self.caught, self.stop = threading.Event(), False
+        self.caught, self.armed, self.stop = threading.Event(), threading.Event(), False
         self.thread = threading.Thread(target=self.run, daemon=True)
 
     def run(self):
+        self.armed.wait()  # the main thread is inside its try
         while True:
             self.caught.wait(float(self.rng.uniform(0.0001, 0.002)))
             with self.lock:
@@ -76,6 +77,7 @@ def test_sigint_at_random_moments_loses_no_token(sampled):
     interrupter.thread.start()
     while True:
         try:
+            interrupter.armed.set()
             while eng.has_unfinished():
                 eng.step()
             with interrupter.lock:  # inside the try: a SIGINT sent before this lands here
@@ -91,15 +93,17 @@ def test_sigint_at_random_moments_loses_no_token(sampled):
     assert eng.stats.preemptions > 0
 
 
-@pytest.mark.parametrize("stage", ["_schedule", "_dispatch", "_fetch", "_postprocess"])
+@pytest.mark.parametrize("stage", ["_schedule", "_dispatch", "_pack", "_run", "_fetch", "_postprocess", "_spawn_child"])
 def test_an_exception_at_any_stage_of_a_step_loses_no_token(stage):
     want = reference(sampled=True)
     eng = engine()
     rng = np.random.default_rng(7)
-    original, raised = getattr(eng, stage), [0]
+    original, raised, calls = getattr(eng, stage), [0], [0]
 
     def flaky(*args, **kwargs):
-        if rng.random() < 0.3:
+        calls[0] += 1
+        # _spawn_child: fail on the second child of the n = 3 request, after the first was spawned
+        if (calls[0] == 2) if stage == "_spawn_child" else rng.random() < 0.3:
             raised[0] += 1
             raise RuntimeError(f"injected into {stage}")
         out = original(*args, **kwargs)
@@ -116,8 +120,38 @@ def test_an_exception_at_any_stage_of_a_step_loses_no_token(stage):
             eng.step()
         except RuntimeError as e:
             assert "injected" in str(e)
-    assert raised[0] >= 5
+            assert not eng.control.has_pending_step  # a failed dispatch undoes its declared step
+    assert raised[0] >= (1 if stage == "_spawn_child" else 5)
     assert outputs(eng, rids) == want
+
+
+def test_a_sigint_handler_that_does_not_raise_gets_every_token_once():
+    """A server's own SIGINT handler (it only sets a flag): no interrupt is raised, and step() returns each
+    token exactly once."""
+    want = reference(sampled=False)
+    eng = engine()
+    prompts, params = requests(sampled=False)
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    flags = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: flags.append(signum))
+    interrupter = Interrupter(seed=5)
+    interrupter.thread.start()
+    interrupter.armed.set()
+    streamed: dict[int, list[int]] = {}
+    try:
+        while eng.has_unfinished():
+            for rid, tokens in eng.step().items():
+                streamed.setdefault(rid, []).extend(tokens)
+            interrupter.caught.set()
+    finally:
+        with interrupter.lock:
+            interrupter.stop = True
+        interrupter.caught.set()
+        interrupter.thread.join()
+        signal.signal(signal.SIGINT, previous)
+    assert len(flags) >= 5
+    assert outputs(eng, rids) == want
+    assert [streamed[rid] for rid in rids] == [w[0] for w in want]
 
 
 def test_a_failed_generate_leaves_no_orphans():
@@ -160,6 +194,18 @@ def test_prompts_are_integer_ids_only(prompt, message):
     with pytest.raises(ValueError, match=message):
         eng.add_request(prompt, SamplingParams(max_tokens=2))
     assert eng.add_request(np.array([1, 2, 3], np.int32), SamplingParams(max_tokens=2)) == 0
+
+
+def test_array_like_prompts_are_token_ids():
+    import jax.numpy as jnp
+
+    eng = engine()
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = eng.generate([[3, 4, 5]], greedy)[0].token_ids
+    for prompt in (jnp.array([3, 4, 5]), range(3, 6), (np.int64(3), 4, np.int32(5))):
+        assert eng.generate([prompt], greedy)[0].token_ids == want
+    batch = eng.generate(np.array([[3, 4, 5], [3, 4, 5]]), greedy)  # a 2-D array: one prompt per row
+    assert [o.token_ids for o in batch] == [want, want]
 
 
 def test_generate_says_what_it_takes():
