@@ -313,7 +313,7 @@ class Engine:
         return new
 
     def _read(self, step: InFlight) -> None:
-        """Wait for a dispatched step's tokens (interruptible), then apply them (not)."""
+        """Wait for a dispatched step's tokens (interruptible), then apply them (not interruptible)."""
         t0 = time.perf_counter()
         next_tokens, lp = self._fetch(step)
         t1 = time.perf_counter()
