@@ -8,7 +8,6 @@ import datetime
 import importlib.metadata
 import json
 import pathlib
-import pickle
 import re
 import shutil
 
@@ -19,6 +18,7 @@ from jax.experimental.pallas import triton as pallas_triton
 from rich.progress import Progress
 
 from glint.export.checkpoint import SIDE_FILES
+from glint.runtime import executables
 from glint.runtime.artifact import FORMAT, FORMAT_VERSION, METADATA, PARAMS_DIR, PROGRAM_ABI, platform_name
 from glint.runtime.params import MAX_LOGPROBS
 from glint.runtime.programs import COPY_ROWS
@@ -93,10 +93,8 @@ def export_engine(checkpoint: str, out, *, dtype: str | None = None, compiled: b
             entry = {"file": f"programs/{name}.jax", "custom_calls": custom_calls(exported)}
             (out / entry["file"]).write_bytes(exported.serialize())
             if compiled:
-                from jax.experimental.serialize_executable import serialize
-
                 entry["compiled"] = f"compiled/{name}.bin"
-                (out / entry["compiled"]).write_bytes(pickle.dumps(serialize(engine.programs[name])))
+                (out / entry["compiled"]).write_bytes(executables.to_bytes(engine.programs[name]))
             if name.startswith("forward_"):
                 entry["width"] = int(name.removeprefix("forward_"))
             programs[name] = entry

@@ -14,7 +14,6 @@ import dataclasses
 import json
 import logging
 import pathlib
-import pickle
 import time
 from dataclasses import dataclass
 
@@ -23,8 +22,10 @@ import jaxlib
 import numpy as np
 
 from glint.kvcache import CacheConfig
+from glint.runtime import executables
 from glint.runtime.config import EngineConfig
-from glint.runtime.programs import RUNTIME_PROGRAMS, START_PROGRAMS, Program, ProgramSet, abstract_args, forward_name
+from glint.runtime.programs import (RUNTIME_PROGRAMS, START_PROGRAMS, Program, ProgramSet, abstract_args,
+                                    donate_argnums, forward_name)
 from glint.runtime.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -40,9 +41,6 @@ PARAMS_DIR = "params"
 GEOMETRY_FIELDS = ("max_seqs", "page_size", "max_step_tokens", "forward_sizes", "max_sample_rows", "num_pages",
                    "capacity")
 MOSAIC_GPU_CALL = "mosaic_gpu_v2"
-# Arguments each program donates (the KV state), so XLA updates it in place.
-DONATED = {"copy": (0,)}
-FORWARD_DONATED = (1,)
 
 
 @dataclass(frozen=True)
@@ -156,8 +154,7 @@ def load_program(folder: pathlib.Path, name: str, entry: dict) -> Program:
         raise ValueError(f"{path} is not a readable jax.export program ({type(e).__name__}: {e}); "
                          "the artifact is damaged, export it again") from None
     args = jax.tree.unflatten(exported.in_tree, exported.in_avals)[0]
-    donated = FORWARD_DONATED if name.startswith("forward_") else DONATED.get(name, ())
-    return Program(jax.jit(exported.call, donate_argnums=donated), args)
+    return Program(jax.jit(exported.call, donate_argnums=donate_argnums(name)), args)
 
 
 def check_args(folder: pathlib.Path, name: str, args, expected) -> None:
@@ -180,12 +177,9 @@ def load_compiled(folder: pathlib.Path, meta: dict, name: str) -> jax.stages.Com
         log.info("%s: executables were built on %s, this is %s: compiling the StableHLO", folder,
                  meta.get("device_kind"), device_kind)
         return None
-    from jax.experimental.serialize_executable import deserialize_and_load
-
     path = folder / entry["compiled"]
     try:
-        payload, in_tree, out_tree = pickle.loads(_read_bytes(path))
-        return deserialize_and_load(payload, in_tree, out_tree)
+        return executables.from_bytes(_read_bytes(path))
     except Exception as e:  # a damaged executable is not fatal: the StableHLO is there
         log.warning("%s could not be loaded (%s: %s); compiling the StableHLO instead", path, type(e).__name__, e)
         return None

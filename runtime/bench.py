@@ -20,7 +20,7 @@ from rich.table import Table
 from glint.runtime.engine import Engine
 from glint.runtime.params import SamplingParams
 from glint.runtime.sampling import SamplerInputs
-from glint.runtime.programs import DeviceMeta, forward_name
+from glint.runtime.programs import DeviceMeta, forward_name, num_segments
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -103,7 +103,7 @@ class StepBench:
             t0 = time.perf_counter()
             if not control.declare_step([s for s in seqs for _ in range(q_len)]):
                 raise ValueError(f"the KV pool cannot hold batch {batch} x context {context + q_len}")
-            meta = control.prepare_step(width=width, num_segments=min(width, eng.config.max_seqs))
+            meta = control.prepare_step(width=width, num_segments=num_segments(width, eng.config.max_seqs))
             rows = [int(i) * q_len + q_len - 1 for i in range(min(batch, eng.config.max_sample_rows))]
             greedy = [SamplingParams(temperature=0.0)] * len(rows)
             sampler = SamplerInputs.from_params(greedy, [context] * len(rows), rows=eng.config.max_sample_rows)

@@ -10,11 +10,11 @@ import jax
 import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from glint.kvcache import BatchControl, CacheConfig, KVState, default_num_pages
+from glint.kvcache import BatchControl, CacheConfig, default_num_pages
 from glint.runtime import compile_cache, interrupts
 from glint.runtime.config import EngineConfig
 from glint.runtime.params import SamplingParams
-from glint.runtime.programs import RUNTIME_PROGRAMS, DeviceMeta, ProgramSet, Runner, forward_name
+from glint.runtime.programs import RUNTIME_PROGRAMS, DeviceMeta, ProgramSet, Runner, forward_name, num_segments
 from glint.runtime.request import Completion, Request, RequestOutput, Status
 from glint.runtime.sampling import SamplerInputs, uses_filters
 from glint.runtime.scheduler import Entry, Scheduler
@@ -105,7 +105,7 @@ class Engine:
                                  f"{self.capacity} (needs {cache.group_pages_per_seq(g) + 1} pages)")
         self.control = BatchControl(cache)
         self.scheduler = Scheduler(config, self.control)
-        self.runner = Runner(programs, cache, config.max_seqs)
+        self.runner = Runner(programs)
         self.kv = self.runner.kv_init()
         self._requests: dict[int, Request] = {}
         self._children: dict[int, list[Request]] = {}
@@ -217,7 +217,7 @@ class Engine:
         return out + [[] for _ in range(req.params.n - len(completions))]
 
     def _request(self, rid: int) -> Request:
-        if rid not in self._requests or rid not in self._children:
+        if rid not in self._children:  # parents only
             raise ValueError(f"unknown request id {rid!r} (never added, a child of an n > 1 request, or released)")
         return self._requests[rid]
 
@@ -345,7 +345,7 @@ class Engine:
 
     def _dispatch(self, entries: list[Entry]) -> InFlight:
         width = self.config.bucket_for(sum(e.count for e in entries))
-        meta = self.control.prepare_step(width=width, num_segments=min(width, self.config.max_seqs))
+        meta = self.control.prepare_step(width=width, num_segments=num_segments(width, self.config.max_seqs))
         tokens, token_src, rows, sample_reqs = self._pack(entries, width)
         next_tokens, lp = self._run(width, meta, tokens, token_src, rows, sample_reqs)
         self.control.commit_step()

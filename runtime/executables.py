@@ -64,15 +64,26 @@ def folder() -> pathlib.Path | None:
     return pathlib.Path(cache) / "executables"
 
 
+def to_bytes(compiled: jax.stages.Compiled) -> bytes:
+    """A compiled program as bytes (a pickle: load only what you trust)."""
+    from jax.experimental.serialize_executable import serialize
+
+    return pickle.dumps(serialize(compiled))
+
+
+def from_bytes(data: bytes) -> jax.stages.Compiled:
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    return deserialize_and_load(*pickle.loads(data))
+
+
 def load(identity: str, name: str) -> jax.stages.Compiled | None:
     where = folder()
     path = where / f"{key(identity, name)}.bin" if where else None
     if path is None or not path.is_file():
         return None
-    from jax.experimental.serialize_executable import deserialize_and_load
-
     try:
-        compiled = deserialize_and_load(*pickle.loads(path.read_bytes()))  # trusted: this user's own cache
+        compiled = from_bytes(path.read_bytes())  # trusted: this user's own cache
         os.utime(path)  # recently used: pruned last
         counts["loaded"] += 1
         return compiled
@@ -95,14 +106,12 @@ def store(identity: str, name: str, compiled: jax.stages.Compiled) -> None:
     where = folder()
     if where is None:
         return
-    from jax.experimental.serialize_executable import serialize
-
     try:
         where.mkdir(parents=True, exist_ok=True)
         path = where / f"{key(identity, name)}.bin"
         fd, tmp = tempfile.mkstemp(dir=where, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
-            f.write(pickle.dumps(serialize(compiled)))
+            f.write(to_bytes(compiled))
         os.replace(tmp, path)  # atomic: a concurrent reader sees the old entry or the new one
         counts["stored"] += 1
         prune(where)

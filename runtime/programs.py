@@ -26,6 +26,8 @@ from glint.kvcache import CacheConfig, KVState, StepMetadata
 from glint.runtime import executables
 
 COPY_ROWS = 64  # page copies per `copy` call; a step needing more runs it again
+# Arguments a program donates (the KV state), so XLA updates it in place: the live jit and the exported call.
+FORWARD_DONATE_ARGNUMS, COPY_DONATE_ARGNUMS = (1,), (0,)
 RUNTIME_PROGRAMS = ("sample", "logprobs", "copy")  # besides one forward per width, what an engine runs
 START_PROGRAMS = ("kv_init",)  # run once, when an engine starts
 
@@ -47,6 +49,17 @@ class DeviceMeta:
 
 def forward_name(width: int) -> str:
     return f"forward_{width}"
+
+
+def donate_argnums(name: str) -> tuple[int, ...]:
+    if name.startswith("forward_"):
+        return FORWARD_DONATE_ARGNUMS
+    return COPY_DONATE_ARGNUMS if name == "copy" else ()
+
+
+def _fields(x) -> tuple:
+    """A dataclass's fields as a plain tuple (the programs' argument convention)."""
+    return tuple(getattr(x, f.name) for f in dataclasses.fields(x))
 
 
 def num_segments(width: int, max_seqs: int) -> int:
@@ -174,21 +187,20 @@ class ProgramSet:
 class Runner:
     """Calls a ProgramSet with the engine's objects (KVState, DeviceMeta, SamplerInputs)."""
 
-    def __init__(self, programs: ProgramSet, cache: CacheConfig, max_seqs: int):
-        self.programs, self.cache, self.max_seqs = programs, cache, max_seqs
+    def __init__(self, programs: ProgramSet):
+        self.programs = programs
 
     def forward(self, width: int, params: dict, kv: KVState, tokens, token_src, prev_tokens, meta: DeviceMeta, rows,
                 sampler) -> tuple[jax.Array, jax.Array, KVState]:
         """-> (tokens i32[R] drawn without top-k/top-p, logits f32[R, V], kv)."""
         meta_args = (meta.positions, tuple(meta.slots), meta.seq_info, tuple(meta.page_tables))
-        sampler_args = tuple(getattr(sampler, f.name) for f in dataclasses.fields(sampler))
         next_tokens, logits, (k, v) = self.programs[forward_name(width)](
-            params, (kv.k, kv.v), tokens, token_src, prev_tokens, meta_args, rows, sampler_args)
+            params, (kv.k, kv.v), tokens, token_src, prev_tokens, meta_args, rows, _fields(sampler))
         return next_tokens, logits, KVState(k=k, v=v)
 
     def sample(self, logits, sampler) -> jax.Array:
         """Tokens i32[R] with every row's top-k / top-p applied."""
-        return self.programs["sample"](logits, tuple(getattr(sampler, f.name) for f in dataclasses.fields(sampler)))
+        return self.programs["sample"](logits, _fields(sampler))
 
     def logprobs(self, logits, tokens):
         """(chosen f32[R], top f32[R, k], top_ids i32[R, k])."""

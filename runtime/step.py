@@ -20,7 +20,8 @@ from glint.model.config import ModelConfig
 from glint.pallas_kernels import (ring_write, ring_write_reference, varlen_attention,
                                   varlen_attention_reference)
 from glint.runtime.params import MAX_LOGPROBS
-from glint.runtime.programs import DeviceMeta, Program, ProgramSet, abstract_args, forward_name
+from glint.runtime.programs import (COPY_DONATE_ARGNUMS, FORWARD_DONATE_ARGNUMS, DeviceMeta, Program, ProgramSet,
+                                    abstract_args, forward_name)
 from glint.runtime.sampling import SamplerInputs, logprobs, sample, sample_argmax
 
 
@@ -79,7 +80,7 @@ def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str):
         logits, kv = run_model(graphdef, backend, unflatten(params, like), KVState(*kv), tokens, meta, rows)
         return sample(logits, SamplerInputs(*sampler), is_filtered=False), logits, (kv.k, kv.v)
 
-    return jax.jit(step, donate_argnums=(1,))
+    return jax.jit(step, donate_argnums=FORWARD_DONATE_ARGNUMS)
 
 
 @jax.jit
@@ -116,7 +117,7 @@ def make_copy_fn(cache: CacheConfig):
         out = apply_copies(KVState(*kv), cache, copies)
         return out.k, out.v
 
-    return jax.jit(copy, donate_argnums=(0,))
+    return jax.jit(copy, donate_argnums=COPY_DONATE_ARGNUMS)
 
 
 def live_programs(model: ModelConfig, params: dict, cache: CacheConfig, impl: str, widths, max_seqs: int,
