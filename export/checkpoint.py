@@ -13,6 +13,7 @@ from rich.progress import Progress
 from glint.export.hf import name_table, read_hf
 from glint.model import transformer
 from glint.model.config import ModelConfig
+from glint.runtime import weights
 
 GLINT_CONFIG = "glint.json"
 PARAMS_DIR = "params"
@@ -86,12 +87,7 @@ def load_checkpoint(path: str | pathlib.Path, dtype: str | None = None, *, show_
         stored = flatten(abstract_params(cfg))
         if not (path / PARAMS_DIR).is_dir():
             raise ValueError(f"{path / PARAMS_DIR} is missing: the orbax checkpoint has no weights")
-        try:
-            with ocp.StandardCheckpointer() as ckpt:
-                flat = ckpt.restore(path.absolute() / PARAMS_DIR, {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
-                                                                 for k, v in stored.items()})
-        except Exception as e:  # orbax / tensorstore errors of missing, truncated or mis-shaped arrays
-            raise ValueError(f"{path / PARAMS_DIR}: the weights could not be read ({type(e).__name__}: {e})") from None
+        flat = weights.read_params(path / PARAMS_DIR, stored)  # onto the device, ValueErrors naming the array
         if dtype is not None and dtype != cfg.dtype:
             cfg = cfg.replace(dtype=dtype)
     elif (path / "config.json").exists():

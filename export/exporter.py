@@ -99,8 +99,9 @@ def export_engine(checkpoint: str, out, *, dtype: str | None = None, compiled: b
                 entry["width"] = int(name.removeprefix("forward_"))
             programs[name] = entry
             bar.advance(task)
-    # Uncompressed: restores as fast as zstd or faster and saves twice as fast (tools/gpu_weights_probe.py).
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)) as ckpt:
+    # Uncompressed and without OCDBT (a folder per array): restores as fast as OCDBT or zstd and saves twice
+    # as fast (tools/gpu_weights_probe.py).
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False, use_ocdbt=False)) as ckpt:
         ckpt.save(out.absolute() / PARAMS_DIR, args=ocp.args.PyTreeSave(engine.params))
     source = pathlib.Path(checkpoint)
     for name in SIDE_FILES:

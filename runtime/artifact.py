@@ -22,7 +22,7 @@ import jaxlib
 import numpy as np
 
 from glint.kvcache import CacheConfig
-from glint.runtime import executables
+from glint.runtime import executables, weights
 from glint.runtime.config import EngineConfig
 from glint.runtime.programs import (RUNTIME_PROGRAMS, START_PROGRAMS, Program, ProgramSet, abstract_args,
                                     donate_argnums, forward_name)
@@ -186,19 +186,16 @@ def load_compiled(folder: pathlib.Path, meta: dict, name: str) -> jax.stages.Com
 
 
 def load_params(folder: pathlib.Path, like: dict) -> dict:
-    """The flat weights from `params/`, shaped and typed as the forward programs take them."""
-    import orbax.checkpoint as ocp
-
-    path = folder.absolute() / PARAMS_DIR
+    """The flat weights from `params/`, shaped and typed as the forward programs take them, on the device."""
+    path = folder / PARAMS_DIR
     if not path.is_dir():
         raise ValueError(f"{path} is missing; the artifact has no weights")
-    try:
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # straight onto the device
-        with ocp.StandardCheckpointer() as ckpt:
-            return ckpt.restore(path, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=device)
-                                       for k, v in like.items()})
-    except Exception as e:  # orbax / tensorstore errors of missing or truncated files
-        raise ValueError(f"{path}: the weights could not be read ({type(e).__name__}: {e})") from None
+    return weights.read_params(path, like, jax.devices()[0])
+
+
+def _timed(fn, *args):
+    t0 = time.perf_counter()
+    return fn(*args), time.perf_counter() - t0
 
 
 def load_artifact(folder, dtype: str | None = None, compiled: bool = True, **overrides) -> Artifact:
@@ -229,11 +226,12 @@ def load_artifact(folder, dtype: str | None = None, compiled: bool = True, **ove
                                                              config.max_sample_rows, model.vocab_size))
     t1 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(len(programs) + 1) as pool:
-        params_future = pool.submit(load_params, folder, params_like)  # the weights stream in meanwhile
+        params_future = pool.submit(_timed, load_params, folder, params_like)  # the weights stream in meanwhile
         executables = pool.map(lambda name: (name, load_compiled(folder, meta, name)), programs if compiled else [])
         loaded = {name: executable for name, executable in executables if executable is not None}
         t2 = time.perf_counter()
-        params = params_future.result()
-    seconds = dict(programs=t1 - t0, executables=t2 - t1, params_and_executables=time.perf_counter() - t1)
+        params, params_s = params_future.result()
+    seconds = dict(programs=t1 - t0, executables=t2 - t1, params=params_s,
+                   params_and_executables=time.perf_counter() - t1)
     return Artifact(folder, meta, model, config, cache, meta["engine"]["attention"], ProgramSet(programs, loaded),
                     params, load_tokenizer(folder), seconds)

@@ -84,11 +84,11 @@ def _run_child(source: str, config: dict, cache_dir: str, timeout: float) -> dic
                 load_parts=t["load_parts"], executables_cache=t["executables_cache"])
 
 
-WAYS = ("no-cache", "warm", "artifact")
+WAYS = ("no-cache", "warm", "artifact", "artifact-again")  # artifact-again: a second process on the same one
 
 
 def cold_start(source: str, dtype: str | None, engine_config: dict, workdir: str | None = None,
-               timeout: float = 1800, ways: tuple[str, ...] = WAYS) -> list[dict]:
+               timeout: float = 1800, ways: tuple[str, ...] = WAYS[:3]) -> list[dict]:
     """Time the ways asked (in this order; "warm" reuses the cache "no-cache" filled); one dict per way
     (seconds from process start, and the parts)."""
     unknown = set(ways) - set(WAYS)
@@ -102,15 +102,19 @@ def cold_start(source: str, dtype: str | None, engine_config: dict, workdir: str
             if way in ways:
                 rows.append(dict(way=name, **_run_child(source, config, cache, timeout)))
                 print(CHILD_PREFIX + json.dumps(rows[-1]), flush=True)  # each way as it is measured
-        if "artifact" not in ways:
+        if not {"artifact", "artifact-again"} & set(ways):
             return rows
         artifact = os.path.join(tmp, "artifact")
         _, _, export_s = _child_process(["--export", source, artifact, json.dumps(config)], cache,
                                           timeout)
-        rows.append(dict(way="exported artifact", export_s=export_s,
-                         **_run_child(artifact, {"compile_cache": engine_config.get("compile_cache", True)},
-                                      artifact_cache, timeout)))
-        print(CHILD_PREFIX + json.dumps(rows[-1]), flush=True)
+        t0 = time.time()
+        os.sync()  # an artifact is served long after it was written: none of its pages still being written back
+        sync_s = time.time() - t0
+        for name in ("exported artifact", "artifact again")[:1 + ("artifact-again" in ways)]:
+            rows.append(dict(way=name, export_s=export_s, sync_s=sync_s,
+                             **_run_child(artifact, {"compile_cache": engine_config.get("compile_cache", True)},
+                                          artifact_cache, timeout)))
+            print(CHILD_PREFIX + json.dumps(rows[-1]), flush=True)
     return rows
 
 

@@ -221,7 +221,8 @@ def _register_bench(sub) -> None:
                    help="instead: seconds from process start to the first token in fresh processes, with an empty "
                    "compilation cache, a warm one and an exported artifact")
     p.add_argument("--workdir", help="--cold-start: where the temporary cache and artifact go (default: system temp)")
-    p.add_argument("--ways", default="no-cache,warm,artifact", help="--cold-start: which ways to time")
+    p.add_argument("--ways", default="no-cache,warm,artifact",
+                   help="--cold-start: which ways to time (also artifact-again: a second process on the artifact)")
     p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
                    help="do not use the persistent compilation cache ($GLINT_CACHE_DIR, default ~/.cache/glint)")
     p.set_defaults(func=_cmd_bench)

@@ -1,38 +1,69 @@
-"""How fast do the artifact's weights come back? orbax with and without zstd, each restored in a fresh process.
+"""How fast do an artifact's weights reach the device? Each way restores the same weights, saved by orbax
+uncompressed with OCDBT (params/, what `glint export` wrote before) and without (params-raw/, what it writes
+now), in a fresh process; read-only and npy are ceilings (tensorstore reads alone; memory-mapped .npy files
+copied to the device).
 
-  python tools/gpu_weights_probe.py [PRESET]     (default llama3-8b, random bf16 weights)
+  python tools/gpu_weights_probe.py [PRESET] [--ways a,b,...]    (default llama3-8b, random bf16 weights)
+
+A way ending in @cold first empties the page cache (sync; drop_caches), so it reads from the disk.
 """
+import argparse
 import json
+import os
 import subprocess
 import sys
 import time
 
 RESTORE = """
-import sys, time, json
+import sys, time, json, concurrent.futures
 t0 = time.time()
-import jax, numpy as np, orbax.checkpoint as ocp
-meta = json.load(open(sys.argv[1] + '/shapes.json'))
-dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+import jax, numpy as np
+folder, way = sys.argv[1], sys.argv[2]
+meta = json.load(open(folder + '/shapes.json'))
+dev = jax.devices()[0]
+like = {k: jax.ShapeDtypeStruct(tuple(s), d) for k, (s, d) in meta.items()}
+jax.block_until_ready(jax.device_put(np.zeros(4), dev))  # the GPU client is up before the clock starts
 t1 = time.time()
-if sys.argv[2] == "device":  # what glint does: orbax straight onto the device
+if way == "orbax":  # what glint did before runtime/weights.py: orbax straight onto the device
+    import orbax.checkpoint as ocp
+    sharding = jax.sharding.SingleDeviceSharding(dev)
     with ocp.StandardCheckpointer() as ckpt:
-        out = ckpt.restore(sys.argv[1] + '/params', {k: jax.ShapeDtypeStruct(tuple(s), d, sharding=dev)
-                                                     for k, (s, d) in meta.items()})
-else:  # orbax into host arrays, then one device_put of the whole tree
-    item = {k: np.empty(0) for k in meta}
-    args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in meta}
-    with ocp.PyTreeCheckpointer() as ckpt:
-        host = ckpt.restore(sys.argv[1] + '/params', args=ocp.args.PyTreeRestore(item=item, restore_args=args))
-    t_host = time.time() - t1
-    out = jax.device_put(host, dev)
+        out = ckpt.restore(folder + '/params', {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
+                                                for k, v in like.items()})
+elif way.startswith("glint"):  # glint:THREADS (OCDBT, as glint export wrote before) or glint-raw:THREADS
+    from glint.runtime.weights import read_params
+    params = folder + ('/params-raw' if way.startswith('glint-raw') else '/params')
+    out = read_params(params, like, dev, num_threads=int(way.split(':')[1]))
+elif way == "read-only":  # tensorstore reads into host memory, no device copy
+    import tensorstore as ts
+    from glint.runtime.weights import _spec, stored_names, ts_context
+    _, m = stored_names(__import__('pathlib').Path(folder + '/params'))
+    ctx = ts_context(16)
+    stores = [ts.open(_spec(folder + '/params', k, m), open=True, context=ctx) for k in like]
+    reads = [s.result().read() for s in stores]
+    out = {k: np.asarray(r.result()) for k, r in zip(like, reads)}
+elif way.startswith("npy"):  # npy:THREADS: page-cached .npy files, memory-mapped, copied to the device
+    def put(k):
+        return k, jax.device_put(np.load(f"{folder}/npy/{k}.npy", mmap_mode="r").view(like[k].dtype), dev)
+    with concurrent.futures.ThreadPoolExecutor(int(way.split(':')[1])) as pool:
+        out = dict(pool.map(put, like))
 jax.block_until_ready(out)
-print(json.dumps(dict(way=sys.argv[2], import_s=t1 - t0, restore_s=time.time() - t1,
-                      gb=sum(x.nbytes for x in out.values()) / 1e9)))
+gb = sum(x.nbytes for x in out.values()) / 1e9
+print(json.dumps(dict(way=way, import_s=round(t1 - t0, 2), restore_s=round(time.time() - t1, 2), gb=round(gb, 2),
+                      gb_per_s=round(gb / (time.time() - t1), 2))))
 """
+
+WAYS = "orbax,glint:16,glint-raw:16,read-only,orbax@cold,glint:16@cold,glint-raw:16@cold"
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("preset", nargs="?", default="llama3-8b")
+    parser.add_argument("--ways", default=WAYS)
+    parser.add_argument("--folder", default="/tmp/weights-probe")
+    args = parser.parse_args()
     import jax
+    import numpy as np
     import orbax.checkpoint as ocp
 
     from glint.export.checkpoint import flatten
@@ -40,27 +71,47 @@ def main():
     from glint.model.presets import preset
     from glint.runtime.loading import random_params
 
-    cfg = preset(sys.argv[1] if len(sys.argv) > 1 else "llama3-8b")
+    cfg = preset(args.preset)
     params = flatten(random_params(transformer.split(transformer.abstract_model(cfg))[1]))
     jax.block_until_ready(params)
-    shapes = {k: (list(v.shape), str(v.dtype)) for k, v in params.items()}
+    folder = args.folder
+    t0 = time.time()
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)) as ckpt:  # as glint export saves
+        ckpt.save(folder + "/params", args=ocp.args.PyTreeSave(params))
+    print(f"saved in {time.time() - t0:.1f} s", flush=True)
+    t0 = time.time()
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False, use_ocdbt=False)) as ckpt:  # as now
+        ckpt.save(folder + "/params-raw", args=ocp.args.PyTreeSave(params))
+    print(f"saved without OCDBT in {time.time() - t0:.1f} s", flush=True)
+    json.dump({k: (list(v.shape), str(v.dtype)) for k, v in params.items()}, open(folder + "/shapes.json", "w"))
+    if any(w.startswith("npy") for w in args.ways.split(",")):
+        os.makedirs(folder + "/npy", exist_ok=True)
+        for k, v in params.items():
+            np.save(f"{folder}/npy/{k}.npy", np.asarray(v))
+    del params
+    t0 = time.time()
+    os.sync()  # no page still being written back while the ways read
+    print(f"sync {time.time() - t0:.1f} s", flush=True)
     rows = []
-    for name, compression in (("zstd (orbax default)", True), ("no compression", False)):
-        folder = f"/tmp/weights-{int(compression)}"
-        t0 = time.time()
-        handler = ocp.PyTreeCheckpointHandler(use_compression=compression)
-        with ocp.Checkpointer(handler) as ckpt:
-            ckpt.save(folder + "/params", args=ocp.args.PyTreeSave(params))
-        save_s = time.time() - t0
-        json.dump(shapes, open(folder + "/shapes.json", "w"))
-        du = subprocess.run(["du", "-sh", folder], capture_output=True, text=True).stdout.split()[0]
-        for way in ("device", "host"):
-            proc = subprocess.run([sys.executable, "-c", RESTORE, folder, way], capture_output=True, text=True)
-            r = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {"error": proc.stderr[-800:]}
-            rows.append((name, f"{save_s:.1f}", du, r))
-            print(rows[-1], flush=True)
+    for way in args.ways.split(","):
+        cold = way.endswith("@cold")
+        if cold:  # from the disk: the page cache emptied first (root on the GPU machine)
+            way = way.removesuffix("@cold")
+            try:
+                os.sync()
+                with open("/proc/sys/vm/drop_caches", "w") as f:
+                    f.write("3\n")
+            except OSError as e:
+                print(f"drop_caches refused ({e}); {way} reads from the page cache", flush=True)
+        proc = subprocess.run([sys.executable, "-c", RESTORE, folder, way], capture_output=True, text=True)
+        row = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else \
+            {"way": way, "error": proc.stderr[-600:]}
+        row["way"] += " (disk)" if cold else ""
+        rows.append(row)
+        print(row, flush=True)
+    print("way | restore s | GB | GB/s")
     for r in rows:
-        print(" | ".join(map(str, r)))
+        print(f"{r['way']} | {r.get('restore_s')} | {r.get('gb')} | {r.get('gb_per_s')}")
 
 
 if __name__ == "__main__":
