@@ -12,6 +12,7 @@ from glint.runtime.engine import Engine
 from glint.runtime.params import SamplingParams
 
 LLAMA = HF_FIXTURES / "llama"
+VOCAB = json.loads((LLAMA / "config.json").read_text())["vocab_size"]
 SMALL = ["--max-seqs", "4", "--page-size", "8", "--max-step-tokens", "64", "--num-pages", "64", "--capacity", "128"]
 
 
@@ -45,8 +46,8 @@ def test_generate_streams_tokens(capsys):
 
 
 def test_bad_cli_input_is_a_clear_error(capsys):
-    assert main(["generate", str(LLAMA), "--prompt-ids", "1 2 99999", "--max-tokens", "4", *SMALL]) == 2
-    assert "token id 99999 is outside the vocabulary [0, 320)" in capsys.readouterr().err
+    assert main(["generate", str(LLAMA), "--prompt-ids", f"1 2 {VOCAB}", "--max-tokens", "4", *SMALL]) == 2
+    assert f"token id {VOCAB} is outside the vocabulary [0, {VOCAB})" in capsys.readouterr().err
     assert main(["info", "no-such-model"]) == 2
 
 
@@ -54,7 +55,7 @@ def test_text_prompts_through_the_tokenizer(tmp_path):
     """A checkpoint with tokenizer.json takes text and returns text; conversion carries the tokenizer along."""
     hf = tmp_path / "hf"
     shutil.copytree(LLAMA, hf)
-    vocab = {f"w{i}": i for i in range(320)}
+    vocab = {f"w{i}": i for i in range(VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(hf / "tokenizer.json"))

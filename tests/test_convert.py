@@ -10,6 +10,8 @@ from safetensors.numpy import load_file, save_file
 from glint.export.checkpoint import convert, load_checkpoint
 
 LLAMA = HF_FIXTURES / "llama"
+CONFIG = json.loads((LLAMA / "config.json").read_text())
+LAST = CONFIG["num_hidden_layers"] - 1
 
 
 @pytest.fixture
@@ -27,20 +29,24 @@ def broken(tmp_path):
 
 
 def test_missing_tensor(broken):
-    d = broken(lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(ValueError, match=r"missing \['model.layers.1.mlp.up_proj.weight'\]"):
+    d = broken(lambda t: t.pop(f"model.layers.{LAST}.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=rf"missing \['model.layers.{LAST}.mlp.up_proj.weight'\]"):
         load_checkpoint(d)
 
 
 def test_extra_tensor(broken):
-    d = broken(lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": np.ones(64, np.float32)}))
+    bias = np.ones(CONFIG["num_attention_heads"] * CONFIG["head_dim"], np.float32)
+    d = broken(lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": bias}))
     with pytest.raises(ValueError, match=r"unknown \['model.layers.0.self_attn.q_proj.bias'\]"):
         convert(d, d.parent / "out", show_progress=False)
 
 
 def test_wrong_shape(broken):
-    d = broken(lambda t: t.update({"model.layers.2.self_attn.k_proj.weight": np.ones((16, 64), np.float32)}))
-    with pytest.raises(ValueError, match=r"k_proj.weight: stored \(16, 64\), expected \(32, 64\)"):
+    name = f"model.layers.{LAST}.self_attn.k_proj.weight"
+    rows, cols = load_file(LLAMA / "model.safetensors")[name].shape
+    d = broken(lambda t: t.update({name: np.ones((rows // 2, cols), np.float32)}))
+    expected = rf"k_proj.weight: stored \({rows // 2}, {cols}\), expected \({rows}, {cols}\)"
+    with pytest.raises(ValueError, match=expected):
         load_checkpoint(d)
 
 

@@ -16,20 +16,33 @@ from glint.pallas_kernels import varlen_attention_mgpu as mg
 
 def test_tiles_and_gather_put_every_row_back():
     seq_info = jnp.array([[5, 300, 0, 400], [0, 0, 1, 3], [305, 1, 2, 50], [310, 129, 1, 129]], jnp.int32)
-    num_rows, tile_rows = 450, 128
-    tiles, first = mg._tiles(seq_info, tile_rows, 12)
-    tiles, first = np.asarray(tiles), np.asarray(first)
+    tiles, _ = mg._tiles(seq_info, 128, 12)
+    tiles = np.asarray(tiles)
     # Tiles start 8-aligned in the packed rows: segment 0 (q_start 5) needs ceil((300 + 5) / 128) = 3.
     assert tiles[:6].tolist() == [[0, 0], [0, 1], [0, 2], [2, 0], [3, 0], [3, 1]]
     assert (tiles[6:, 0] == -1).all()
-    pad = jnp.arange(12 * tile_rows, dtype=jnp.float32)[:, None, None] * jnp.ones((1, 2, 3))
-    got = np.asarray(mg._gather_rows(pad, seq_info, jnp.asarray(first), tile_rows, num_rows))
-    want = np.zeros(num_rows)
-    for s, (q_start, q_len, _, _) in enumerate(np.asarray(seq_info)):
-        for i in range(q_len):
-            # Tile k of a segment starts at its row k * tile_rows - q_start % 8.
-            want[q_start + i] = first[s] * tile_rows + i + q_start % 8
-    np.testing.assert_array_equal(got[:, 1, 2], want)
+    rng = np.random.default_rng(3)
+    for trial in range(30):  # random layouts: gaps, empty segments, starts at every residue mod 8
+        tile_rows, num_segments = int(rng.choice([16, 64, 128])), int(rng.integers(1, 9))
+        lengths = rng.integers(0, 3 * tile_rows, num_segments) * (rng.random(num_segments) > 0.2)
+        starts = np.cumsum(rng.integers(0, 9, num_segments)) + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        num_rows = int(starts[-1] + lengths[-1] + rng.integers(0, 5))
+        info = np.stack([starts, lengths, np.zeros_like(lengths), lengths], 1).astype(np.int32)
+        num_tiles = mg.max_tiles(num_rows, num_segments, tile_rows)
+        tiles, first = (np.asarray(x) for x in mg._tiles(jnp.asarray(info), tile_rows, num_tiles))
+        # What a tile holds, by the kernel's contract: tile k of segment s is the tile_rows packed rows from
+        # s's start rounded down to 8, plus k * tile_rows. Label each row of the padded output with its row.
+        labels = np.full((num_tiles, tile_rows), -1.0, np.float32)
+        for i, (s, k) in enumerate(tiles):
+            if s >= 0:
+                labels[i] = starts[s] - starts[s] % 8 + k * tile_rows + np.arange(tile_rows)
+        pad = jnp.asarray(labels.reshape(-1))[:, None, None] * jnp.ones((1, 2, 3))
+        got = np.asarray(mg._gather_rows(pad, jnp.asarray(info), jnp.asarray(first), tile_rows, num_rows))[:, 1, 2]
+        own = np.zeros(num_rows, bool)
+        for start, q_len in zip(starts, lengths):
+            own[start:start + q_len] = True
+        np.testing.assert_array_equal(got[own], np.flatnonzero(own), err_msg=f"trial {trial}")  # every row itself
+        assert (got[~own] == 0).all()  # rows of no segment come back zero
 
 
 def test_max_tiles_covers_every_layout():
