@@ -46,6 +46,8 @@ class CacheConfig:
         are 1..num_pages-1).
       max_seqs: concurrent sequences (ids and page-table rows 0..max_seqs-1).
       max_write: most tokens one step writes (all sequences together).
+      max_seq_write: most tokens one sequence writes in one step (default max_write); ring
+        layers hold window + max_seq_write - 1 rows per sequence.
       capacity: most positions one sequence may hold.
       windows: per layer, 0 for full attention (flat), W > 0 for a sliding window
         of W keys (ring storage).
@@ -64,6 +66,7 @@ class CacheConfig:
     kv_heads: int | tuple[int, ...]
     head_dim: int | tuple[int, ...]
     dtype: str = "bfloat16"
+    max_seq_write: int | None = None
     # Derived in __post_init__.
     group_windows: tuple[int, ...] = dataclasses.field(init=False)
     layer_group: tuple[int, ...] = dataclasses.field(init=False)
@@ -73,6 +76,11 @@ class CacheConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} = {value!r}, must be an int >= 1")
+        if self.max_seq_write is None:
+            object.__setattr__(self, "max_seq_write", self.max_write)
+        if not isinstance(self.max_seq_write, int) or not 1 <= self.max_seq_write <= self.max_write:
+            raise ValueError(f"max_seq_write = {self.max_seq_write!r}, must be an int in [1, max_write = "
+                             f"{self.max_write}]")
         if not isinstance(self.num_pages, int) or self.num_pages < 2:
             raise ValueError(f"num_pages = {self.num_pages!r}, must be an int >= 2 (scratch page 0 + 1)")
         if self.num_pages * self.page_size > MAX_SLOTS:
@@ -116,13 +124,13 @@ class CacheConfig:
     def group_ring_rows(self, group: int) -> int | None:
         """Rows a ring group stores per sequence (None for a flat group).
 
-        The extra `max_write - 1` rows keep one step's writes from overwriting
-        keys that earlier queries of the same step still need.
+        The extra `max_seq_write - 1` rows keep a sequence's writes in one step
+        from overwriting keys that its earlier queries of the same step still need.
         """
         window = self.group_windows[group]
         if window == 0:
             return None
-        return min(self.capacity, window + self.max_write - 1)
+        return min(self.capacity, window + self.max_seq_write - 1)
 
     def group_rows(self, group: int) -> int:
         """Rows a sequence may hold in `group`: capacity (flat) or ring_rows."""

@@ -385,7 +385,12 @@ class BatchControl:
         seqs = ids[starts]
         if len(np.unique(seqs)) != len(seqs):
             raise ValueError(f"declare_step: a sequence's tokens are not one contiguous run: {ids.tolist()}")
-        return seqs, starts, np.diff(np.append(starts, num_tokens))
+        q_lens = np.diff(np.append(starts, num_tokens))
+        if q_lens.max() > self.config.max_seq_write:
+            i = int(np.argmax(q_lens))
+            raise ValueError(f"declare_step: sequence {int(seqs[i])} writes {int(q_lens[i])} tokens, more than "
+                             f"max_seq_write = {self.config.max_seq_write}")
+        return seqs, starts, q_lens
 
     def _above_ring_floor(self, seq: int, length: int) -> bool:
         """Whether every ring group still stores the window a query at `length` sees."""

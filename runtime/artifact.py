@@ -39,7 +39,7 @@ PROGRAM_ABI = 2  # 2: kv_init
 PARAMS_DIR = "params"
 # EngineConfig fields the programs are built for: a caller may repeat them, not change them.
 GEOMETRY_FIELDS = ("max_seqs", "page_size", "max_step_tokens", "forward_sizes", "max_sample_rows", "num_pages",
-                   "capacity")
+                   "capacity", "max_prefill_chunk")
 MOSAIC_GPU_CALL = "mosaic_gpu_v2"
 
 
@@ -118,6 +118,7 @@ def engine_config(meta: dict, folder: pathlib.Path, overrides: dict) -> EngineCo
     """The exported EngineConfig with the caller's overrides, which may not change the geometry."""
     exported = dict(meta["engine"])
     exported["forward_sizes"] = tuple(exported["forward_sizes"])
+    exported.setdefault("max_prefill_chunk", exported["max_step_tokens"])  # artifacts from before the limit
     for name in GEOMETRY_FIELDS:
         if name in overrides and overrides[name] is not None:
             asked = tuple(sorted(set(overrides[name]))) if name == "forward_sizes" else overrides[name]
@@ -134,7 +135,8 @@ def engine_config(meta: dict, folder: pathlib.Path, overrides: dict) -> EngineCo
 def cache_config(meta: dict) -> CacheConfig:
     c = meta["cache"]
     return CacheConfig(page_size=c["page_size"], num_pages=c["num_pages"], max_seqs=c["max_seqs"],
-                       max_write=c["max_write"], capacity=c["capacity"], windows=tuple(c["windows"]),
+                       max_write=c["max_write"], max_seq_write=c.get("max_seq_write", c["max_write"]),
+                       capacity=c["capacity"], windows=tuple(c["windows"]),
                        kv_heads=tuple(c["kv_heads"]), head_dim=tuple(c["head_dim"]), dtype=c["dtype"])
 
 

@@ -93,7 +93,7 @@ class StepBench:
             for seq in seqs:  # fill the host bookkeeping as if the context had been prefilled
                 done = 0
                 while done < context:
-                    n = min(context - done, eng.cache.max_write)
+                    n = min(context - done, eng.cache.max_seq_write)
                     if not control.declare_step([seq] * n):
                         raise ValueError(f"the KV pool cannot hold batch {batch} x context {context}")
                     control.prepare_step()
@@ -221,8 +221,9 @@ def run_bench(args) -> dict:
     compile_s = {w: times.get(forward_name(w), 0.0) for w in engine.config.buckets}
     result["compile_s"] = compile_s
     bench = StepBench(engine, bandwidth)
-    buckets = [bench.time_step(min(w, engine.config.max_seqs), args.prompt_len,
-                               max(1, w // min(w, engine.config.max_seqs)), args.repeats)
+    buckets = [bench.time_step(min(w, engine.config.max_seqs), args.prompt_len,  # one chunk per sequence at most
+                               min(max(1, w // min(w, engine.config.max_seqs)), engine.config.max_prefill_chunk),
+                               args.repeats)
                for w in track(engine.config.buckets, description="buckets", console=console)]
     result["buckets"] = [dataclasses.asdict(t) | {"compile_s": compile_s[t.width]} for t in buckets]
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else [args.prompt_len + args.gen_len // 2]

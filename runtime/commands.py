@@ -25,6 +25,9 @@ def _engine_args(p) -> None:
     p.add_argument("--max-seqs", type=int, help=f"sequences served at once (default {C.max_seqs})")
     p.add_argument("--page-size", type=int, help=f"KV rows per page (default {C.page_size})")
     p.add_argument("--max-step-tokens", type=int, help=f"widest step (default {C.max_step_tokens})")
+    p.add_argument("--max-prefill-chunk", type=int, help="most prompt tokens a sequence feeds per step (default: "
+                   "512 for models with sliding-window layers, whose ring holds window + chunk - 1 rows per "
+                   "sequence; else --max-step-tokens)")
     p.add_argument("--num-pages", type=int, help=f"KV pool pages (default: {C.memory_fraction} of free memory)")
     p.add_argument("--capacity", type=int, help="most positions per sequence (default: the model's context, "
                    "at most 32768)")
@@ -41,7 +44,7 @@ def _engine_args(p) -> None:
 
 def _engine_config(args) -> dict:
     """The engine settings given on the command line (the rest keep EngineConfig's or the artifact's)."""
-    names = ("max_seqs", "page_size", "max_step_tokens", "num_pages", "capacity", "attention")
+    names = ("max_seqs", "page_size", "max_step_tokens", "max_prefill_chunk", "num_pages", "capacity", "attention")
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     for flag in ("allow_long_context", "deterministic"):
         if getattr(args, flag):

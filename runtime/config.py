@@ -1,9 +1,11 @@
 """Engine configuration."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 ATTENTION_IMPLS = ("auto", "pallas", "reference", "interpret")
+WINDOWED_PREFILL_CHUNK = 512  # the default max_prefill_chunk of models with sliding-window layers
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,9 @@ class EngineConfig:
     forward_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     max_sample_rows: int | None = None  # rows of logits a step returns; default max_seqs
     min_prefill_chunk: int = 16
+    # Most prompt tokens one sequence feeds per step. Sliding-window layers keep window + this - 1 rows per
+    # sequence (a ring), so the default is 512 for models that have them, max_step_tokens otherwise.
+    max_prefill_chunk: int | None = None
     num_pages: int | None = None
     memory_fraction: float = 0.9
     capacity: int | None = None
@@ -53,6 +58,11 @@ class EngineConfig:
             why = " (deterministic runs every step at the widest forward size)" if self.deterministic else ""
             raise ValueError(f"min_prefill_chunk {self.min_prefill_chunk} exceeds max_step_tokens "
                              f"{self.max_step_tokens}{why}")
+        chunk = self.max_prefill_chunk
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool)
+                                  or not self.min_prefill_chunk <= chunk <= self.max_step_tokens):
+            raise ValueError(f"max_prefill_chunk must be an int in [min_prefill_chunk {self.min_prefill_chunk}, "
+                             f"max_step_tokens {self.max_step_tokens}], got {chunk!r}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.num_pages is not None and self.num_pages < 2:
@@ -65,6 +75,14 @@ class EngineConfig:
             raise ValueError(f"compile_cache must be a bool, got {self.compile_cache!r}")
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention {self.attention!r} is not one of {ATTENTION_IMPLS}")
+
+    def for_model(self, windows) -> EngineConfig:
+        """This config with max_prefill_chunk resolved for a model whose layers have these windows."""
+        if self.max_prefill_chunk is not None:
+            return self
+        chunk = max(min(WINDOWED_PREFILL_CHUNK, self.max_step_tokens), self.min_prefill_chunk) if any(windows) \
+            else self.max_step_tokens
+        return dataclasses.replace(self, max_prefill_chunk=chunk)
 
     @property
     def buckets(self) -> tuple[int, ...]:

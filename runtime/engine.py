@@ -30,8 +30,9 @@ def cache_config_for(model, config: EngineConfig) -> CacheConfig:
                          "to serve beyond it anyway")
     capacity = config.capacity or min(model.max_position_embeddings, DEFAULT_MAX_CAPACITY)
     fields = dict(page_size=config.page_size, max_seqs=config.max_seqs, max_write=config.buckets[-1],
-                  capacity=capacity, windows=model.layer_windows, kv_heads=model.num_kv_heads,
-                  head_dim=model.head_dim, dtype=model.dtype)
+                  max_seq_write=config.for_model(model.layer_windows).max_prefill_chunk, capacity=capacity,
+                  windows=model.layer_windows, kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                  dtype=model.dtype)
     num_pages = config.num_pages or default_num_pages(CacheConfig(num_pages=2, **fields), config.memory_fraction)
     return CacheConfig(num_pages=num_pages, **fields)
 
@@ -81,7 +82,7 @@ class Engine:
         from glint.export.checkpoint import flatten
         from glint.runtime.step import live_programs
 
-        config = config or EngineConfig()
+        config = (config or EngineConfig()).for_model(model.layer_windows)
         compile_cache.configure(config.compile_cache)
         impl = config.attention
         if impl == "auto":

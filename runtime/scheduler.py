@@ -22,7 +22,8 @@ class Scheduler:
     """Continuous batching: decode tokens of running requests first, then prefill chunks, then admissions.
 
     A step holds at most `max_step_tokens` tokens and `max_sample_rows` sampled rows; a prefill chunk
-    is at least `min_prefill_chunk` tokens unless less of the prompt is left.
+    is at least `min_prefill_chunk` tokens unless less of the prompt is left, and at most
+    `max_prefill_chunk` (resolved by `EngineConfig.for_model`).
     """
 
     def __init__(self, config: EngineConfig, control: BatchControl):
@@ -64,7 +65,7 @@ class Scheduler:
         if len(req.generated) >= req.params.max_tokens:
             return None  # its last token is still in flight
         pending = req.num_pending
-        count = min(pending, budget)
+        count = min(pending, budget, self.config.max_prefill_chunk)
         if count < min(pending, self.config.min_prefill_chunk):
             return None
         samples = 1 + req.num_children if count == pending else 0

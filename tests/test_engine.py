@@ -38,6 +38,40 @@ def test_fixture_greedy_matches_transformers(hf_fixture):
     assert all(engine.control.pages_in_use(g) == 0 for g in range(engine.cache.num_groups))
 
 
+def test_prefill_in_small_chunks_keeps_transformers_tokens(hf_fixture):
+    """A per-sequence chunk limit shrinks the sliding-window rings to window + chunk - 1 rows; prompts then
+    prefill over many steps (control refuses any step that writes more of one sequence) and still give
+    transformers' tokens."""
+    ref = json.loads((hf_fixture / "reference.json").read_text())["cases"]
+    chunk = 5
+    engine = Engine.from_pretrained(str(hf_fixture), dtype="float32", **dict(SMALL, min_prefill_chunk=2,
+                                                                                 max_prefill_chunk=chunk))
+    cache = engine.cache
+    assert cache.max_seq_write == chunk and cache.max_write == SMALL["max_step_tokens"]
+    for g, window in enumerate(cache.group_windows):
+        assert cache.group_ring_rows(g) == (min(cache.capacity, window + chunk - 1) if window else None)
+    outs = engine.generate([c["prompt"] for c in ref], GREEDY)
+    checked = 0
+    for case, out in zip(ref, outs):
+        if case["greedy_min_gap"] >= 1e-3:
+            assert out.token_ids == case["greedy"]
+            checked += 1
+    assert checked >= 1 and engine.stats.fed_tokens >= sum(len(c["prompt"]) for c in ref)
+
+
+def test_default_prefill_chunk_follows_the_windows():
+    from glint.runtime.config import WINDOWED_PREFILL_CHUNK, EngineConfig
+
+    config = EngineConfig(max_step_tokens=4096)
+    assert config.for_model((0, 0)).max_prefill_chunk == 4096  # no ring: whole prompts per step as before
+    assert config.for_model((0, 128)).max_prefill_chunk == WINDOWED_PREFILL_CHUNK
+    assert EngineConfig(max_step_tokens=64).for_model((0, 128)).max_prefill_chunk == 64
+    assert EngineConfig(max_prefill_chunk=1024).for_model((0, 128)).max_prefill_chunk == 1024
+    with pytest.raises(ValueError, match=r"max_prefill_chunk must be an int in \[min_prefill_chunk 16, "
+                                         r"max_step_tokens 4096\], got 8"):
+        EngineConfig(max_prefill_chunk=8)
+
+
 def test_stories260k_200_greedy_tokens():
     ref = json.loads((STORIES / "reference.json").read_text())["cases"][0]
     engine = Engine.from_pretrained(str(STORIES), dtype="float32", **SMALL)

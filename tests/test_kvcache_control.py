@@ -119,14 +119,15 @@ class KVControlMachine(RuleBasedStateMachine):
         windows=st.sampled_from([(0, 8, 0, 8), (0,), (5,), (0, 3, 8), (8, 8)]),
         page_size=st.sampled_from([1, 2, 4]),
         max_write=st.integers(4, 8),
+        max_seq_write=st.integers(1, 8),  # a per-sequence limit below max_write shrinks the rings
         capacity=st.sampled_from([24, 64]),
         num_pages=st.integers(6, 48),
         max_seqs=st.integers(1, 5),
     )
-    def setup(self, windows, page_size, max_write, capacity, num_pages, max_seqs):
+    def setup(self, windows, page_size, max_write, max_seq_write, capacity, num_pages, max_seqs):
         self.cfg = make_config(
-            windows=windows, page_size=page_size, max_write=max_write, capacity=capacity,
-            num_pages=num_pages, max_seqs=max_seqs,
+            windows=windows, page_size=page_size, max_write=max_write, max_seq_write=min(max_seq_write, max_write),
+            capacity=capacity, num_pages=num_pages, max_seqs=max_seqs,
         )
         self.control = BatchControl(self.cfg)
         self.device = Device(self.cfg)
@@ -198,7 +199,7 @@ class KVControlMachine(RuleBasedStateMachine):
         for seq in order:
             if budget == 0:
                 break
-            q_len = data.draw(st.integers(1, budget))
+            q_len = data.draw(st.integers(1, min(budget, cfg.max_seq_write)))
             budget -= q_len
             runs.append((seq, q_len))
         seq_ids = [seq for seq, q_len in runs for _ in range(q_len)]
@@ -248,7 +249,7 @@ class KVControlMachine(RuleBasedStateMachine):
         seq = self._pick(data)
         model = self.seqs[seq]
         for _ in range(num_steps):
-            q_len = min(self.cfg.max_write, self.cfg.capacity - len(model["tags"]))
+            q_len = min(self.cfg.max_seq_write, self.cfg.capacity - len(model["tags"]))
             if q_len == 0 or not self.control.declare_step([seq] * q_len):
                 return
             tags = self.device.run(self.control.prepare_step(), self.control)
@@ -542,3 +543,19 @@ def test_misuse_raises_with_value():
         control.can_admit(-1)
     assert control.seq_new() is None  # refusal, not misuse
     control.abort_step()
+
+
+def test_per_sequence_write_limit_shrinks_the_ring_and_is_enforced():
+    window, max_write, max_seq_write = 8, 16, 4
+    cfg = make_config(windows=(0, window), max_write=max_write, max_seq_write=max_seq_write, max_seqs=3)
+    assert cfg.group_ring_rows(1) == window + max_seq_write - 1 < make_config(
+        windows=(0, window), max_write=max_write).group_ring_rows(1) == window + max_write - 1
+    control = BatchControl(cfg)
+    a, b, c = control.seq_new(), control.seq_new(), control.seq_new()
+    with pytest.raises(ValueError, match=rf"sequence {b} writes {max_seq_write + 1} tokens, more than "
+                                         rf"max_seq_write = {max_seq_write}"):
+        control.declare_step([a] * max_seq_write + [b] * (max_seq_write + 1))
+    assert control.declare_step([a] * max_seq_write + [b] * max_seq_write + [c] * max_seq_write)  # the step may
+    control.abort_step()  # still be wider than one sequence's limit
+    with pytest.raises(ValueError, match=rf"max_seq_write = {max_write + 1!r}, must be an int in \[1, max_write"):
+        make_config(max_write=max_write, max_seq_write=max_write + 1)
