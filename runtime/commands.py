@@ -65,9 +65,9 @@ def _cmd_generate(args) -> int:
     rid = engine.add_request(prompt, params)
     stream = None
     if engine.tokenizer is not None:  # text as whole characters: a multi-byte one may span several tokens
-        from tokenizers.decoders import DecodeStream
+        from glint.runtime.textstream import TextStream
 
-        stream = DecodeStream(skip_special_tokens=True)  # as the final text is decoded
+        stream = TextStream(engine.tokenizer)  # what glint serve streams, special tokens skipped as in the text
     printed = ""
     while engine.has_unfinished():
         engine.step()
@@ -76,7 +76,7 @@ def _cmd_generate(args) -> int:
             if stream is None:
                 text = " ".join(map(str, tokens)) + " "
             else:
-                text = "".join(piece for t in tokens if (piece := stream.step(engine.tokenizer, t)) is not None)
+                text = stream.push(tokens)
             printed += text
             sys.stdout.write(text)
             sys.stdout.flush()
@@ -92,6 +92,24 @@ def _cmd_generate(args) -> int:
             print(f"[{i}] {c.text if c.text is not None else ' '.join(map(str, c.token_ids))} ({c.finish_reason})")
     else:
         print(f"\n[{out.finish_reason}]")
+    return 0
+
+
+def _cmd_serve(args) -> int:
+    import os
+    import pathlib
+
+    from glint.runtime.engine import Engine
+    from glint.runtime.server import load_chat_template, serve
+
+    api_key = args.api_key or os.environ.get("GLINT_API_KEY") or None
+    name = args.served_model_name or pathlib.Path(args.model).name
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, **_engine_config(args))
+    chat = load_chat_template(args.model) if pathlib.Path(args.model).is_dir() else None
+    engine.warmup(progress=sys.stderr.isatty())  # every program compiled before the first request
+    print(f"glint: serving {name} on http://{args.host}:{args.port}"
+          f"{' (API key required)' if api_key else ''}", flush=True)
+    serve(engine, name, host=args.host, port=args.port, api_key=api_key, chat=chat)
     return 0
 
 
@@ -180,6 +198,16 @@ def register(sub) -> None:
     _engine_args(p)
     p.set_defaults(func=_cmd_generate)
 
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming)",
+                       formatter_class=Help)
+    p.add_argument("model", help="HF folder, orbax folder, exported artifact or preset name")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ (default: $GLINT_API_KEY)")
+    p.add_argument("--served-model-name", help="the model name clients send (default: the folder's name)")
+    _engine_args(p)
+    p.set_defaults(func=_cmd_serve)
+
     p = sub.add_parser("demo", help="the built-in default job: 64 random requests on the demo model",
                        formatter_class=Help)
     p.add_argument("--model", default="demo", help="preset name or checkpoint folder")
@@ -192,6 +220,14 @@ def register(sub) -> None:
 
 
 def _cmd_bench(args) -> int:
+    if args.server:
+        import os
+
+        from glint.runtime.loadgen import run_server_bench
+
+        args.api_key = args.api_key or os.environ.get("GLINT_API_KEY")
+        result = run_server_bench(args)
+        return 0 if result["completed"] == args.requests else 1
     from glint.runtime.bench import run_bench
 
     run_bench(args)
@@ -228,4 +264,8 @@ def _register_bench(sub) -> None:
                    help="--cold-start: which ways to time (also artifact-again: a second process on the artifact)")
     p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
                    help="do not use the persistent compilation cache ($GLINT_CACHE_DIR, default ~/.cache/glint)")
+    p.add_argument("--server", help="instead: load a running OpenAI-compatible server at this URL (MODEL is the "
+                   "served model name): --requests streaming completions of --prompt-len -> --gen-len tokens")
+    p.add_argument("--concurrency", type=int, default=0, help="--server: requests in flight at most (0: all)")
+    p.add_argument("--api-key", help="--server: the server's API key (default: $GLINT_API_KEY)")
     p.set_defaults(func=_cmd_bench)

@@ -185,21 +185,48 @@ class Engine:
             if req.status is not Status.FINISHED:
                 self._finish(req, "abort")
 
+    def stop_completion(self, rid: int, index: int) -> None:
+        """Finish completion `index` of request `rid` now (as a stop); its siblings go on."""
+        completions = [self._request(rid), *self._children[rid]]
+        if not 0 <= index < len(completions):
+            raise ValueError(f"request {rid} has {len(completions)} completions so far; no completion {index}")
+        req = completions[index]
+        if index == 0 and req.num_children:  # its siblings are not spawned yet: they need the parent's prompt
+            raise ValueError(f"completion 0 of request {rid} cannot stop before its siblings exist")
+        if req.status is not Status.FINISHED:
+            self._finish(req, "stop")
+
     def has_unfinished(self) -> bool:
         """Whether `step()` has more to do or to return: requests to run, tokens in flight or not yet returned."""
         in_flight = [s for step in (self._unread, self._inflight) if step is not None for s in step.sampled]
         return (self.scheduler.has_work() or bool(self._undelivered)
                 or any(s.req.status is not Status.FINISHED for s in in_flight))
 
-    def output(self, rid: int) -> RequestOutput:
-        """Everything request `rid` has generated so far (its n completions), with finish reasons."""
+    def output(self, rid: int, text: bool = True) -> RequestOutput:
+        """Everything request `rid` has generated so far (its n completions), with finish reasons (and their
+        text when the checkpoint has a tokenizer and `text`)."""
         req = self._request(rid)
         outs = []
         for r in [req, *self._children[rid]]:
             tokens = r.known_tokens
-            outs.append(Completion(tokens, r.finish_reason, self._decode(tokens),
+            outs.append(Completion(tokens, r.finish_reason, self._decode(tokens) if text else None,
                                    r.logprobs if r.params.logprobs else None))
         return RequestOutput(rid, req.prompt, outs)
+
+    def is_finished(self, rid: int) -> bool:
+        """Whether request `rid` and all its n completions are done (then `release` may forget it)."""
+        self._request(rid)
+        return self._is_done(rid)
+
+    def logprobs_since(self, rid: int, starts: Sequence[int]) -> list[list[dict[int, float]]]:
+        """Per completion of `rid`, the logprobs of its tokens from `starts[i]` to what `new_tokens` handed out."""
+        req = self._request(rid)
+        completions = [req, *self._children[rid]]
+        out = []
+        for i, start in enumerate(starts):
+            r = completions[i] if i < len(completions) else None  # an n > 1 completion not yet begun
+            out.append(r.logprobs[start:r.num_read] if r is not None and r.params.logprobs else [])
+        return out
 
     def new_tokens(self, rid: int) -> list[list[int]]:
         """Tokens each completion of request `rid` gained since the last call: a list of n lists, completion i

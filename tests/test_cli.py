@@ -20,7 +20,7 @@ def reference_case():
     return json.loads((LLAMA / "reference.json").read_text())["cases"][0]
 
 
-@pytest.mark.parametrize("command", ["convert", "info", "generate", "demo", "bench"])
+@pytest.mark.parametrize("command", ["convert", "info", "generate", "demo", "bench", "serve", "export"])
 def test_every_subcommand_has_help(command, capsys):
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args([command, "--help"])

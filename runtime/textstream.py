@@ -1,0 +1,75 @@
+"""Token ids in, text out: whole characters only, and stop strings matched across token boundaries.
+
+One `TextStream` per completion. Text comes from the tokenizer's streaming decoder (`tokenizers`'
+DecodeStream), which never splits a multi-byte character; text that could still be the start of a stop
+string is held back until the next tokens tell. `glint generate` and `glint serve` both stream through it.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class TextStream:
+    """`push(token_ids)` -> the text that is safe to show now; `finish()` -> the text held back at the end.
+
+    After a stop string appears, `stopped` is True, the text before it has been returned, and the stop string and
+    everything after it are dropped; `num_tokens` counts the tokens pushed up to and including the one that
+    completed the stop string.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True):
+        from tokenizers.decoders import DecodeStream
+
+        if isinstance(stop, str):
+            stop = (stop,)
+        self.stop = tuple(s for s in stop if s)
+        self._tokenizer = tokenizer
+        self._decoder = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._skip_special_tokens = skip_special_tokens
+        self._held = ""  # decoded, not yet returned: it may begin a stop string
+        self._ids: list[int] = []
+        self._returned = 0  # characters returned so far
+        self.stopped = False
+        self.num_tokens = 0
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        out = []
+        for token in token_ids:
+            if self.stopped:
+                break
+            self.num_tokens += 1
+            self._ids.append(int(token))
+            piece = self._decoder.step(self._tokenizer, int(token))
+            if not piece:
+                continue
+            self._held += piece
+            hits = [i for i in (self._held.find(s) for s in self.stop) if i >= 0]
+            if hits:
+                out.append(self._held[:min(hits)])
+                self._held, self.stopped = "", True
+        if not self.stopped:
+            keep = self._stop_prefix_len()
+            out.append(self._held[:len(self._held) - keep])
+            self._held = self._held[len(self._held) - keep:]
+        text = "".join(out)
+        self._returned += len(text)
+        return text
+
+    def finish(self) -> str:
+        """The rest of the text once no token follows: what was held for a possible stop string, and bytes the
+        decoder kept for a character never completed (as the whole decode shows them), up to a stop string."""
+        if self.stopped:
+            return ""
+        full = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip_special_tokens)
+        rest = full[self._returned:]
+        hits = [i for i in (rest.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            rest, self.stopped = rest[:min(hits)], True
+        self._held = ""
+        self._returned += len(rest)
+        return rest
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest end of the held text that is a proper start of some stop string."""
+        return max((k for s in self.stop for k in range(min(len(s) - 1, len(self._held)), 0, -1)
+                    if self._held.endswith(s[:k])), default=0)

@@ -1,0 +1,179 @@
+"""One engine, one thread: requests arrive through a thread-safe queue, tokens go back to each caller's asyncio
+queue. `glint serve` runs one `EngineWorker`; every concurrent request shares its steps.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from glint.runtime.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Update:
+    """What a job gained since its last update: per completion, new token ids and their logprobs (when asked);
+    `finish_reasons` once the request is done; `error` when it was refused or the engine failed."""
+
+    tokens: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[dict[int, float]]] = field(default_factory=list)
+    finish_reasons: list[str | None] | None = None
+    error: str | None = None
+    accepted: bool = False  # the first update of a request the engine took
+
+
+class Job:
+    """One prompt of an HTTP request; its updates go, tagged with `index`, onto the request's asyncio queue."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
+                 updates: asyncio.Queue, index: int = 0):
+        self.prompt, self.params, self.loop, self.updates, self.index = prompt, params, loop, updates, index
+        self.rid: int | None = None
+        self.sent = [0] * params.n  # tokens handed out per completion (for their logprobs)
+
+    def push(self, update: Update) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.updates.put_nowait, (self.index, update))
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            pass
+
+
+class EngineWorker:
+    """Owns `engine` on a background thread; `submit` and `cancel` may be called from any thread."""
+
+    def __init__(self, engine, metrics=None, idle_wait_s: float = 0.05):
+        self.engine, self.metrics, self.idle_wait_s = engine, metrics, idle_wait_s
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._jobs: dict[int, Job] = {}
+        self._stopping = False
+        self.error: str | None = None  # set if the loop itself died
+        self._thread = threading.Thread(target=self._run, name="glint-engine", daemon=True)
+
+    def start(self) -> EngineWorker:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, job: Job) -> Job:
+        if not self.is_alive:
+            job.push(Update(error=f"the engine is not running ({self.error or 'stopped'})"))
+            return job
+        self._send("add", job)
+        return job
+
+    def cancel(self, job: Job, client_gone: bool = False) -> None:
+        """Abort the job's request: its pages are freed at the next step (a no-op once it finished)."""
+        self._send("cancel", job, client_gone)
+
+    def stop_completion(self, job: Job, index: int) -> None:
+        """Stop completion `index` of an n > 1 job (a stop string ended it); the others go on."""
+        self._send("stop", job, index)
+
+    def _send(self, *message) -> None:
+        self._inbox.put(message)
+        self._wake.set()
+
+    # ---- the engine thread ----
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain()
+                if self.engine.has_unfinished():
+                    t0 = time.perf_counter()
+                    try:
+                        self.engine.step()
+                    except Exception as e:  # the step undid itself: fail the requests, keep serving the next
+                        log.exception("engine step failed")
+                        self._fail_all(f"the engine failed: {type(e).__name__}: {e}")
+                        continue
+                    self._observe(time.perf_counter() - t0)
+                    self._deliver()
+                else:
+                    self._deliver()  # requests aborted while nothing ran are finished and released here
+                    self._observe(None)
+                    self._wake.wait(self.idle_wait_s)
+                    self._wake.clear()
+        except BaseException as e:  # never leave callers waiting forever
+            self.error = f"{type(e).__name__}: {e}"
+            log.exception("engine thread died")
+        message = f"the engine stopped: {self.error or 'shut down'}"
+        self._fail_all(message)
+        while True:  # and whatever was still on its way in
+            try:
+                kind, job, *_ = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                job.push(Update(error=message))
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                kind, job, *args = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    job.rid = self.engine.add_request(job.prompt, job.params)
+                except ValueError as e:
+                    job.push(Update(error=str(e)))
+                    continue
+                self._jobs[job.rid] = job
+                job.push(Update(accepted=True))
+            elif job.rid not in self._jobs:
+                continue  # refused, or finished and released already
+            elif kind == "stop":
+                try:
+                    self.engine.stop_completion(job.rid, args[0])
+                except ValueError:  # completion 0 before its siblings exist: the server drops its tokens
+                    pass
+            else:
+                self.engine.abort(job.rid)
+                if args[0] and self.metrics is not None:
+                    self.metrics.aborted.inc()
+
+    def _deliver(self) -> None:
+        for rid, job in list(self._jobs.items()):
+            tokens = self.engine.new_tokens(rid)
+            done = self.engine.is_finished(rid)
+            if not any(tokens) and not done:
+                continue
+            update = Update(tokens=tokens)
+            if job.params.logprobs:
+                update.logprobs = self.engine.logprobs_since(rid, job.sent)
+            job.sent = [n + len(t) for n, t in zip(job.sent, tokens)]
+            if done:  # an n > 1 request aborted before it sampled has fewer completions than n
+                reasons = [c.finish_reason for c in self.engine.output(rid, text=False).outputs]
+                update.finish_reasons = reasons + [reasons[0]] * (job.params.n - len(reasons))
+                self.engine.release(rid)
+                del self._jobs[rid]
+            job.push(update)
+
+    def _fail_all(self, message: str) -> None:
+        for rid, job in list(self._jobs.items()):
+            try:
+                self.engine.abort(rid)
+                self.engine.release(rid)
+            except ValueError:
+                pass
+            job.push(Update(error=message))
+        self._jobs.clear()
+
+    def _observe(self, step_s: float | None) -> None:
+        if self.metrics is not None:
+            self.metrics.observe(self.engine, step_s)

@@ -1,0 +1,340 @@
+"""`glint serve` as a real process on loopback, driven by the official openai client and httpx: the same tokens and
+text as Engine.generate, streaming that adds up, stop strings, concurrency, disconnects, and 4xx for bad input."""
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import jinja2
+import openai
+import pytest
+from conftest import HF_FIXTURES, SHARED
+
+from glint.runtime.engine import Engine
+from glint.runtime.params import SamplingParams
+
+CHAT = SHARED / "fixtures" / "chat" / "llama"
+KEY = "sk-test-glint"
+CONFIG = dict(max_seqs=16, page_size=8, max_step_tokens=64, num_pages=512, capacity=256)
+FLAGS = ["--max-seqs", "16", "--page-size", "8", "--max-step-tokens", "64", "--num-pages", "512", "--capacity", "256"]
+PROMPTS = ["héllo wörld ✓", "the cat sat on a mat", "日本語 テキスト", "once upon a time"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "glint.runtime.cli", "serve", str(CHAT), "--port", str(port),
+                             "--api-key", KEY, "--dtype", "float32", *FLAGS],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 240
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"glint serve did not come up: {proc.stdout.read()[-3000:]}")
+        time.sleep(0.5)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.from_pretrained(str(CHAT), dtype="float32", **CONFIG)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def generate(engine, prompt, **params):
+    return engine.generate([prompt], SamplingParams(**params))[0]
+
+
+GREEDY = dict(max_tokens=16, temperature=0.0, ignore_eos=True)
+SEEDED = dict(max_tokens=16, temperature=0.8, top_k=20, top_p=0.9, seed=7, ignore_eos=True)
+
+
+def openai_args(params: dict) -> dict:
+    extra = {"ignore_eos": params["ignore_eos"], **({"top_k": params["top_k"]} if "top_k" in params else {})}
+    return dict(max_tokens=params["max_tokens"], temperature=params["temperature"], top_p=params.get("top_p", 1.0),
+                seed=params.get("seed"), extra_body=extra)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_completions_equal_engine_generate(client, engine, params):
+    for prompt in PROMPTS[:2]:
+        want = generate(engine, prompt, **params)
+        got = client.completions.create(model="llama", prompt=prompt, **openai_args(params))
+        choice = got.choices[0]
+        assert choice.model_extra["token_ids"] == want.token_ids and choice.text == want.text
+        assert choice.finish_reason == "length" and got.usage.completion_tokens == len(want.token_ids)
+        ids = client.completions.create(model="llama", prompt=engine.tokenizer.encode(prompt).ids,
+                                        **openai_args(params))
+        assert ids.choices[0].text == want.text  # the prompt as token ids
+
+
+def test_streamed_pieces_add_up_to_the_text(client, engine):
+    for prompt in PROMPTS:  # multi-byte characters that span byte-level tokens
+        want = generate(engine, prompt, max_tokens=24, temperature=0.0, ignore_eos=True)
+        chunks = list(client.completions.create(model="llama", prompt=prompt, stream=True,
+                                                stream_options={"include_usage": True},
+                                                **openai_args(dict(GREEDY, max_tokens=24))))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == want.text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 24 and not chunks[-1].choices
+        assert sum(len(c.choices[0].model_extra["token_ids"]) for c in chunks if c.choices) == 24
+
+
+def test_chat_renders_the_checkpoints_template(client, engine):
+    config = json.loads((CHAT / "tokenizer_config.json").read_text())
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a café in the park?"}]
+    rendered = jinja2.Template(config["chat_template"]).render(messages=messages, add_generation_prompt=True,
+                                                               bos_token=config["bos_token"])
+    prompt = engine.tokenizer.encode(rendered, add_special_tokens=False).ids
+    want = generate(engine, prompt, max_tokens=20, temperature=0.0, ignore_eos=True)
+    args = dict(model="llama", messages=messages, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    got = client.chat.completions.create(**args)
+    assert got.choices[0].message.content == want.text and got.choices[0].message.role == "assistant"
+    assert got.usage.prompt_tokens == len(prompt)
+    streamed = list(client.chat.completions.create(stream=True, **args))
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == want.text
+
+
+def test_stop_strings_cut_the_text_across_tokens(client, engine):
+    want = generate(engine, PROMPTS[1], max_tokens=32, temperature=0.0, ignore_eos=True).text
+    stop = next(want[i:i + 3] for i in range(4, len(want) - 3) if "\ufffd" not in want[i:i + 3])
+    expected = want[:want.find(stop)]
+    args = dict(model="llama", prompt=PROMPTS[1], stop=[stop, "never appears"], **openai_args(dict(GREEDY,
+                                                                                                  max_tokens=32)))
+    got = client.completions.create(**args).choices[0]
+    assert got.text == expected and got.finish_reason == "stop"
+    chunks = list(client.completions.create(stream=True, **args))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_two_hundred_concurrent_streams(server, engine):
+    want = {p: generate(engine, p, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids for p in PROMPTS}
+
+    async def one(http, prompt):
+        body = dict(model="llama", prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True, stream=True)
+        tokens, done = [], False
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    tokens += json.loads(line[6:])["choices"][0]["token_ids"]
+        return prompt, tokens, done
+
+    async def main():
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, limits=limits,
+                                     timeout=300) as http:
+            return await asyncio.gather(*(one(http, PROMPTS[i % len(PROMPTS)]) for i in range(200)))
+
+    results = asyncio.run(main())
+    assert len(results) == 200 and all(done for _, _, done in results)
+    assert all(tokens == want[prompt] for prompt, tokens, _ in results)
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server + "/metrics").text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_clients_that_disconnect_free_their_pages(server, client, engine):
+    async def leave(http, i):
+        body = dict(model="llama", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=200, temperature=0,
+                    ignore_eos=True, stream=True)
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = 0
+            async for line in response.aiter_lines():
+                lines += line.startswith("data: ")
+                if lines == 2:
+                    return True  # leaving the block closes the connection mid-stream
+        return False
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=300,
+                                     limits=httpx.Limits(max_connections=50, max_keepalive_connections=0)) as http:
+            return await asyncio.gather(*(leave(http, i) for i in range(50)))
+
+    assert all(asyncio.run(main()))
+    deadline = time.time() + 60
+    while metric(server, "glint_kv_pages_in_use") or metric(server, "glint_requests_running"):
+        assert time.time() < deadline, "pages still in use after every client left"
+        time.sleep(0.2)
+    assert metric(server, "glint_aborted_requests_total") >= 50
+    want = generate(engine, PROMPTS[0], **GREEDY)
+    assert client.completions.create(model="llama", prompt=PROMPTS[0], **openai_args(GREEDY)).choices[0].text == \
+        want.text
+
+
+def test_non_streaming_clients_that_leave_are_aborted(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    before = metric(server, "glint_aborted_requests_total")
+    generated = metric(server, "glint_generated_tokens_total")
+
+    async def leave(http, i):
+        body = dict(model="llama", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=230, temperature=0, ignore_eos=True)
+        try:
+            await http.post("/v1/completions", json=body, timeout=0.3)
+        except httpx.TimeoutException:
+            return True
+        return False
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server, headers=auth) as http:
+            return await asyncio.gather(*(leave(http, i) for i in range(8)))
+
+    left = sum(asyncio.run(main()))
+    assert left >= 1, "every request finished before its client left: the test needs longer requests"
+    deadline = time.time() + 60
+    while metric(server, "glint_kv_pages_in_use") or metric(server, "glint_requests_running"):
+        assert time.time() < deadline, "pages still in use after the clients left"
+        time.sleep(0.2)
+    assert metric(server, "glint_aborted_requests_total") - before >= left
+    assert metric(server, "glint_generated_tokens_total") - generated < 8 * 230
+
+
+def test_a_completion_that_hits_a_stop_string_stops_generating(server, client, engine):
+    seeded = dict(max_tokens=40, temperature=1.0, seed=11, ignore_eos=True, n=2)
+    first, second = (c.text for c in engine.generate([PROMPTS[3]], SamplingParams(**seeded))[0].outputs)
+    stop = next((first[i:i + 3] for i in range(3, len(first) - 3)
+                 if "\ufffd" not in first[i:i + 3] and first[i:i + 3] not in second), None)
+    if stop is None:
+        pytest.skip("no substring of the first completion is absent from the second")
+    generated = metric(server, "glint_generated_tokens_total")
+    got = client.completions.create(model="llama", prompt=PROMPTS[3], n=2, stop=stop, max_tokens=40, seed=11,
+                                    temperature=1.0, extra_body={"ignore_eos": True})
+    by_index = {c.index: c for c in got.choices}
+    assert by_index[0].text == first[:first.find(stop)] and by_index[0].finish_reason == "stop"
+    assert by_index[1].text == second and by_index[1].finish_reason == "length"
+    assert metric(server, "glint_generated_tokens_total") - generated < 2 * 40  # the stopped one stopped
+
+
+BAD = [  # (body or raw bytes, headers, status, part of the message)
+    ({"prompt": "hi"}, {}, 401, "API key"),
+    ({"prompt": "hi"}, {"Authorization": "Bearer wrong"}, 401, "API key"),
+    (b"x" * (5 * 2**20), None, 413, "exceeds the limit"),
+    (b"{not json", None, 400, "not valid JSON"),
+    ([1, 2], None, 400, "JSON object"),
+    ({"model": "gpt-4", "prompt": "hi"}, None, 404, "does not exist"),
+    ({"prompt": "hi", "max_tokens": 10_000}, None, 400, "exceeds the context capacity 256"),
+    ({"prompt": "hi", "n": 1000}, None, 400, "exceeds max_sample_rows 16"),
+    ({"prompt": "hi", "temperature": -1}, None, 400, "temperature must be >= 0"),
+    ({"prompt": "hi", "top_p": 2}, None, 400, "top_p must be in (0, 1]"),
+    ({"prompt": "hi", "max_tokens": "ten"}, None, 400, "max_tokens must be an int"),
+    ({"prompt": [1, 2, 99999]}, None, 400, "outside the vocabulary"),
+    ({"prompt": {"a": 1}}, None, 400, "prompt must be"),
+    ({}, None, 400, "prompt is required"),
+    ({"prompt": "hi", "echo": True}, None, 400, "echo is not supported"),
+    ({"prompt": "hi", "logprobs": 99}, None, 400, "logprobs must be an int"),
+]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, engine):
+    want = generate(engine, PROMPTS[2], **GREEDY).text
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for body, headers, status, message in BAD:
+        headers = auth if headers is None else headers
+        if isinstance(body, bytes):
+            r = httpx.post(server + "/v1/completions", content=body, headers=headers, timeout=60)
+        else:
+            r = httpx.post(server + "/v1/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == status, (body if not isinstance(body, bytes) else body[:20], r.text)
+        error = r.json()["error"]
+        assert message in error["message"] and error["type"], (message, error)
+        got = client.completions.create(model="llama", prompt=PROMPTS[2], **openai_args(GREEDY))
+        assert got.choices[0].text == want
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": "hi"}, headers=auth)
+    assert r.status_code == 400 and "messages must be" in r.json()["error"]["message"]
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["llama"]
+    before = metric(server, "glint_generated_tokens_total")
+    client.completions.create(model="llama", prompt=PROMPTS[0], **openai_args(GREEDY))
+    assert httpx.get(server + "/health").json() == {"status": "ok"}
+    text = httpx.get(server + "/metrics").text
+    for name in ("glint_requests_running", "glint_requests_waiting", "glint_generated_tokens_total",
+                 "glint_kv_pages_in_use", "glint_step_seconds_bucket", "glint_preemptions_total"):
+        assert name in text, name
+    assert metric(server, "glint_generated_tokens_total") >= before + GREEDY["max_tokens"]
+
+
+def test_a_checkpoint_without_chat_template_or_tokenizer():
+    """In process: a checkpoint with neither tokenizer nor chat template serves token ids, refuses chat."""
+    from fastapi.testclient import TestClient
+
+    from glint.runtime.server import create_app
+    from glint.runtime.worker import EngineWorker
+
+    engine = Engine.from_pretrained(str(HF_FIXTURES / "llama"), dtype="float32", **CONFIG)
+    case = json.loads((HF_FIXTURES / "llama" / "reference.json").read_text())["cases"][0]
+    worker = EngineWorker(engine).start()
+    try:
+        http = TestClient(create_app(worker, "llama"))
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "has no chat template" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", json={"prompt": case["prompt"], "max_tokens": 8, "temperature": 0,
+                                               "ignore_eos": True})
+        assert http.get("/nowhere").json()["error"]["code"] == 404  # OpenAI-style bodies for any route
+
+        step = engine.step
+
+        def broken():  # the engine thread dies: requests in flight and after get a 503, not a hang
+            raise KeyboardInterrupt
+
+        engine.step = broken
+        dead = http.post("/v1/completions", json={"prompt": case["prompt"], "max_tokens": 4})
+        assert dead.status_code in (500, 503) and "engine" in dead.json()["error"]["message"]
+        late = http.post("/v1/completions", json={"prompt": case["prompt"], "max_tokens": 4})
+        assert late.status_code == 503 and "not running" in late.json()["error"]["message"]
+        assert http.get("/health").status_code == 503
+        engine.step = step
+    finally:
+        worker.stop()  # the engine is the test's again
+    assert r.status_code == 200, r.text
+    tokens = r.json()["choices"][0]["token_ids"]
+    assert tokens == generate(engine, case["prompt"], max_tokens=8, temperature=0.0, ignore_eos=True).token_ids
+    assert tokens == case["greedy"][:8] or case["greedy_min_gap"] < 1e-3
+
+
+def test_load_generator_against_the_server(server, tmp_path):
+    from glint.runtime.cli import main
+
+    out = tmp_path / "load.json"
+    assert main(["bench", "llama", "--server", server, "--api-key", KEY, "--requests", "24", "--concurrency", "8",
+                 "--prompt-len", "20", "--gen-len", "6", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 24 and not result["errors"] and result["output_tokens"] == 24 * 6
+    for name in ("ttft_s", "itl_s", "latency_s"):
+        p = result[name]
+        assert 0 < p["p50"] <= p["p90"] <= p["p99"], (name, p)
+    assert result["requests_per_s"] > 0

@@ -1,0 +1,50 @@
+"""TextStream: whole characters from byte-level tokens, stop strings matched across token boundaries."""
+import random
+
+from conftest import SHARED
+from tokenizers import Tokenizer
+
+from glint.runtime.textstream import TextStream
+
+TOKENIZER = Tokenizer.from_file(str(SHARED / "fixtures" / "chat" / "llama" / "tokenizer.json"))
+TEXTS = ["héllo wörld ✓ café naïve", "日本語 テキスト 中文 한국어", "emoji 🙂 🚀 and the park", "über größe"]
+
+
+def pieces(stream: TextStream, ids, rng) -> list[str]:
+    out, i = [], 0
+    while i < len(ids):  # tokens arrive in uneven batches, as steps deliver them
+        k = rng.randint(1, 3)
+        out.append(stream.push(ids[i:i + k]))
+        i += k
+    return out + [stream.finish()]
+
+
+def test_pieces_are_whole_characters_and_add_up():
+    rng = random.Random(0)
+    for text in TEXTS:
+        ids = TOKENIZER.encode(text, add_special_tokens=False).ids
+        got = pieces(TextStream(TOKENIZER), ids, rng)
+        assert "".join(got) == TOKENIZER.decode(ids)
+        assert all("\ufffd" not in p for p in got)  # no half of a multi-byte character, ever
+
+
+def test_stop_strings_across_tokens_are_cut_with_what_follows():
+    rng = random.Random(1)
+    for text in TEXTS:
+        ids = TOKENIZER.encode(text, add_special_tokens=False).ids
+        full = TOKENIZER.decode(ids)
+        for start in range(1, len(full) - 2, 3):
+            stop = full[start:start + 3]
+            stream = TextStream(TOKENIZER, [stop, "zzz-not-there"])
+            got = "".join(pieces(stream, ids, rng))
+            assert got == full[:full.find(stop)] and stream.stopped, (text, stop)
+            # The tokens counted stop at the one that completed the stop string.
+            assert TOKENIZER.decode(ids[:stream.num_tokens]).find(stop) >= 0
+            assert TOKENIZER.decode(ids[:stream.num_tokens - 1]).find(stop) < 0
+
+
+def test_text_held_for_a_possible_stop_is_released():
+    ids = TOKENIZER.encode("the cat sat", add_special_tokens=False).ids
+    stream = TextStream(TOKENIZER, ["sat on the mat"])  # "sat" begins the stop string but it never completes
+    text = "".join(stream.push([t]) for t in ids)
+    assert not text.endswith("sat") and text + stream.finish() == TOKENIZER.decode(ids) and not stream.stopped
