@@ -63,6 +63,7 @@ class StepTiming:
     host_ms: float
     tokens_per_s: float
     roofline_pct: float
+    engine_ms: float | None = None  # decode rows: per step of the engine's own pipelined loop (engine.step())
 
 
 class StepBench:
@@ -129,6 +130,29 @@ class StepBench:
                           100 * ideal / device)
 
 
+def pipelined_decode_ms(engine: Engine, batch: int, context: int, steps: int = 32, seed: int = 0) -> float:
+    """Milliseconds per engine.step() while `batch` requests with `context` tokens each decode: the loop users
+    get (step n+1 dispatched before step n is read, host bookkeeping included), after prefill and two steps."""
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request(rng.integers(0, engine.model.vocab_size, context).tolist(), params)
+            for _ in range(batch)]
+    try:
+        while min(len(engine.output(rid, text=False).token_ids) for rid in rids) < 2:
+            engine.step()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        return 1e3 * (time.perf_counter() - t0) / steps
+    finally:
+        for rid in rids:
+            engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()
+        for rid in rids:
+            engine.release(rid)
+
+
 def end_to_end(engine: Engine, num_requests: int, prompt_len: int, gen_len: int, spread: float = 0.0,
                seed: int = 0) -> dict:
     """Greedy generation for `num_requests` random prompts; lengths uniform in [(1 - spread) x, (1 + spread) x]."""
@@ -164,6 +188,19 @@ def workload_ceiling(engine: Engine, bench: StepBench, e2e: dict, flops: float) 
     return n * g / (prefill_s + decode_s)
 
 
+# What `glint bench` measures when not told: the H200 tables' sizes on a GPU; on a CPU, sizes that finish in
+# well under a minute on 2 cores (the numbers then only show that everything runs).
+GPU_DEFAULTS = dict(batch="1,8,32,64,128", prompt_len=512, gen_len=256, requests=256, max_step_tokens=4096,
+                    repeats=10)
+CPU_DEFAULTS = dict(batch="1,4", prompt_len=32, gen_len=8, requests=8, max_step_tokens=128, repeats=3)
+
+
+def fill_defaults(args, on_gpu: bool) -> None:
+    for name, value in (GPU_DEFAULTS if on_gpu else CPU_DEFAULTS).items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+
+
 def engine_settings(args) -> dict:
     """The engine the bench builds (also the one each cold-start process builds)."""
     batches = [int(b) for b in args.batch.split(",")]
@@ -197,10 +234,12 @@ def run_cold_start(args) -> dict:
 
 
 def run_bench(args) -> dict:
-    if args.cold_start:
+    if args.cold_start:  # this process must not touch the device: the GPU sizes unless told otherwise
+        fill_defaults(args, on_gpu=True)
         return run_cold_start(args)
     console = Console()
     on_gpu = jax.default_backend() == "gpu"
+    fill_defaults(args, on_gpu)
     rates = measure_bandwidth((4 << 30) if on_gpu else (64 << 20))
     bandwidth = args.bandwidth_gbps * 1e9 if args.bandwidth_gbps else max(rates.values())
     flops = measure_matmul(8192 if on_gpu else 512, jnp.bfloat16 if on_gpu else jnp.float32)
@@ -227,8 +266,8 @@ def run_bench(args) -> dict:
                for w in track(engine.config.buckets, description="buckets", console=console)]
     result["buckets"] = [dataclasses.asdict(t) | {"compile_s": compile_s[t.width]} for t in buckets]
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else [args.prompt_len + args.gen_len // 2]
-    decode = [bench.time_step(b, c, 1, args.repeats) for b in track(batches, description="decode", console=console)
-              for c in contexts]
+    decode = [dataclasses.replace(bench.time_step(b, c, 1, args.repeats), engine_ms=pipelined_decode_ms(engine, b, c))
+              for b in track(batches, description="decode", console=console) for c in contexts]
     result["decode"] = [dataclasses.asdict(t) for t in decode]
     if args.requests:
         e2e = end_to_end(engine, args.requests, args.prompt_len, args.e2e_gen_len or args.gen_len, args.length_spread)
@@ -265,12 +304,16 @@ def print_tables(console: Console, result: dict) -> None:
         t.add_row(str(r["width"]), str(r["batch"]), str(r["context"]), f"{r['device_ms']:.2f}", f"{r['host_ms']:.2f}",
                   f"{r['tokens_per_s']:.0f}", f"{r['roofline_pct']:.0f}", f"{r['compile_s']:.1f}")
     console.print(t)
-    t = Table(title="decode (one token per sequence)")
-    for col in ("batch", "ctx", "device ms", "host ms", "tokens/s", "% roofline"):
+    t = Table(title="decode (one token per sequence): one step alone, and per step of the engine's pipelined loop")
+    for col in ("batch", "ctx", "device ms", "host ms", "tokens/s", "% roofline", "engine ms/step",
+                "engine % roofline"):
         t.add_column(col, justify="right")
     for r in result["decode"]:
+        engine_ms = r.get("engine_ms")
         t.add_row(str(r["batch"]), str(r["context"]), f"{r['device_ms']:.2f}", f"{r['host_ms']:.2f}",
-                  f"{r['tokens_per_s']:.0f}", f"{r['roofline_pct']:.0f}")
+                  f"{r['tokens_per_s']:.0f}", f"{r['roofline_pct']:.0f}",
+                  f"{engine_ms:.2f}" if engine_ms else "",
+                  f"{r['roofline_pct'] * r['device_ms'] / engine_ms:.0f}" if engine_ms else "")
     console.print(t)
     if "end_to_end" in result:
         e = result["end_to_end"]

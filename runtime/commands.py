@@ -220,11 +220,14 @@ def register(sub) -> None:
 
 
 def _cmd_bench(args) -> int:
+    from glint.runtime.bench import fill_defaults
+
     if args.server:
         import os
 
         from glint.runtime.loadgen import run_server_bench
 
+        fill_defaults(args, on_gpu=True)  # the sizes of a served model's load, whatever runs this client
         args.api_key = args.api_key or os.environ.get("GLINT_API_KEY")
         result = run_server_bench(args)
         return 0 if result["completed"] == args.requests else 1
@@ -238,20 +241,20 @@ def _register_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmark step buckets, decode throughput and an end-to-end run",
                        formatter_class=Help)
     p.add_argument("model", help="preset name (random weights) or checkpoint folder")
-    p.add_argument("--batch", default="1,8,32,64,128")
+    p.add_argument("--batch", help="decode batch sizes (default: 1,8,32,64,128 on a GPU, 1,4 on a CPU)")
     p.add_argument("--contexts", default="", help="decode contexts, e.g. 512,4096 (default prompt + gen/2)")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--gen-len", type=int, default=256)
-    p.add_argument("--requests", type=int, default=256, help="end-to-end requests (0: skip)")
+    p.add_argument("--prompt-len", type=int, help="default: 512 on a GPU, 32 on a CPU")
+    p.add_argument("--gen-len", type=int, help="default: 256 on a GPU, 8 on a CPU")
+    p.add_argument("--requests", type=int, help="end-to-end requests (0: skip; default: 256 on a GPU, 8 on a CPU)")
     p.add_argument("--e2e-gen-len", type=int, default=0, help="generated tokens per end-to-end request "
                    "(default --gen-len)")
     p.add_argument("--length-spread", type=float, default=0.0,
                    help="end-to-end prompt and output lengths uniform within +- this fraction (0: fixed)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-step-tokens", type=int, default=4096)
+    p.add_argument("--max-step-tokens", type=int, help="default: 4096 on a GPU, 128 on a CPU")
     p.add_argument("--attention", default="auto", choices=["auto", "pallas", "reference", "interpret"])
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=int, help="default: 10 on a GPU, 3 on a CPU")
     p.add_argument("--bandwidth-gbps", type=float, default=0.0,
                    help="roofline bandwidth (default: the best this harness measures)")
     p.add_argument("--json", help="write the results as JSON here")
