@@ -70,10 +70,21 @@ def rope_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
     return inv
 
 
-def apply_rope(x, positions, inv_freq: np.ndarray):
-    """Rotate-half RoPE (HF layout). x [T, H, D], positions i32[T]."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+def rope_tables(cfg: ModelConfig, positions) -> dict:
+    """{RopeConfig: (cos, sin) f32[T, 1, head_dim // 2]} for each distinct RoPE of the model's layers: computed
+    once per step from positions i32[T] and shared by every layer that uses it (not twice per layer)."""
+    tables = {}
+    for rope in cfg.layer_rope:
+        if rope is not None and rope not in tables:
+            inv_freq = jnp.asarray(rope_frequencies(rope, cfg.head_dim), jnp.float32)
+            angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+            tables[rope] = (jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :])
+    return tables
+
+
+def apply_rope(x, table):
+    """Rotate-half RoPE (HF layout). x [T, H, D]; table: (cos, sin) f32[T, 1, D // 2] from `rope_tables`."""
+    cos, sin = table
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -93,15 +104,14 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(hd, cfg.norm_eps, scaled=scaled) if has_qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps, scaled=scaled) if has_qk_norm else None
 
-    def __call__(self, x, positions, attend: AttentionBackend, cache, meta):
+    def __call__(self, x, rope: dict, attend: AttentionBackend, cache, meta):
         t = x.shape[0]
         qkv = self.wqkv(x).reshape(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = jnp.split(qkv, [self.num_heads, self.num_heads + self.num_kv_heads], axis=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
-            inv_freq = rope_frequencies(self.rope, self.head_dim)
-            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+            q, k = apply_rope(q, rope[self.rope]), apply_rope(k, rope[self.rope])
         out, cache = attend(self.spec, q, k, v, cache, meta)
         out = out.reshape(t, self.num_heads * self.head_dim)
         if self.wg is not None:
@@ -131,8 +141,8 @@ class Block(nnx.Module):
         self.attn_post_norm = RMSNorm(cfg.hidden_size, eps) if cfg.sandwich_norm else None
         self.mlp_post_norm = RMSNorm(cfg.hidden_size, eps) if cfg.sandwich_norm else None
 
-    def __call__(self, x, positions, attend, cache, meta):
-        h, cache = self.attn(self.attn_norm(x), positions, attend, cache, meta)
+    def __call__(self, x, rope: dict, attend, cache, meta):
+        h, cache = self.attn(self.attn_norm(x), rope, attend, cache, meta)
         if self.attn_post_norm is not None:
             h = self.attn_post_norm(h)
         x = x + h
@@ -161,9 +171,9 @@ class Transformer(nnx.Module):
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
-        new_cache = []
+        rope, new_cache = rope_tables(self.cfg, positions), []
         for i, block in enumerate(self.layers):
-            x, layer_cache = block(x, positions, attend, None if cache is None else cache[i], meta)
+            x, layer_cache = block(x, rope, attend, None if cache is None else cache[i], meta)
             new_cache.append(layer_cache)
         return self.norm(x), (None if cache is None else type(cache)(new_cache))
 

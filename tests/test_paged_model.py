@@ -70,3 +70,18 @@ def test_glimmer_layout_paged_equals_dense():
         got.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(got), expected, rtol=1e-4, atol=1e-4)
     assert np.abs(expected).max() <= 20.0  # the final soft-cap
+
+
+def test_rope_is_computed_once_per_step_not_per_layer(hf_fixture):
+    """Each distinct RoPE of the model becomes one cos/sin table per step, shared by all layers using it."""
+    from glint.model.attention import DenseMeta, dense_attention
+
+    cfg, params = load_checkpoint(hf_fixture, dtype="float32")
+    graphdef = transformer.split(transformer.abstract_model(cfg))[0]
+    n = 8
+    forward = jax.jit(lambda p, t, pos: transformer.forward(graphdef, p, t, pos, dense_attention, None,
+                                                            DenseMeta.single(n))[0])
+    text = forward.lower(params, np.zeros(n, np.int32), np.arange(n, dtype=np.int32)).as_text()
+    distinct = len({rope for rope in cfg.layer_rope if rope is not None})
+    assert cfg.num_layers > distinct >= 1
+    assert text.count("stablehlo.cosine") == distinct and text.count("stablehlo.sine") == distinct
