@@ -100,7 +100,8 @@ def _cmd_serve(args) -> int:
     import pathlib
 
     from glint.runtime.engine import Engine
-    from glint.runtime.server import load_chat_template, serve
+    from glint.runtime.chat import load_chat_template
+    from glint.runtime.server import serve
 
     api_key = args.api_key or os.environ.get("GLINT_API_KEY") or None
     name = args.served_model_name or pathlib.Path(args.model).name

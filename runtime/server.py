@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import pathlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,6 +17,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from glint.runtime.chat import chat_messages, render_chat
 from glint.runtime.metrics import ServerMetrics
 from glint.runtime.params import MAX_LOGPROBS, SamplingParams
 from glint.runtime.textstream import TextStream
@@ -36,75 +36,6 @@ class ApiError(Exception):
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
-
-
-SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
-
-
-def load_chat_template(folder) -> dict | None:
-    """The checkpoint's chat template (tokenizer_config.json's chat_template, or chat_template.jinja) and its
-    special tokens; None when it has no template."""
-    folder = pathlib.Path(folder)
-    path = folder / "tokenizer_config.json"
-    config = {}
-    if path.is_file():
-        try:
-            config = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} is not valid JSON ({e})") from None
-    template = config.get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-    if not isinstance(template, str) and (folder / "chat_template.jinja").is_file():
-        template = (folder / "chat_template.jinja").read_text()
-    if not isinstance(template, str):
-        return None
-    token = lambda v: v.get("content") if isinstance(v, dict) else v  # noqa: E731 (AddedToken dicts)
-    return {"template": template, "tokens": {k: token(config.get(k)) or "" for k in SPECIAL_TOKENS}}
-
-
-def chat_messages(messages) -> list[dict]:
-    """The request's messages with string content (a list of text parts is joined, as vLLM does)."""
-    def text(content):
-        if isinstance(content, str):
-            return content
-        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                             and isinstance(p.get("text"), str) for p in content):
-            return "".join(p["text"] for p in content)
-        return None
-
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and text(m.get("content")) is not None
-            for m in messages):
-        raise ApiError(400, "messages must be a non-empty list of {role, content} objects with text content",
-                       param="messages")
-    return [dict(m, content=text(m["content"])) for m in messages]
-
-
-def render_chat(chat: dict, messages: list[dict]) -> str:
-    """The prompt text for `messages`, rendered as transformers renders chat templates: sandboxed jinja2 with
-    loop controls, its tojson, strftime_now and raise_exception, and the special tokens."""
-    import datetime
-
-    from jinja2.exceptions import TemplateError
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception,
-                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
-    try:
-        return env.from_string(chat["template"]).render(messages=messages, add_generation_prompt=True,
-                                                        **chat["tokens"])
-    except TemplateError as e:
-        raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from None
 
 
 class Api:
@@ -421,8 +352,11 @@ def create_app(worker: EngineWorker, model_name: str, *, api_key: str | None = N
         if api.chat is None or api.tokenizer is None:
             raise ApiError(400, f"{model_name} has no chat template (chat_template in tokenizer_config.json or "
                            "chat_template.jinja): use /v1/completions", param="messages")
-        prompt = api.tokenizer.encode(render_chat(api.chat, chat_messages(body.get("messages"))),
-                                      add_special_tokens=False).ids
+        try:
+            text = render_chat(api.chat, chat_messages(body.get("messages")))
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        prompt = api.tokenizer.encode(text, add_special_tokens=False).ids
         top = body.get("top_logprobs") or 0
         if body.get("logprobs") and not (isinstance(top, int) and 0 <= top <= MAX_LOGPROBS):
             raise ApiError(400, f"top_logprobs must be an int in [0, {MAX_LOGPROBS}]", param="top_logprobs")
