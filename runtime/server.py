@@ -102,6 +102,9 @@ class Api:
         except (ValueError, TypeError) as e:
             raise ApiError(400, str(e)) from None
 
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer is not None else str(token)
+
     # ---- running ----
 
     async def run(self, prompts: list[list[int]], params: SamplingParams) -> Run:
@@ -234,9 +237,10 @@ def all_stopped(choices: list[Choice]) -> bool:
 
 def _top(lp: dict[int, float], token: int, k: int) -> list[tuple[int, float]]:
     """The k most likely alternatives, and the sampled token if it is not among them (as OpenAI reports)."""
-    top = sorted(((t, v) for t, v in lp.items() if t != token), key=lambda kv: -kv[1])
-    top = sorted(top + [(token, lp[token])], key=lambda kv: -kv[1])[:k] if k else []
-    return top if token in dict(top) or not k else top + [(token, lp[token])]
+    ranked = sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+    if k and token not in dict(ranked):
+        ranked.append((token, lp[token]))
+    return ranked
 
 
 def completion_logprobs(api: Api, tokens: list[int], lps: list[dict[int, float]], top: int):
@@ -246,7 +250,15 @@ def completion_logprobs(api: Api, tokens: list[int], lps: list[dict[int, float]]
     decode = api.token_text
     return {"tokens": [decode(t) for t in tokens], "token_ids": tokens,
             "token_logprobs": [lp.get(t) for t, lp in zip(tokens, lps)],
-            "top_logprobs": [{decode(k): v for k, v in _top(lp, t, top)} for t, lp in zip(tokens, lps)]}
+            "top_logprobs": [_by_text(decode, _top(lp, t, top)) for t, lp in zip(tokens, lps)]}
+
+
+def _by_text(decode, ranked: list[tuple[int, float]]) -> dict[str, float]:
+    """{token text: logprob}; where two tokens print alike, the likelier keeps the key."""
+    out: dict[str, float] = {}
+    for token, value in ranked:
+        out.setdefault(decode(token), value)
+    return out
 
 
 def chat_logprobs(api: Api, tokens: list[int], lps: list[dict[int, float]], top: int):

@@ -338,3 +338,22 @@ def test_load_generator_against_the_server(server, tmp_path):
         p = result[name]
         assert 0 < p["p50"] <= p["p90"] <= p["p99"], (name, p)
     assert result["requests_per_s"] > 0
+
+
+def test_logprobs_streamed_and_whole_agree_and_match_the_engine(client, engine):
+    want = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                        logprobs=3))[0].outputs[0]
+    args = dict(model="llama", prompt=PROMPTS[0], logprobs=3, **openai_args(dict(GREEDY, max_tokens=8)))
+    whole = client.completions.create(**args).choices[0].logprobs
+    assert whole.token_logprobs == pytest.approx([lp[t] for t, lp in zip(want.token_ids, want.logprobs)], abs=1e-5)
+    # the top 3 and the sampled token if not among them (fewer where two tokens print alike: keys are text)
+    assert all(1 <= len(top) <= 4 for top in whole.top_logprobs)
+    assert [max(top.values()) for top in whole.top_logprobs] == pytest.approx([max(lp.values()) for lp in
+                                                                               want.logprobs], abs=1e-5)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True, **args)]
+    assert [v for lp in streamed if lp for v in lp.token_logprobs] == pytest.approx(whole.token_logprobs, abs=1e-6)
+    chat = client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) in (2, 3) and c.logprob <= 0 for c in content)
