@@ -61,8 +61,9 @@ class EngineConfig:
         chunk = self.max_prefill_chunk
         if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool)
                                   or not self.min_prefill_chunk <= chunk <= self.max_step_tokens):
+            why = " (deterministic runs every step at the widest forward size)" if self.deterministic else ""
             raise ValueError(f"max_prefill_chunk must be an int in [min_prefill_chunk {self.min_prefill_chunk}, "
-                             f"max_step_tokens {self.max_step_tokens}], got {chunk!r}")
+                             f"max_step_tokens {self.max_step_tokens}], got {chunk!r}{why}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.num_pages is not None and self.num_pages < 2:
@@ -76,11 +77,13 @@ class EngineConfig:
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention {self.attention!r} is not one of {ATTENTION_IMPLS}")
 
-    def for_model(self, windows) -> EngineConfig:
-        """This config with max_prefill_chunk resolved for a model whose layers have these windows."""
+    def for_model(self, windows, capacity: int | None = None) -> EngineConfig:
+        """This config with max_prefill_chunk resolved for a model whose layers have these windows, serving
+        `capacity` positions: the windowed default only where it shrinks a ring (capacity > window + chunk - 1)."""
         if self.max_prefill_chunk is not None:
             return self
-        chunk = max(min(WINDOWED_PREFILL_CHUNK, self.max_step_tokens), self.min_prefill_chunk) if any(windows) \
+        shrinks = any(w and (capacity is None or capacity > w + WINDOWED_PREFILL_CHUNK - 1) for w in windows)
+        chunk = max(min(WINDOWED_PREFILL_CHUNK, self.max_step_tokens), self.min_prefill_chunk) if shrinks \
             else self.max_step_tokens
         return dataclasses.replace(self, max_prefill_chunk=chunk)
 

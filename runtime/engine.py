@@ -22,15 +22,21 @@ from glint.runtime.scheduler import Entry, Scheduler
 DEFAULT_MAX_CAPACITY = 32768
 
 
+def resolved_capacity(model, config: EngineConfig) -> int:
+    """Positions a sequence may hold: the config's, else the model's context capped at DEFAULT_MAX_CAPACITY."""
+    return config.capacity or min(model.max_position_embeddings, DEFAULT_MAX_CAPACITY)
+
+
 def cache_config_for(model, config: EngineConfig) -> CacheConfig:
     """The KV cache geometry for a model under an engine config (pool size from free memory by default)."""
     if config.capacity and config.capacity > model.max_position_embeddings and not config.allow_long_context:
         raise ValueError(f"capacity {config.capacity} exceeds the model's context (max_position_embeddings "
                          f"{model.max_position_embeddings}); pass allow_long_context=True (--allow-long-context) "
                          "to serve beyond it anyway")
-    capacity = config.capacity or min(model.max_position_embeddings, DEFAULT_MAX_CAPACITY)
+    capacity = resolved_capacity(model, config)
+    chunk = config.for_model(model.layer_windows, capacity).max_prefill_chunk
     fields = dict(page_size=config.page_size, max_seqs=config.max_seqs, max_write=config.buckets[-1],
-                  max_seq_write=config.for_model(model.layer_windows).max_prefill_chunk, capacity=capacity,
+                  max_seq_write=chunk, capacity=capacity,
                   windows=model.layer_windows, kv_heads=model.num_kv_heads, head_dim=model.head_dim,
                   dtype=model.dtype)
     num_pages = config.num_pages or default_num_pages(CacheConfig(num_pages=2, **fields), config.memory_fraction)
@@ -82,7 +88,8 @@ class Engine:
         from glint.export.checkpoint import flatten
         from glint.runtime.step import live_programs
 
-        config = (config or EngineConfig()).for_model(model.layer_windows)
+        config = config or EngineConfig()
+        config = config.for_model(model.layer_windows, resolved_capacity(model, config))
         compile_cache.configure(config.compile_cache)
         impl = config.attention
         if impl == "auto":

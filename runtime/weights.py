@@ -25,7 +25,7 @@ def stored_names(folder: pathlib.Path) -> tuple[list[str], dict]:
     path = folder / _METADATA
     try:
         meta = json.loads(path.read_text())
-        names = [entry["key_metadata"][0]["key"] for entry in meta["tree_metadata"].values()]
+        names = [".".join(str(k["key"]) for k in entry["key_metadata"]) for entry in meta["tree_metadata"].values()]
     except FileNotFoundError:
         raise ValueError(f"{folder}: the weights could not be read: {_METADATA} is missing") from None
     except (ValueError, KeyError, IndexError, TypeError) as e:
@@ -37,8 +37,13 @@ def stored_names(folder: pathlib.Path) -> tuple[list[str], dict]:
 def _spec(folder: pathlib.Path, name: str, meta: dict) -> dict:
     from orbax.checkpoint._src.serialization import tensorstore_utils
 
-    return tensorstore_utils.ArrayReadSpec(str(folder), name, use_zarr3=bool(meta.get("use_zarr3")),
-                                           use_ocdbt=bool(meta.get("use_ocdbt", True))).json
+    # As orbax reads them: without the flag, OCDBT when its manifest is there; chunks equal to the fill value
+    # may be missing unless the writer stored them all.
+    use_ocdbt = meta["use_ocdbt"] if meta.get("use_ocdbt") is not None else (folder / "manifest.ocdbt").exists()
+    return tensorstore_utils.ArrayReadSpec(
+        str(folder), name, use_zarr3=bool(meta.get("use_zarr3")),
+        use_ocdbt=bool(use_ocdbt),
+        raise_array_data_missing_error=bool(meta.get("store_array_data_equal_to_fill_value", False))).json
 
 
 def ts_context(num_threads: int):
@@ -64,27 +69,31 @@ def read_params(folder, like: dict, device: jax.Device | None = None, *,
     device = device or jax.devices()[0]
     context = ts_context(num_threads)
     opening = {name: ts.open(_spec(folder, name, meta), open=True, context=context) for name in like}
-
-    def read(name: str) -> tuple[str, jax.Array]:
-        want = like[name]
+    stores = {}
+    for name, future in opening.items():  # every array's metadata before any data: a bad one fails at once
         try:
-            store = opening[name].result()
+            stores[name] = future.result()
         except Exception as e:  # tensorstore's errors for missing or damaged files
             raise ValueError(f"{folder}: the weights could not be read: array {name!r} could not be opened "
                              f"({type(e).__name__}: {e})") from None
-        if tuple(store.shape) != tuple(want.shape):
-            raise ValueError(f"{folder}: array {name!r} is stored with shape {tuple(store.shape)}, the model "
-                             f"expects {tuple(want.shape)}")
+        if tuple(stores[name].shape) != tuple(like[name].shape):
+            raise ValueError(f"{folder}: array {name!r} is stored with shape {tuple(stores[name].shape)}, the "
+                             f"model expects {tuple(like[name].shape)}")
+
+    def read(name: str) -> tuple[str, jax.Array]:
         try:
-            host = np.asarray(store.read().result())
+            host = np.asarray(stores[name].read().result())
         except Exception as e:
             raise ValueError(f"{folder}: the weights could not be read: array {name!r} ({type(e).__name__}: "
                              f"{e})") from None
-        if host.dtype != np.dtype(want.dtype):
-            host = host.astype(want.dtype)
+        if host.dtype != np.dtype(like[name].dtype):
+            host = host.astype(like[name].dtype)
         return name, jax.device_put(host, device)
 
     largest_first = sorted(like, key=lambda n: -int(np.prod(like[n].shape)) * np.dtype(like[n].dtype).itemsize)
-    with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(num_threads)
+    try:
         loaded = dict(pool.map(read, largest_first))
+    finally:  # on a failure, the arrays not yet begun are not read
+        pool.shutdown(wait=True, cancel_futures=True)
     return jax.block_until_ready({name: loaded[name] for name in like})  # on the device when this returns

@@ -67,6 +67,10 @@ def test_default_prefill_chunk_follows_the_windows():
     assert config.for_model((0, 128)).max_prefill_chunk == WINDOWED_PREFILL_CHUNK
     assert EngineConfig(max_step_tokens=64).for_model((0, 128)).max_prefill_chunk == 64
     assert EngineConfig(max_prefill_chunk=1024).for_model((0, 128)).max_prefill_chunk == 1024
+    # where the ring is capped by the capacity anyway, a smaller chunk would only slow prefill
+    assert config.for_model((0, 128), capacity=128 + WINDOWED_PREFILL_CHUNK - 1).max_prefill_chunk == 4096
+    assert config.for_model((0, 128), capacity=128 + WINDOWED_PREFILL_CHUNK).max_prefill_chunk == \
+        WINDOWED_PREFILL_CHUNK
     with pytest.raises(ValueError, match=r"max_prefill_chunk must be an int in \[min_prefill_chunk 16, "
                                          r"max_step_tokens 4096\], got 8"):
         EngineConfig(max_prefill_chunk=8)

@@ -82,3 +82,31 @@ def test_damaged_files_are_clear_errors(tmp_path, ocdbt):
     (folder / "_METADATA").unlink()
     with pytest.raises(ValueError, match=r"params: the weights could not be read: _METADATA is missing"):
         read_params(folder, like(params))
+
+
+def test_what_other_orbax_writers_leave(tmp_path, monkeypatch):
+    """Nested trees (names joined by dots), _METADATA without use_ocdbt, and chunks left out because they equal
+    the fill value (zarr3 writers that skip them): read as orbax reads them."""
+    import json
+
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    rng = np.random.default_rng(13)
+    nested = {"layers": {"0": {"w": jnp.asarray(rng.standard_normal((4, 6)), jnp.float32)}},
+              "bias": jnp.zeros((5,), jnp.float32)}
+    flat = {"layers.0.w": nested["layers"]["0"]["w"], "bias": nested["bias"]}
+    for ocdbt in (True, False):
+        folder = save(tmp_path / f"nested{ocdbt}", nested, ocdbt=ocdbt, compression=False)
+        meta = json.loads((folder / "_METADATA").read_text())
+        del meta["use_ocdbt"]
+        (folder / "_METADATA").write_text(json.dumps(meta))
+        got = read_params(folder, like(flat))
+        for name, want in flat.items():
+            np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want))
+    monkeypatch.setattr(tensorstore_utils, "STORE_ARRAY_DATA_EQUAL_TO_FILL_VALUE", False)
+    folder = tmp_path / "sparse"
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True)) as ckpt:
+        ckpt.save(folder.absolute(), args=ocp.args.PyTreeSave(flat))
+    got = read_params(folder, like(flat))
+    np.testing.assert_array_equal(np.asarray(got["bias"]), np.zeros(5, np.float32))
+    np.testing.assert_array_equal(np.asarray(got["layers.0.w"]), np.asarray(flat["layers.0.w"]))
