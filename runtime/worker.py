@@ -69,10 +69,10 @@ class EngineWorker:
         return self._thread.is_alive() and self.error is None
 
     def submit(self, job: Job) -> Job:
-        if not self.is_alive:
+        if self.is_alive:
+            self._send("add", job)
+        if not self.is_alive:  # dead before, or while, it was sent: its last drain may have missed this job
             job.push(Update(error=f"the engine is not running ({self.error or 'stopped'})"))
-            return job
-        self._send("add", job)
         return job
 
     def cancel(self, job: Job, client_gone: bool = False) -> None:
