@@ -2,7 +2,7 @@
 compiles quickly) once, then loads it in fresh processes three ways: the weights alone, the artifact without its
 executables, the whole artifact. Each way twice, interleaved.
 
-  python tools/gpu_artifact_load.py [PRESET] [--folder /tmp/glint-artifact]
+  python tools/gpu_artifact_load.py [PRESET] [--folder /tmp/glint-artifact] [--bench-geometry]
 """
 import argparse
 import json
@@ -34,12 +34,17 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("preset", nargs="?", default="llama3-8b")
     parser.add_argument("--folder", default="/tmp/glint-artifact")
+    parser.add_argument("--bench-geometry", action="store_true",
+                        help="export with the cold-start bench's geometry (max_seqs 256, 13 widths to 4096, KV pool "
+                        "from free memory) instead of a small one")
     args = parser.parse_args()
     from glint.export import export_engine
 
+    geometry = (dict(max_seqs=256, max_step_tokens=4096, capacity=512 + 256 + 4096, allow_long_context=True)
+                if args.bench_geometry else
+                dict(max_seqs=8, max_step_tokens=256, forward_sizes=(1, 8), capacity=1024, num_pages=512))
     t0 = time.time()
-    export_engine(args.preset, args.folder, show_progress=False, max_seqs=8, max_step_tokens=256,
-                  forward_sizes=(1, 8), capacity=1024, num_pages=512)
+    export_engine(args.preset, args.folder, show_progress=False, **geometry)
     print(f"exported in {time.time() - t0:.1f} s", flush=True)
     rows = []
     for way in ("weights", "no-executables", "artifact") * 2:
