@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
+from glint.runtime.commands import fill_defaults
 from glint.runtime.engine import Engine
 from glint.runtime.params import SamplingParams
 from glint.runtime.sampling import SamplerInputs
@@ -186,19 +187,6 @@ def workload_ceiling(engine: Engine, bench: StepBench, e2e: dict, flops: float) 
     decode_steps = g * -(-n // batch)
     decode_s = decode_steps * (bench.weight_bytes + bench.kv_bytes(batch, p + g // 2)) / bench.bandwidth
     return n * g / (prefill_s + decode_s)
-
-
-# What `glint bench` measures when not told: the H200 tables' sizes on a GPU; on a CPU, sizes that finish in
-# well under a minute on 2 cores (the numbers then only show that everything runs).
-GPU_DEFAULTS = dict(batch="1,8,32,64,128", prompt_len=512, gen_len=256, requests=256, max_step_tokens=4096,
-                    repeats=10)
-CPU_DEFAULTS = dict(batch="1,4", prompt_len=32, gen_len=8, requests=8, max_step_tokens=128, repeats=3)
-
-
-def fill_defaults(args, on_gpu: bool) -> None:
-    for name, value in (GPU_DEFAULTS if on_gpu else CPU_DEFAULTS).items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
 
 
 def engine_settings(args) -> dict:

@@ -54,14 +54,13 @@ class EngineConfig:
             raise ValueError(f"forward_sizes must be positive, got {self.forward_sizes}")
         if self.forward_sizes[-1] > self.max_step_tokens:
             raise ValueError(f"forward_sizes {self.forward_sizes} exceed max_step_tokens {self.max_step_tokens}")
+        why = " (deterministic runs every step at the widest forward size)" if self.deterministic else ""
         if self.min_prefill_chunk > self.max_step_tokens:
-            why = " (deterministic runs every step at the widest forward size)" if self.deterministic else ""
             raise ValueError(f"min_prefill_chunk {self.min_prefill_chunk} exceeds max_step_tokens "
                              f"{self.max_step_tokens}{why}")
         chunk = self.max_prefill_chunk
         if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool)
                                   or not self.min_prefill_chunk <= chunk <= self.max_step_tokens):
-            why = " (deterministic runs every step at the widest forward size)" if self.deterministic else ""
             raise ValueError(f"max_prefill_chunk must be an int in [min_prefill_chunk {self.min_prefill_chunk}, "
                              f"max_step_tokens {self.max_step_tokens}], got {chunk!r}{why}")
         if not 0 < self.memory_fraction <= 1:

@@ -194,7 +194,7 @@ class Engine:
 
     def stop_completion(self, rid: int, index: int) -> None:
         """Finish completion `index` of request `rid` now (as a stop); its siblings go on."""
-        completions = [self._request(rid), *self._children[rid]]
+        completions = self._completions(rid)
         if not 0 <= index < len(completions):
             raise ValueError(f"request {rid} has {len(completions)} completions so far; no completion {index}")
         req = completions[index]
@@ -212,13 +212,12 @@ class Engine:
     def output(self, rid: int, text: bool = True) -> RequestOutput:
         """Everything request `rid` has generated so far (its n completions), with finish reasons (and their
         text when the checkpoint has a tokenizer and `text`)."""
-        req = self._request(rid)
         outs = []
-        for r in [req, *self._children[rid]]:
+        for r in self._completions(rid):
             tokens = r.known_tokens
             outs.append(Completion(tokens, r.finish_reason, self._decode(tokens) if text else None,
                                    r.logprobs if r.params.logprobs else None))
-        return RequestOutput(rid, req.prompt, outs)
+        return RequestOutput(rid, self._requests[rid].prompt, outs)
 
     def is_finished(self, rid: int) -> bool:
         """Whether request `rid` and all its n completions are done (then `release` may forget it)."""
@@ -227,8 +226,7 @@ class Engine:
 
     def logprobs_since(self, rid: int, starts: Sequence[int]) -> list[list[dict[int, float]]]:
         """Per completion of `rid`, the logprobs of its tokens from `starts[i]` to what `new_tokens` handed out."""
-        req = self._request(rid)
-        completions = [req, *self._children[rid]]
+        completions = self._completions(rid)
         out = []
         for i, start in enumerate(starts):
             r = completions[i] if i < len(completions) else None  # an n > 1 completion not yet begun
@@ -242,19 +240,22 @@ class Engine:
         Each request has its own cursor, so streaming does not depend on who calls `step()`: one loop may
         drive the engine (or `generate()` other prompts) while callers stream their own requests.
         """
-        req = self._request(rid)
-        completions = [req, *self._children[rid]]
+        completions = self._completions(rid)
         out = []
         for r in completions:
             known = r.known_tokens
             out.append(known[r.num_read:])
             r.num_read = len(known)
-        return out + [[] for _ in range(req.params.n - len(completions))]
+        return out + [[] for _ in range(completions[0].params.n - len(completions))]
 
     def _request(self, rid: int) -> Request:
         if rid not in self._children:  # parents only
             raise ValueError(f"unknown request id {rid!r} (never added, a child of an n > 1 request, or released)")
         return self._requests[rid]
+
+    def _completions(self, rid: int) -> list[Request]:
+        """Request `rid` and its n > 1 siblings spawned so far, completion i at index i."""
+        return [self._request(rid), *self._children[rid]]
 
     def release(self, rid: int) -> None:
         """Forget a finished request's bookkeeping."""

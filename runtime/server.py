@@ -33,9 +33,12 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+    return JSONResponse(ApiError(status, message, kind, param).body(), status)
 
 
 class Api:
@@ -319,7 +322,7 @@ def create_app(worker: EngineWorker, model_name: str, *, api_key: str | None = N
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
-        return error_response(e.status, e.message, e.kind, e.param)
+        return JSONResponse(e.body(), e.status)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):  # unknown routes, wrong methods
@@ -441,7 +444,7 @@ def create_app(worker: EngineWorker, model_name: str, *, api_key: str | None = N
             except ClientGone:
                 return
             except ApiError as e:
-                yield sse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}})
+                yield sse(e.body())
             finally:  # also when the server closes this generator because the client left
                 run.close()
 
