@@ -22,7 +22,7 @@ class EngineConfig:
     page_size: int = 16
     max_step_tokens: int = 4096
     forward_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    max_sample_rows: int | None = None  # rows of logits a step returns; default max_seqs
+    max_sample_rows: int | None = None  # rows of logits a step returns; default max_seqs x speculative block
     min_prefill_chunk: int = 16
     # Most prompt tokens one sequence feeds per step. Sliding-window layers keep window + this - 1 rows per
     # sequence (a ring), so the default is 512 for models that have them, max_step_tokens otherwise.
@@ -37,10 +37,15 @@ class EngineConfig:
     # request's arithmetic is the same program's whatever shares its steps: bit-identical solo or batched.
     deterministic: bool = False
     compile_cache: bool = True  # JAX's persistent compilation cache in $GLINT_CACHE_DIR (~/.cache/glint)
+    # Speculative decoding: draft tokens a decoding sequence verifies per step (0: none; needs a drafter).
+    num_speculative_tokens: int = 0
 
     def __post_init__(self):
-        if self.max_sample_rows is None:  # every running sequence can sample in one step
-            object.__setattr__(self, "max_sample_rows", self.max_seqs)
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"num_speculative_tokens must be an int >= 0, got {k!r}")
+        if self.max_sample_rows is None:  # every running sequence can sample (verify its whole block) in one step
+            object.__setattr__(self, "max_sample_rows", self.max_seqs * (1 + k))
         object.__setattr__(self, "forward_sizes", tuple(sorted(set(int(w) for w in self.forward_sizes))))
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic must be a bool, got {self.deterministic!r}")
@@ -63,6 +68,10 @@ class EngineConfig:
                                   or not self.min_prefill_chunk <= chunk <= self.max_step_tokens):
             raise ValueError(f"max_prefill_chunk must be an int in [min_prefill_chunk {self.min_prefill_chunk}, "
                              f"max_step_tokens {self.max_step_tokens}], got {chunk!r}{why}")
+        if k + 1 > min(self.max_step_tokens, self.max_prefill_chunk or self.max_step_tokens):
+            raise ValueError(f"num_speculative_tokens {k} makes blocks of {k + 1} tokens, more than one sequence may "
+                             f"feed per step (max_step_tokens {self.max_step_tokens}, max_prefill_chunk "
+                             f"{self.max_prefill_chunk})")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.num_pages is not None and self.num_pages < 2:

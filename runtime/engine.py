@@ -14,12 +14,15 @@ from glint.kvcache import BatchControl, CacheConfig, default_num_pages
 from glint.runtime import compile_cache, interrupts
 from glint.runtime.config import EngineConfig
 from glint.runtime.params import SamplingParams
-from glint.runtime.programs import RUNTIME_PROGRAMS, DeviceMeta, ProgramSet, Runner, forward_name, num_segments
+from glint.runtime.programs import (RUNTIME_PROGRAMS, SPEC_PROGRAMS, DeviceMeta, ProgramSet, Runner, forward_name,
+                                    num_segments)
 from glint.runtime.request import Completion, Request, RequestOutput, Status
 from glint.runtime.sampling import SamplerInputs, uses_filters
 from glint.runtime.scheduler import Entry, Scheduler
+from glint.runtime import spec
 
 DEFAULT_MAX_CAPACITY = 32768
+DEFAULT_SPECULATIVE_TOKENS = 4  # draft tokens per step of the n-gram and oracle drafters unless told
 
 
 def resolved_capacity(model, config: EngineConfig) -> int:
@@ -52,6 +55,13 @@ class EngineStats:
     page_copies: int = 0  # copy-on-write page copies (n > 1 clones writing into a shared page)
     host_seconds: float = 0.0  # host busy: scheduling, metadata, dispatch, postprocessing
     wait_seconds: float = 0.0  # host blocked on the device's results
+    spec_steps: int = 0  # speculative blocks verified
+    spec_tokens: int = 0  # tokens they committed (accepted drafts + the target's own)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per speculative block (accepted draft tokens + 1); 0 before the first."""
+        return self.spec_tokens / self.spec_steps if self.spec_steps else 0.0
 
 
 @dataclasses.dataclass
@@ -65,6 +75,7 @@ class Sampled:
     num_cached: int  # the request's cached positions when it sampled (the prompt, for n > 1 clones)
     is_applied: bool = False  # its tokens were recorded (a resumed postprocess skips it)
     num_spawned: int = 0  # n > 1 children already spawned from it (a resumed postprocess spawns the rest)
+    block: int = 0  # a speculative block of this many rows (0: one token drawn)
 
 
 @dataclasses.dataclass
@@ -72,6 +83,7 @@ class InFlight:
     sampled: list[Sampled]
     next_tokens: jax.Array
     lp: object
+    accepted: jax.Array | None = None  # a speculative step: which rows accepted their draft token
 
 
 class Engine:
@@ -83,8 +95,9 @@ class Engine:
     """
 
     def __init__(self, model, graphdef, params, config: EngineConfig | None = None, tokenizer=None,
-                 warmup: bool = False):
-        """A live engine over a model config, its graph definition and (nested or flat) parameters."""
+                 warmup: bool = False, drafter=None):
+        """A live engine over a model config, its graph definition and (nested or flat) parameters; `drafter`
+        (`glint.runtime.spec`) proposes `config.num_speculative_tokens` tokens per decoding step."""
         from glint.export.checkpoint import flatten
         from glint.runtime.step import live_programs
 
@@ -96,14 +109,18 @@ class Engine:
             impl = "pallas" if jax.default_backend() == "gpu" else "reference"
         cache = cache_config_for(model, config)
         flat = flatten(params)  # programs take {"dotted.name": array}; a flat dict stays as it is
-        programs = live_programs(model, flat, cache, impl, config.buckets, config.max_seqs, config.max_sample_rows)
+        programs = live_programs(model, flat, cache, impl, config.buckets, config.max_seqs, config.max_sample_rows,
+                                 speculative=drafter is not None)
         self.graphdef = graphdef
-        self._start(model, config, cache, impl, programs, flat, tokenizer)
+        self._start(model, config, cache, impl, programs, flat, tokenizer, drafter)
         if warmup:
             self.warmup()
 
     def _start(self, model, config: EngineConfig, cache: CacheConfig, attention: str, programs: ProgramSet,
-               params: dict, tokenizer) -> None:
+               params: dict, tokenizer, drafter=None) -> None:
+        if (drafter is None) != (config.num_speculative_tokens == 0):
+            raise ValueError(f"num_speculative_tokens {config.num_speculative_tokens} needs a drafter (draft=...)"
+                             if drafter is None else "a drafter needs num_speculative_tokens >= 1")
         self.model, self.config, self.cache, self.tokenizer = model, config, cache, tokenizer
         self.attention, self.programs, self.params = attention, programs, params
         self.capacity = cache.capacity
@@ -112,7 +129,8 @@ class Engine:
                 raise ValueError(f"num_pages {cache.num_pages} cannot hold one sequence of capacity "
                                  f"{self.capacity} (needs {cache.group_pages_per_seq(g) + 1} pages)")
         self.control = BatchControl(cache)
-        self.scheduler = Scheduler(config, self.control)
+        self.drafter = drafter
+        self.scheduler = Scheduler(config, self.control, propose=None if drafter is None else self._propose)
         self.runner = Runner(programs)
         self.kv = self.runner.kv_init()
         self._requests: dict[int, Request] = {}
@@ -126,23 +144,33 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: str | None = None, warmup: bool = False, weights_seed: int = 0,
-                        **engine_config) -> Engine:
+                        draft: str | None = None, **engine_config) -> Engine:
         """An engine for an HF folder, an orbax folder, an exported artifact or a preset name (random weights).
 
         `dtype` defaults to the checkpoint's own (`torch_dtype` in config.json; bfloat16 for presets; an
         artifact keeps the dtype it was exported with). `weights_seed` seeds a preset's random weights.
-        Keyword arguments are EngineConfig fields (max_seqs, page_size, max_step_tokens, seed, ...).
+        `draft` turns on speculative decoding: "ngram" (prompt lookup) or "oracle" (replays continuations
+        given to `engine.drafter.record`), `num_speculative_tokens` draft tokens per step (default
+        DEFAULT_SPECULATIVE_TOKENS). Keyword arguments are EngineConfig fields (max_seqs, page_size,
+        max_step_tokens, seed, ...).
         """
         from glint.runtime.artifact import is_artifact
 
         if is_artifact(path):
+            if draft is not None:
+                raise ValueError(f"draft={draft!r}: speculative decoding runs on a live engine (a checkpoint or a "
+                                 "preset); an exported artifact has no verification programs")
             return cls.from_export(path, dtype=dtype, warmup=warmup, **engine_config)
         from glint.runtime.loading import load_model
 
+        drafter = None
+        if draft is not None:
+            engine_config.setdefault("num_speculative_tokens", DEFAULT_SPECULATIVE_TOKENS)
+            drafter = spec.host_drafter(draft, engine_config["num_speculative_tokens"])
         config = EngineConfig(**engine_config)
         compile_cache.configure(config.compile_cache)  # before loading: random weights compile too
         cfg, graphdef, params, tokenizer = load_model(path, dtype=dtype, seed=weights_seed)
-        return cls(cfg, graphdef, params, config, tokenizer=tokenizer, warmup=warmup)
+        return cls(cfg, graphdef, params, config, tokenizer=tokenizer, warmup=warmup, drafter=drafter)
 
     @classmethod
     def from_export(cls, folder: str, dtype: str | None = None, warmup: bool = False, compiled: bool = True,
@@ -216,7 +244,8 @@ class Engine:
         for r in self._completions(rid):
             tokens = r.known_tokens
             outs.append(Completion(tokens, r.finish_reason, self._decode(tokens) if text else None,
-                                   r.logprobs if r.params.logprobs else None))
+                                   r.logprobs if r.params.logprobs else None,
+                                   list(r.acceptance_lengths) if self.drafter is not None else None))
         return RequestOutput(rid, self._requests[rid].prompt, outs)
 
     def is_finished(self, rid: int) -> bool:
@@ -340,6 +369,8 @@ class Engine:
             self._unread, self._inflight = self._inflight, dispatched
         if self._unread is None and dispatched is None and self.scheduler.has_work():
             raise RuntimeError("no request can be scheduled: the KV pool is too small for the waiting requests")
+        if self.drafter is not None:  # a block's length depends on what the last one accepted: no overlap
+            self._unread, self._inflight = self._unread or self._inflight, None
         self.stats.host_seconds += time.perf_counter() - t0
         if self._unread is not None:
             self._read(self._unread)
@@ -351,17 +382,17 @@ class Engine:
     def _read(self, step: InFlight) -> None:
         """Wait for a dispatched step's tokens (interruptible), then apply them (not interruptible)."""
         t0 = time.perf_counter()
-        next_tokens, lp = self._fetch(step)
+        next_tokens, lp, accepted = self._fetch(step)
         t1 = time.perf_counter()
         with interrupts.deferred():
-            self._postprocess(step, next_tokens, lp)
+            self._postprocess(step, next_tokens, lp, accepted)
             self._unread = None
         self.stats.wait_seconds += t1 - t0
         self.stats.host_seconds += time.perf_counter() - t1
 
     @staticmethod
     def _fetch(step: InFlight):
-        return jax.device_get((step.next_tokens, step.lp))
+        return jax.device_get((step.next_tokens, step.lp, step.accepted))
 
     def _undeliver(self, new: dict[int, list[int]]) -> None:
         """Put back tokens a call took but could not return (it is raising an interrupt instead)."""
@@ -379,11 +410,20 @@ class Engine:
             raise RuntimeError("a single sequence does not fit in the KV pool")
         return entries
 
+    def _propose(self, req: Request, room: int) -> list[int]:
+        """A decoding request's draft tokens: at most `room`, none past its max_tokens or the capacity; none for
+        the first token (a prompt's last chunk draws it, however the prompt was chunked)."""
+        if not req.generated:
+            return []
+        k = min(self.config.num_speculative_tokens, room, req.params.max_tokens - len(req.generated) - 1,
+                self.capacity - req.num_cached - 1)
+        return self.drafter.propose(req.prompt + req.generated, len(req.prompt), k) if k > 0 else []
+
     def _dispatch(self, entries: list[Entry]) -> InFlight:
         width = self.config.bucket_for(sum(e.count for e in entries))
         meta = self.control.prepare_step(width=width, num_segments=num_segments(width, self.config.max_seqs))
-        tokens, token_src, rows, sample_reqs = self._pack(entries, width)
-        next_tokens, lp = self._run(width, meta, tokens, token_src, rows, sample_reqs)
+        tokens, token_src, rows, sample_reqs, proposed = self._pack(entries, width)
+        next_tokens, lp, accepted = self._run(width, meta, tokens, token_src, rows, sample_reqs, proposed)
         self.control.commit_step()
         self.stats.steps_per_bucket[width] += 1
         sampled, row = [], 0
@@ -391,52 +431,72 @@ class Engine:
             e.req.num_cached += e.count
             self.stats.fed_tokens += e.count
             if e.samples:
-                sampled.append(Sampled(e.req, row, len(e.req.generated), e.samples - 1, e.req.num_cached))
+                children = 0 if e.draft else e.samples - 1
+                sampled.append(Sampled(e.req, row, len(e.req.generated), children, e.req.num_cached,
+                                       block=e.count if e.draft else 0))
                 e.req.generated.append(-(row + 1))  # placeholder: row `row` of this step's output
                 e.req.num_children = 0
                 row += e.samples
-        return InFlight(sampled, next_tokens, lp)
+        return InFlight(sampled, next_tokens, lp, accepted)
 
-    def _run(self, width: int, meta, tokens, token_src, rows, sample_reqs):
-        """Launch the step's programs: page copies, the forward, and top-k/top-p or logprobs when asked."""
+    def _run(self, width: int, meta, tokens, token_src, rows, sample_reqs, proposed):
+        """Launch the step's programs: page copies, the forward, and top-k/top-p, speculative verification or
+        logprobs when asked."""
         rows_out = self.config.max_sample_rows
         prev = self._inflight.next_tokens if self._inflight else np.zeros(rows_out, np.int32)
         if any(len(c) for c in meta.copies):
             self.kv = self.runner.copy(self.kv, meta.copies)
             self.stats.page_copies += sum(len(c) for c in meta.copies)
-        params = [r.params for r, _ in sample_reqs]
-        sampler = SamplerInputs.from_params(params, [len(r.prompt) + len(r.generated) for r, _ in sample_reqs],
-                                            rows=rows_out, seeds=[s for _, s in sample_reqs])
+        params = [r.params for r, _, _ in sample_reqs]
+        sampler = SamplerInputs.from_params(params, [p for _, _, p in sample_reqs], rows=rows_out,
+                                            seeds=[s for _, s, _ in sample_reqs])
         padded_rows = np.zeros(rows_out, np.int32)
         padded_rows[:len(rows)] = rows
         next_tokens, logits, self.kv = self.runner.forward(width, self.params, self.kv, tokens, token_src, prev,
                                                            DeviceMeta.from_host(meta), padded_rows, sampler)
-        if uses_filters(params):
+        accepted = None
+        if proposed is not None:
+            next_tokens, accepted = self.runner.accept(logits, sampler, proposed, uses_filters(params))
+        elif uses_filters(params):
             next_tokens = self.runner.sample(logits, sampler)
         lp = self.runner.logprobs(logits, next_tokens) if any(p.logprobs for p in params) else None
-        return next_tokens, lp
+        return next_tokens, lp, accepted
 
     def _pack(self, entries: list[Entry], width: int):
-        """Token ids (from the host, or `token_src` rows of the previous step's output), sampled rows."""
+        """Token ids (from the host, or `token_src` rows of the previous step's output), sampled rows as
+        (request, seed, position), and the draft token each row verifies (None: no speculative block)."""
         chunks, rows, sample_reqs, start = [], [], [], 0
+        proposed = np.full(self.config.max_sample_rows, -1, np.int32) if any(e.draft for e in entries) else None
         for e in entries:
+            position = len(e.req.prompt) + len(e.req.generated)  # of the token its (first) row draws
+            if e.draft:  # the last known token, then the draft; row i draws position + i and verifies draft[i]
+                chunks.append(e.req.token_slice(e.req.num_cached, 1) + e.draft)
+                proposed[len(rows):len(rows) + len(e.draft)] = e.draft
+                rows.extend(range(start, start + e.count))
+                sample_reqs.extend((e.req, e.req.seed, position + i) for i in range(e.count))
+                start += e.count
+                continue
             chunks.append(e.req.token_slice(e.req.num_cached, e.count))
             start += e.count
             for i in range(e.samples):
                 rows.append(start - 1)
-                sample_reqs.append((e.req, self._child_seed(e.req, i)))
+                sample_reqs.append((e.req, self._child_seed(e.req, i), position))
         ids = np.zeros(width, np.int32)
         ids[:start] = [t for chunk in chunks for t in chunk]
         tokens, token_src = np.maximum(ids, 0), np.where(ids < 0, -ids - 1, -1).astype(np.int32)
         token_src[start:] = -1
-        return tokens, token_src, rows, sample_reqs
+        return tokens, token_src, rows, sample_reqs, proposed
 
-    def _postprocess(self, step: InFlight, next_tokens: np.ndarray, lp) -> None:
+    def _postprocess(self, step: InFlight, next_tokens: np.ndarray, lp, accepted) -> None:
         """Apply a step's tokens (into `_undelivered`); resumable: a request already applied is skipped."""
         new = self._undelivered
         for s in step.sampled:
             if s.is_applied or s.req.status is Status.FINISHED:
                 continue  # applied by an earlier, interrupted call; or finished or aborted while this step ran
+            if s.block:
+                self._commit_block(s, next_tokens, lp, accepted, new)
+                s.is_applied = True
+                continue
             drawn = next_tokens[s.row:s.row + 1 + s.num_children].tolist()
             k = s.req.params.logprobs
             lps = [self._row_logprobs(lp, s.row + i, k, t) if k else None for i, t in enumerate(drawn)]
@@ -448,6 +508,25 @@ class Engine:
             s.req.generated[s.index] = drawn[0]
             self._accept(s.req, drawn[0], s.index + 1, lps[0], new)
             s.is_applied = True
+
+    def _commit_block(self, s: Sampled, next_tokens, lp, accepted, new: dict[int, list[int]]) -> None:
+        """Record what a speculative block committed and rewind the cache over the rejected rest."""
+        req, k = s.req, s.req.params.logprobs
+        tokens = spec.committed(next_tokens, accepted, s.row, s.block)
+        req.acceptance_lengths.append(len(tokens))
+        self.stats.spec_steps += 1
+        self.stats.spec_tokens += len(tokens)
+        del req.generated[s.index:]  # the placeholder
+        for i, token in enumerate(tokens):
+            req.generated.append(token)
+            self._accept(req, token, s.index + 1 + i, self._row_logprobs(lp, s.row + i, k, token) if k else None, new)
+            if req.status is Status.FINISHED:
+                return
+        kept = s.num_cached - s.block + len(tokens)  # the block's tokens before the last committed one
+        if not self.control.rewind(req.seq, kept):
+            raise RuntimeError(f"sequence {req.seq} cannot rewind to {kept}: a ring layer lost the window (the "
+                               "cache geometry must hold window + max_seq_write - 1 rows)")
+        req.num_cached = kept
 
     def _spawn_child(self, s: Sampled, i: int, token: int, lp, new: dict[int, list[int]]) -> None:
         """Completion i of an n > 1 request: a clone of the prompt's pages, with its own first token."""
@@ -541,7 +620,8 @@ class Engine:
 
     def program_names(self) -> list[str]:
         """Every program this engine may run: decode widths first (a server needs them first), then the rest."""
-        return [forward_name(w) for w in self.config.buckets] + list(RUNTIME_PROGRAMS)
+        spec_programs = list(SPEC_PROGRAMS) if self.drafter is not None else []
+        return [forward_name(w) for w in self.config.buckets] + list(RUNTIME_PROGRAMS) + spec_programs
 
     def warmup(self, progress: bool = True) -> dict[str, float]:
         """Compile every program (all step widths, top-k/top-p sampling, logprobs, page copies) in parallel

@@ -29,6 +29,7 @@ class Request:
     num_cached: int = 0
     finish_reason: str | None = None
     num_read: int = 0  # tokens `Engine.new_tokens` has handed out
+    acceptance_lengths: list[int] = field(default_factory=list)  # per speculative step: accepted drafts + 1
 
     @property
     def known_tokens(self) -> list[int]:
@@ -57,6 +58,7 @@ class Completion:
     finish_reason: str | None
     text: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    acceptance_lengths: list[int] | None = None  # speculative decoding: per step, accepted draft tokens + 1
 
 
 @dataclass
@@ -78,3 +80,7 @@ class RequestOutput:
     @property
     def text(self) -> str | None:
         return self.outputs[0].text
+
+    @property
+    def acceptance_lengths(self) -> list[int] | None:
+        return self.outputs[0].acceptance_lengths

@@ -123,32 +123,33 @@ def _gumbel_noise(seed: jax.Array, position: jax.Array, vocab_size: int) -> jax.
     return jax.vmap(row_noise)(seed, position)
 
 
-def _filtered_draw(
-    scaled: jax.Array, noise: jax.Array, top_k: jax.Array, top_p: jax.Array
-) -> jax.Array:
-    """Gumbel-max over the top-k, then top-p, tokens of each row.
+def filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The tokens each row keeps: its top-k, then of those its top-p nucleus.
 
-    scaled, noise: f32[R, V]; top_k: i32[R]; top_p: f32[R] -> i32[R].
+    scaled: f32[R, V] (temperature applied); top_k: i32[R]; top_p: f32[R] -> bool[R, V], by token id.
     """
     vocab_size = scaled.shape[1]
     token_ids = lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
     # One stable ascending sort of -logits per row: descending logits, ties by
     # ascending id. Negation is exact, so sorted values equal the scaled ones.
     neg_sorted, order = lax.sort((-scaled, token_ids), dimension=1, num_keys=1, is_stable=True)
-    sorted_logits = -neg_sorted  # [R, V]
     rank = token_ids  # rank j of sorted column j
     k = jnp.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)
     keep = rank < k[:, None]
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    probs = jax.nn.softmax(jnp.where(keep, -neg_sorted, -jnp.inf), axis=-1)
     # Keep a token while the mass ranked strictly above it is < top_p: the smallest
     # prefix reaching top_p, never empty. top_p == 1 keeps all, whatever the rounding.
     mass_above = jnp.pad(jnp.cumsum(probs, axis=-1)[:, :-1], ((0, 0), (1, 0)))
     keep &= (mass_above < top_p[:, None]) | (top_p[:, None] >= 1)
-    # Noise is looked up by token id, so an unfiltered row draws the same token here
-    # as on the sort-free path.
-    perturbed = sorted_logits + jnp.take_along_axis(noise, order, axis=1)
-    best_rank = jnp.argmax(jnp.where(keep, perturbed, -jnp.inf), axis=-1)
-    return jnp.take_along_axis(order, best_rank[:, None], axis=1)[:, 0]
+    rows = lax.broadcasted_iota(jnp.int32, scaled.shape, 0)
+    return jnp.zeros(scaled.shape, bool).at[rows, order].set(keep)
+
+
+def _scaled(logits: jax.Array, inputs: SamplerInputs):
+    """(whether each row samples bool[R], logits / temperature f32[R, V]; greedy rows divided by 1)."""
+    is_sampled = inputs.temperature > 0
+    temperature = jnp.where(is_sampled, inputs.temperature, 1.0).astype(jnp.float32)
+    return is_sampled, logits.astype(jnp.float32) / temperature[:, None]
 
 
 def sample(logits: jax.Array, inputs: SamplerInputs, *, is_filtered: bool = True) -> jax.Array:
@@ -170,15 +171,11 @@ def sample(logits: jax.Array, inputs: SamplerInputs, *, is_filtered: bool = True
         if shape != (num_rows,):
             raise ValueError(f"inputs.{field.name} has shape {shape}, logits need ({num_rows},)")
     greedy = sample_argmax(logits)
-    is_sampled = inputs.temperature > 0
-    temperature = jnp.where(is_sampled, inputs.temperature, 1.0).astype(jnp.float32)
-    scaled = logits.astype(jnp.float32) / temperature[:, None]
-    noise = _gumbel_noise(inputs.seed.astype(jnp.uint32), inputs.position, vocab_size)
-    if is_filtered:
-        drawn = _filtered_draw(scaled, noise, inputs.top_k, inputs.top_p)
-    else:
-        drawn = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
-    return jnp.where(is_sampled, drawn, greedy)
+    is_sampled, scaled = _scaled(logits, inputs)
+    perturbed = scaled + _gumbel_noise(inputs.seed.astype(jnp.uint32), inputs.position, vocab_size)
+    if is_filtered:  # noise is looked up by token id, so an unfiltered row draws the same token either way
+        perturbed = jnp.where(filter_mask(scaled, inputs.top_k, inputs.top_p), perturbed, -jnp.inf)
+    return jnp.where(is_sampled, jnp.argmax(perturbed, axis=-1).astype(jnp.int32), greedy)
 
 
 class Logprobs(NamedTuple):

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from glint.kvcache import BatchControl
 from glint.runtime.config import EngineConfig
@@ -11,11 +12,15 @@ from glint.runtime.request import Request, Status
 
 @dataclass
 class Entry:
-    """`count` tokens of `req` starting at its `num_cached`; `samples` rows drawn from its last token."""
+    """`count` tokens of `req` starting at its `num_cached`; `samples` rows drawn from its last token.
+
+    A speculative block: its last known token then `draft` (count = samples = 1 + len(draft), a row per token).
+    """
 
     req: Request
     count: int
     samples: int  # 0: a prefill chunk that does not reach the end of the known tokens
+    draft: list[int] = field(default_factory=list)  # < 0: -(i + 1) is row i of the device drafter's output
 
 
 class Scheduler:
@@ -23,11 +28,13 @@ class Scheduler:
 
     A step holds at most `max_step_tokens` tokens and `max_sample_rows` sampled rows; a prefill chunk
     is at least `min_prefill_chunk` tokens unless less of the prompt is left, and at most
-    `max_prefill_chunk` (resolved by `EngineConfig.for_model`).
+    `max_prefill_chunk` (resolved by `EngineConfig.for_model`). With `propose` (speculative decoding), a decoding
+    request also feeds the draft tokens `propose(req, room)` gives it (at most `room`), verified in the same step.
     """
 
-    def __init__(self, config: EngineConfig, control: BatchControl):
-        self.config, self.control = config, control
+    def __init__(self, config: EngineConfig, control: BatchControl,
+                 propose: Callable[[Request, int], list[int]] | None = None):
+        self.config, self.control, self.propose = config, control, propose
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -65,6 +72,10 @@ class Scheduler:
         if len(req.generated) >= req.params.max_tokens:
             return None  # its last token is still in flight
         pending = req.num_pending
+        if pending == 1 and not req.num_children and self.propose is not None and min(budget, rows) > 1:
+            draft = self.propose(req, min(budget, rows) - 1)
+            if draft:
+                return Entry(req, 1 + len(draft), 1 + len(draft), draft)
         count = min(pending, budget, self.config.max_prefill_chunk)
         if count < min(pending, self.config.min_prefill_chunk):
             return None

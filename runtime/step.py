@@ -20,9 +20,10 @@ from glint.model.config import ModelConfig
 from glint.pallas_kernels import (ring_write, ring_write_reference, varlen_attention,
                                   varlen_attention_reference)
 from glint.runtime.params import MAX_LOGPROBS
-from glint.runtime.programs import (COPY_DONATE_ARGNUMS, FORWARD_DONATE_ARGNUMS, DeviceMeta, Program, ProgramSet,
-                                    abstract_args, forward_name)
+from glint.runtime.programs import (COPY_DONATE_ARGNUMS, FORWARD_DONATE_ARGNUMS, SPEC_PROGRAMS, DeviceMeta, Program,
+                                    ProgramSet, abstract_args, forward_name)
 from glint.runtime.sampling import SamplerInputs, logprobs, sample, sample_argmax
+from glint.runtime.spec import accept
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,14 @@ def _logprobs(logits, tokens):
     return tuple(logprobs(logits, tokens, MAX_LOGPROBS))
 
 
+def _accept_fn(is_filtered: bool):
+    return jax.jit(lambda logits, sampler, proposed: accept(logits, SamplerInputs(*sampler), proposed,
+                                                             is_filtered=is_filtered))
+
+
+_ACCEPT = {name: _accept_fn(f) for name, f in zip(SPEC_PROGRAMS, (False, True))}
+
+
 @functools.lru_cache(maxsize=16)
 def make_kv_init_fn(cache: CacheConfig):
     """The zeroed KV pools, (k, v): a program, so an engine (an artifact too) creates them without compiling."""
@@ -121,11 +130,14 @@ def make_copy_fn(cache: CacheConfig):
 
 
 def live_programs(model: ModelConfig, params: dict, cache: CacheConfig, impl: str, widths, max_seqs: int,
-                  rows: int) -> ProgramSet:
-    """Every program an engine runs, for the live model (params: the flat parameter dict)."""
+                  rows: int, speculative: bool = False) -> ProgramSet:
+    """Every program an engine runs, for the live model (params: the flat parameter dict); `speculative` adds
+    the verification programs."""
     fns = {forward_name(w): make_step_fn(model, cache, impl) for w in widths}
     fns.update(sample=_sample_filtered, sample_argmax=_sample_argmax, logprobs=_logprobs, copy=make_copy_fn(cache),
                kv_init=make_kv_init_fn(cache))
+    if speculative:
+        fns.update(_ACCEPT)
     programs = {name: Program(fn, abstract_args(name, params, cache, max_seqs, rows, model.vocab_size))
                 for name, fn in fns.items()}
     identity = repr((model, cache, impl, max_seqs, rows, sorted((k, v.shape, str(v.dtype)) for k, v in params.items())))

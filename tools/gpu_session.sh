@@ -41,4 +41,17 @@ case "${1:-all}" in
       > "$out/cold_glimmer.log" 2>&1
     tail -14 "$out/cold_glimmer.log"
     ;;
+  serve)  # glint serve + the load generator, then the same mix in process (~9 min)
+    python3 -m glint.runtime.cli serve llama3-8b --max-seqs 256 --capacity 1024 > "$out/serve.log" 2>&1 &
+    server=$!
+    for _ in $(seq 400); do grep -q "glint: serving" "$out/serve.log" && break; sleep 1; done
+    tail -3 "$out/serve.log"
+    timeout 120 python3 -m glint.runtime.cli bench llama3-8b --server http://127.0.0.1:8000 --requests 256 \
+      --concurrency 256 --prompt-len 512 --gen-len 128 --json "$out/serve_bench.json" > "$out/serve_bench.log" 2>&1
+    tail -20 "$out/serve_bench.log"
+    kill $server; wait $server
+    timeout 240 python3 -m glint.runtime.cli bench llama3-8b --batch 256 --prompt-len 512 --gen-len 128 \
+      --requests 256 --e2e-gen-len 128 --repeats 2 --json "$out/inproc.json" > "$out/inproc.log" 2>&1
+    tail -25 "$out/inproc.log"
+    ;;
 esac

@@ -1,0 +1,236 @@
+"""Speculative decoding on CPU: lossless against transformers and against plain runs, caches after rejection,
+the acceptance rule's distribution, bad input."""
+import json
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import STORIES
+from scipy import stats
+
+from glint.model import transformer
+from glint.model.presets import preset
+from glint.runtime.config import EngineConfig
+from glint.runtime.engine import Engine
+from glint.runtime.params import SamplingParams
+from glint.runtime.sampling import SamplerInputs
+from glint.runtime.spec import NgramDrafter, OracleDrafter, accept
+
+SMALL = dict(max_seqs=8, page_size=8, max_step_tokens=64, forward_sizes=(1, 4, 16, 32), num_pages=160,
+             capacity=256, min_prefill_chunk=2)
+K = 3
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def perturbed(tokens: list[int], vocab: int, every: int, salt: int) -> list[int]:
+    """The continuation with every `every`-th token replaced by another id: the oracle then proposes wrong
+    tokens at known places."""
+    out = list(tokens)
+    for i in range(salt % every, len(out), every):
+        out[i] = (out[i] + 1 + zlib.crc32(bytes([i, salt])) % (vocab - 1)) % vocab
+    return out
+
+
+def expected_acceptance(reference: list[int], proposals: list[int], k: int) -> list[int]:
+    """Greedy acceptance of the oracle's proposals against the true greedy tokens, step by step: a block
+    from g known tokens proposes proposals[g:g + k'] and commits the agreeing prefix + 1 token."""
+    lengths, g, n = [], 1, len(reference)  # the first token comes from the prefill, not a block
+    while g < n:
+        kk = min(k, n - g - 1)
+        draft = proposals[g:g + kk]
+        if not draft:
+            g += 1
+            continue
+        a = next((i for i, t in enumerate(draft) if t != reference[g + i]), len(draft))
+        lengths.append(a + 1)
+        g += a + 1
+    return lengths
+
+
+def test_oracle_with_wrong_tokens_keeps_transformers_tokens(hf_fixture):
+    """Batched speculative decoding where the oracle is wrong at known places gives transformers' greedy
+    tokens, with acceptance lengths as greedy acceptance defines them; small prefill chunks keep the
+    sliding-window rings at window + chunk - 1 rows, so rewinds happen right at the ring floor."""
+    cases = json.loads((hf_fixture / "reference.json").read_text())["cases"]
+    vocab = json.loads((hf_fixture / "config.json").read_text())["vocab_size"]
+    n = len(cases[0]["greedy"])
+    engine = Engine.from_pretrained(str(hf_fixture), dtype="float32", draft="oracle", num_speculative_tokens=K,
+                                    **dict(SMALL, max_prefill_chunk=K + 1))
+    proposals = []
+    for i, case in enumerate(cases):
+        proposals.append(perturbed(case["greedy"], vocab, every=3 + i % 3, salt=i))
+        engine.drafter.record(case["prompt"], proposals[-1])
+    outs = engine.generate([c["prompt"] for c in cases], greedy(n))
+    checked = 0
+    for case, out, prop in zip(cases, outs, proposals):
+        if case["greedy_min_gap"] < 1e-3:
+            continue
+        assert out.token_ids == case["greedy"]
+        assert out.acceptance_lengths == expected_acceptance(case["greedy"], prop, K)
+        checked += 1
+    assert checked >= 1
+    lengths = [a for o in outs for a in o.acceptance_lengths]
+    assert 1 in lengths and max(lengths) == K + 1  # rejected and fully accepted blocks both happened
+    assert engine.stats.mean_acceptance_length == pytest.approx(np.mean(lengths))
+    assert all(engine.control.pages_in_use(g) == 0 for g in range(engine.cache.num_groups))
+
+
+def test_ngram_on_stories_is_lossless_and_accepts():
+    """Prompt lookup on a real model's repetitive greedy text: the same 200 tokens as llama2.c, and the
+    repeats are accepted (more than one token per block on average)."""
+    case = json.loads((STORIES / "reference.json").read_text())["cases"][0]
+    engine = Engine.from_pretrained(str(STORIES), draft="ngram", num_speculative_tokens=4,
+                                    **dict(SMALL, capacity=512, num_pages=200))
+    out = engine.generate([case["prompt"]], greedy(len(case["greedy"])))[0]
+    assert out.token_ids == case["greedy"]
+    assert engine.stats.mean_acceptance_length > 1.2
+    assert sum(out.acceptance_lengths) <= len(case["greedy"]) - 1
+
+
+def _tiny(**config):
+    cfg = preset("tiny", dtype="float32")
+    graphdef, params = transformer.split(transformer.init_model(cfg, 3))
+    return cfg, graphdef, params
+
+
+def test_batched_with_preemption_equals_plain_runs():
+    """Many prompts through a pool too small for all of them (preemption, recompute) with a drafter that is
+    right and wrong: every output equals its plain run."""
+    cfg, graphdef, params = _tiny()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, cfg.vocab_size, int(rng.integers(3, 30))).tolist() for _ in range(10)]
+    plain = Engine(cfg, graphdef, params, EngineConfig(**SMALL))
+    refs = [o.token_ids for o in plain.generate(prompts, greedy(24))]
+    for drafter in (NgramDrafter(K), OracleDrafter(K)):
+        if isinstance(drafter, OracleDrafter):
+            for i, (p, r) in enumerate(zip(prompts, refs)):
+                drafter.record(p, perturbed(r, cfg.vocab_size, every=4, salt=i))
+        engine = Engine(cfg, graphdef, params, EngineConfig(**dict(SMALL, num_pages=16, capacity=96), num_speculative_tokens=K),
+                        drafter=drafter)
+        outs = engine.generate(prompts, greedy(24))
+        assert [o.token_ids for o in outs] == refs
+        assert engine.stats.preemptions > 0 and engine.stats.spec_steps > 0
+
+
+def _kv_at(engine: Engine, seq: int, positions: np.ndarray):
+    """Every layer's K and V rows of `seq` at logical `positions`, read through its page table."""
+    out = []
+    for layer in range(engine.cache.num_layers):
+        group = engine.cache.layer_group[layer]
+        ring = engine.cache.group_ring_rows(group)
+        rows = positions % ring if ring else positions
+        pages = engine.control.page_table(group)[seq][rows // engine.cache.page_size]
+        for pool in (engine.kv.k[layer], engine.kv.v[layer]):
+            out.append(np.asarray(pool)[pages, rows % engine.cache.page_size])
+    return out
+
+
+def test_cache_after_rejections_equals_plain_cache():
+    """After blocks whose tails were rejected and rewound, the KV rows at every position the sequence holds
+    (the last ring_rows positions in ring layers) equal a plain run's."""
+    cfg, graphdef, params = _tiny()
+    prompt = list(range(5, 25))
+    plain = Engine(cfg, graphdef, params, EngineConfig(**SMALL))
+    ref = plain.generate([prompt], greedy(40))[0].token_ids
+    drafter = OracleDrafter(K, {tuple(prompt): perturbed(ref, cfg.vocab_size, every=3, salt=1)})
+    engines = [Engine(cfg, graphdef, params, EngineConfig(**SMALL)),
+               Engine(cfg, graphdef, params, EngineConfig(**SMALL, num_speculative_tokens=K), drafter=drafter)]
+    rids = [e.add_request(prompt, greedy(60)) for e in engines]
+    for e, rid in zip(engines, rids):
+        while len(e.output(rid).token_ids) < 36:
+            e.step()
+    spec = engines[1]
+    assert 1 in spec.output(rids[1]).acceptance_lengths  # blocks were rejected
+    reqs = [e._requests[rid] for e, rid in zip(engines, rids)]
+    held = min(r.num_cached for r in reqs)
+    rings = [spec.cache.group_ring_rows(g) for g in range(spec.cache.num_groups) if spec.cache.group_ring_rows(g)]
+    positions = np.arange(max(0, held - min(rings, default=held)), held)
+    for a, b in zip(_kv_at(engines[0], reqs[0].seq, positions), _kv_at(spec, reqs[1].seq, positions)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_accept_rule_keeps_the_target_distribution():
+    """The acceptance rule alone, many seeds of one row: tokens follow softmax(logits / T) (chi-square),
+    with and without top-k, and a proposal is accepted with its probability; greedy rows accept exactly the
+    argmax."""
+    rows, vocab = 20000, 7
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=vocab) * 1.5, jnp.float32)
+    for top_k, proposal in ((0, 2), (4, 0), (0, int(np.argmax(logits)))):
+        temperature = 0.8
+        z = np.asarray(logits, np.float64) / temperature
+        if top_k:
+            z[np.argsort(-z)[top_k:]] = -np.inf
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        sampler = SamplerInputs(jnp.full(rows, temperature, jnp.float32), jnp.full(rows, top_k, jnp.int32),
+                                jnp.ones(rows, jnp.float32), jnp.arange(rows, dtype=jnp.uint32),
+                                jnp.full(rows, 7, jnp.int32))
+        tokens, accepted = jax.jit(accept, static_argnames="is_filtered")(
+            jnp.tile(logits, (rows, 1)), sampler, jnp.full(rows, proposal, jnp.int32), is_filtered=top_k > 0)
+        tokens, accepted = np.asarray(tokens), np.asarray(accepted)
+        counts = np.bincount(tokens, minlength=vocab)
+        kept = p > 0
+        assert counts[~kept].sum() == 0
+        assert stats.chisquare(counts[kept], p[kept] * rows).pvalue > 1e-3
+        assert (tokens[accepted] == proposal).all()
+        assert abs(accepted.mean() - p[proposal]) < 4 * np.sqrt(p[proposal] * (1 - p[proposal]) / rows) + 1e-9
+    greedy_sampler = SamplerInputs(jnp.zeros(3), jnp.zeros(3, jnp.int32), jnp.ones(3), jnp.zeros(3, jnp.uint32),
+                                   jnp.zeros(3, jnp.int32))
+    best = int(np.argmax(logits))
+    tokens, accepted = accept(jnp.tile(logits, (3, 1)), greedy_sampler, jnp.asarray([best, (best + 1) % vocab, -1]),
+                              is_filtered=False)
+    assert np.asarray(accepted).tolist() == [True, False, False] and np.asarray(tokens).tolist() == [best] * 3
+
+
+def test_sampling_with_speculation_keeps_the_joint_distribution():
+    """Seeded sampling through the engine: the first two tokens of many requests, the second verified from
+    an oracle proposal, follow the model's joint distribution (computed by the dense full-sequence path)."""
+    cfg, graphdef, params = _tiny()
+    prompt, top_k, temperature, n = [4, 9, 17, 30], 3, 1.0, 2400
+    full = lambda toks: np.asarray(transformer.full_sequence_logits(graphdef, params, toks)[-1], np.float64)  # noqa: E731
+
+    def dist(logits):
+        z = logits / temperature
+        z[np.argsort(-z, kind="stable")[top_k:]] = -np.inf
+        p = np.exp(z - z.max())
+        return p / p.sum()
+
+    p1 = dist(full(prompt))
+    first = int(np.argmax(p1))
+    drafter = OracleDrafter(K, {tuple(prompt): [first, int(np.argmax(full(prompt + [first]))), 0]})
+    engine = Engine(cfg, graphdef, params, EngineConfig(**dict(SMALL, max_seqs=32, num_pages=200),
+                                                        num_speculative_tokens=K), drafter=drafter)
+    params_list = [SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, seed=s, ignore_eos=True)
+                   for s in range(n)]
+    outs = engine.generate([prompt] * n, params_list)
+    assert engine.stats.spec_steps > 0
+    pairs = {}
+    for o in outs:
+        key = tuple(o.token_ids[:2])
+        pairs[key] = pairs.get(key, 0) + 1
+    expected = {}
+    for t1 in np.flatnonzero(p1 > 0):
+        p2 = dist(full(prompt + [int(t1)]))
+        for t2 in np.flatnonzero(p2 > 0):
+            expected[(int(t1), int(t2))] = p1[t1] * p2[t2] * n
+    assert set(pairs) <= set(expected)
+    cells = sorted(expected)
+    observed = np.array([pairs.get(c, 0) for c in cells])
+    assert stats.chisquare(observed, np.array([expected[c] for c in cells])).pvalue > 1e-3
+
+
+def test_bad_draft_settings_are_clear_errors(tmp_path):
+    cfg, graphdef, params = _tiny()
+    with pytest.raises(ValueError, match="num_speculative_tokens 3 needs a drafter"):
+        Engine(cfg, graphdef, params, EngineConfig(**SMALL, num_speculative_tokens=3))
+    with pytest.raises(ValueError, match="num_speculative_tokens 80 makes blocks of 81 tokens"):
+        EngineConfig(**SMALL, num_speculative_tokens=80)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an int >= 0, got -1"):
+        EngineConfig(num_speculative_tokens=-1)
+    with pytest.raises(ValueError, match="draft 'medusa' is not a drafter kind"):
+        Engine.from_pretrained("tiny", draft="medusa")
