@@ -164,18 +164,31 @@ class Transformer(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens, positions, attend: AttentionBackend, cache, meta):
-        """tokens, positions i32[T]; cache: a per-layer sequence handed to the backend (or None)."""
+    def __call__(self, tokens, positions, attend: AttentionBackend, cache, meta, taps: tuple[int, ...] = ()):
+        """tokens, positions i32[T]; cache: a per-layer sequence handed to the backend (or None).
+
+        With `taps` (layer ids) it also returns the residual stream after each tapped layer, concatenated
+        in the order given: f[T, len(taps) * hidden_size], what a DFlash draft reads. As HF's
+        hidden_states[-1], a tap on the last layer reads the final-normed output.
+        """
+        bad = [i for i in taps if not 0 <= i < self.cfg.num_layers]
+        if bad:
+            raise ValueError(f"taps {bad} are not layer ids of a {self.cfg.num_layers}-layer model")
         x = self.embed[...][tokens]
         if self.cfg.embed_scale:  # Gemma rounds the normaliser to the activation dtype
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
-        rope, new_cache = rope_tables(self.cfg, positions), []
+        rope, new_cache, outputs = rope_tables(self.cfg, positions), [], []
         for i, block in enumerate(self.layers):
             x, layer_cache = block(x, rope, attend, None if cache is None else cache[i], meta)
             new_cache.append(layer_cache)
-        return self.norm(x), (None if cache is None else type(cache)(new_cache))
+            outputs.append(x)
+        x, new_cache = self.norm(x), (None if cache is None else type(cache)(new_cache))
+        if not taps:
+            return x, new_cache
+        outputs[-1] = x
+        return x, new_cache, jnp.concatenate([outputs[i] for i in taps], axis=-1)
 
     def logits(self, hidden):
         """hidden [R, hidden_size] -> float32 logits [R, vocab]."""
@@ -206,9 +219,11 @@ def merge(graphdef, params) -> Transformer:
     return nnx.merge(graphdef, params)
 
 
-def forward(graphdef, params, tokens, positions, attend: AttentionBackend, cache, meta):
-    """Pure forward: -> (final hidden [T, hidden_size], new cache)."""
-    return merge(graphdef, params)(tokens, positions, attend, cache, meta)
+def forward(graphdef, params, tokens, positions, attend: AttentionBackend, cache, meta,
+            taps: tuple[int, ...] = ()):
+    """Pure forward: -> (final hidden [T, hidden_size], new cache), and the tapped layers' features
+    f[T, len(taps) * hidden_size] third when `taps` is given (see `Transformer.__call__`)."""
+    return merge(graphdef, params)(tokens, positions, attend, cache, meta, taps)
 
 
 def compute_logits(graphdef, params, hidden):
