@@ -21,6 +21,7 @@ from glint.runtime.commands import fill_defaults
 from glint.runtime.engine import Engine
 from glint.runtime.params import SamplingParams
 from glint.runtime.sampling import SamplerInputs
+from glint.runtime.spec import host_drafter
 from glint.runtime.programs import DeviceMeta, forward_name, num_segments
 
 
@@ -221,6 +222,60 @@ def run_cold_start(args) -> dict:
     return result
 
 
+def speculative(args, console: Console) -> dict:
+    """Plain greedy decoding against speculative decoding with `args.draft`, per batch size, on the same random
+    prompts and one set of weights: output tokens/s of each, their ratio and the mean acceptance length. The
+    oracle drafter replays the plain run's own tokens (the verify path's ceiling)."""
+    from glint.runtime.config import EngineConfig
+
+    batches = [int(b) for b in args.batch.split(",")]
+    k = args.num_speculative_tokens
+    capacity = args.prompt_len + args.gen_len + k + 1
+    pages = max(batches) * -(-capacity // args.page_size) + 16
+    settings = dict(engine_settings(args), capacity=capacity, num_pages=pages)
+    plain = Engine.from_pretrained(args.model, dtype=args.dtype, **settings)
+    drafter = host_drafter(args.draft, k)
+    fast = Engine(plain.model, plain.graphdef, plain.params, EngineConfig(**settings, num_speculative_tokens=k),
+                  drafter=drafter)
+    t0 = time.perf_counter()
+    plain.warmup(progress=False)
+    fast.warmup(progress=False)
+    console.print(f"{args.model}: compiled plain and speculative ({args.draft}, {k} draft tokens) engines in "
+                  f"{time.perf_counter() - t0:.0f} s")
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=args.gen_len, temperature=0.0, ignore_eos=True)
+    rows = []
+    for b in batches:
+        prompts = [rng.integers(0, plain.model.vocab_size, args.prompt_len).tolist() for _ in range(b)]
+        timed = {}
+        for name, engine in (("plain", plain), ("speculative", fast)):
+            engine.generate(prompts[:1], dataclasses.replace(params, max_tokens=4))  # warm
+            engine.stats = type(engine.stats)()
+            t = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            timed[name] = (time.perf_counter() - t, outs, engine.stats)
+            if name == "plain" and hasattr(drafter, "record"):
+                for p, o in zip(prompts, outs):
+                    drafter.record(p, o.token_ids)
+        (t_plain, ref, _), (t_spec, outs, st) = timed["plain"], timed["speculative"]
+        same = sum(o.token_ids == r.token_ids for o, r in zip(outs, ref))
+        tokens = b * args.gen_len
+        rows.append(dict(batch=b, plain_tokens_per_s=tokens / t_plain, spec_tokens_per_s=tokens / t_spec,
+                         speedup=t_plain / t_spec, mean_acceptance_length=st.mean_acceptance_length,
+                         spec_steps=st.spec_steps, identical_outputs=same,
+                         steps_per_bucket=dict(sorted(st.steps_per_bucket.items()))))
+    t = Table(title=f"speculative decoding ({args.draft}, {k} draft tokens), {args.prompt_len} prompt + "
+              f"{args.gen_len} generated, greedy: end to end, prefill included")
+    for col in ("batch", "plain tok/s", "speculative tok/s", "speedup", "mean acceptance", "same output"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(str(r["batch"]), f"{r['plain_tokens_per_s']:.0f}", f"{r['spec_tokens_per_s']:.0f}",
+                  f"{r['speedup']:.2f}x", f"{r['mean_acceptance_length']:.2f}", f"{r['identical_outputs']}/{r['batch']}")
+    console.print(t)
+    return dict(draft=args.draft, num_speculative_tokens=k, prompt_len=args.prompt_len, gen_len=args.gen_len,
+                rows=rows)
+
+
 def run_bench(args) -> dict:
     if args.cold_start:  # this process must not touch the device: the GPU sizes unless told otherwise
         fill_defaults(args, on_gpu=True)
@@ -228,6 +283,13 @@ def run_bench(args) -> dict:
     console = Console()
     on_gpu = jax.default_backend() == "gpu"
     fill_defaults(args, on_gpu)
+    if args.draft:
+        result = dict(model=args.model, dtype=args.dtype, device=str(jax.devices()[0].device_kind),
+                      jax=jax.__version__, date=time.strftime("%Y-%m-%d"), speculative=speculative(args, console))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return result
     rates = measure_bandwidth((4 << 30) if on_gpu else (64 << 20))
     bandwidth = args.bandwidth_gbps * 1e9 if args.bandwidth_gbps else max(rates.values())
     flops = measure_matmul(8192 if on_gpu else 512, jnp.bfloat16 if on_gpu else jnp.float32)

@@ -41,17 +41,22 @@ case "${1:-all}" in
       > "$out/cold_glimmer.log" 2>&1
     tail -14 "$out/cold_glimmer.log"
     ;;
-  serve)  # glint serve + the load generator, then the same mix in process (~9 min)
-    python3 -m glint.runtime.cli serve llama3-8b --max-seqs 256 --capacity 1024 > "$out/serve.log" 2>&1 &
+  serve)  # glint serve + the load generator (~3 min); the server's packages ride in .gpu/pylib (no registry there):
+    #   python3 -m pip install --target .gpu/pylib fastapi==0.163.2 uvicorn==0.54.0 prometheus-client==0.26.0 jinja2==3.1.6
+    PYTHONPATH=$PWD/.gpu/pylib python3 -m glint.runtime.cli serve llama3-8b --max-seqs 256 --capacity 1024 \
+      > "$out/serve.log" 2>&1 &
     server=$!
-    for _ in $(seq 400); do grep -q "glint: serving" "$out/serve.log" && break; sleep 1; done
+    for _ in $(seq 300); do grep -q "glint: serving" "$out/serve.log" && break; kill -0 $server || break; sleep 1; done
     tail -3 "$out/serve.log"
-    timeout 120 python3 -m glint.runtime.cli bench llama3-8b --server http://127.0.0.1:8000 --requests 256 \
+    timeout 150 python3 -m glint.runtime.cli bench llama3-8b --server http://127.0.0.1:8000 --requests 256 \
       --concurrency 256 --prompt-len 512 --gen-len 128 --json "$out/serve_bench.json" > "$out/serve_bench.log" 2>&1
     tail -20 "$out/serve_bench.log"
     kill $server; wait $server
-    timeout 240 python3 -m glint.runtime.cli bench llama3-8b --batch 256 --prompt-len 512 --gen-len 128 \
-      --requests 256 --e2e-gen-len 128 --repeats 2 --json "$out/inproc.json" > "$out/inproc.log" 2>&1
-    tail -25 "$out/inproc.log"
+    ;;&
+  spec|serve)  # plain vs speculative decoding, oracle drafter, block 16 (~4 min)
+    timeout 330 python3 -m glint.runtime.cli bench llama3-8b --draft ${DRAFT:-oracle} --num-speculative-tokens 15 \
+      --batch 1,4,16,64 --prompt-len 512 --gen-len 256 --max-step-tokens 1024 --json "$out/spec.json" \
+      > "$out/spec.log" 2>&1
+    tail -14 "$out/spec.log"
     ;;
 esac
