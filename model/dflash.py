@@ -275,3 +275,19 @@ def dense_draft(params, cfg: DraftConfig, ctx_k, ctx_v, ctx_len, block_embeds, b
         return softmax_attention(q, keys, values, visible[None, :], scale=cfg.scale, softcap=0.0)
 
     return draft_block(params, cfg, block_embeds, block_positions, attend)
+
+
+def flatten_params(params) -> dict:
+    """The draft's params as {"draft.fc": .., "draft.layers.0.wqkv": ..}: beside the target's in one flat dict."""
+    flat = {f"draft.{name}": params[name] for name in ("fc", "hidden_norm", "norm")}
+    for i, layer in enumerate(params["layers"]):
+        flat.update({f"draft.layers.{i}.{name}": value for name, value in layer.items()})
+    return flat
+
+
+def unflatten_params(flat: dict, cfg: DraftConfig) -> dict:
+    """Inverse of `flatten_params` (other keys in `flat` are ignored)."""
+    params = {name: flat[f"draft.{name}"] for name in ("fc", "hidden_norm", "norm")}
+    params["layers"] = [{name: flat[f"draft.layers.{i}.{name}"] for name in _LAYER_TENSORS}
+                        for i in range(cfg.num_layers)]
+    return params

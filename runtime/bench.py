@@ -222,55 +222,63 @@ def run_cold_start(args) -> dict:
     return result
 
 
-def speculative(args, console: Console) -> dict:
+def speculative(args, console: Console, oracle_passes: int = 3) -> dict:
     """Plain greedy decoding against speculative decoding with `args.draft`, per batch size, on the same random
-    prompts and one set of weights: output tokens/s of each, their ratio and the mean acceptance length. The
-    oracle drafter replays the plain run's own tokens (the verify path's ceiling)."""
+    prompts and one set of weights: output tokens/s of each, their ratio, the mean acceptance length and the
+    milliseconds per speculative engine step. The speculative engine of batch b serves b sequences (its
+    steps return b x (k + 1) rows of logits). The oracle replays the plain run's tokens, then
+    `oracle_passes - 1` times the speculative engine's own: low precision makes a verify step's argmax differ
+    from a decode step's now and then, and every token after the first difference would be rejected."""
     from glint.runtime.config import EngineConfig
 
     batches = [int(b) for b in args.batch.split(",")]
     k = args.num_speculative_tokens
     capacity = args.prompt_len + args.gen_len + k + 1
-    pages = max(batches) * -(-capacity // args.page_size) + 16
-    settings = dict(engine_settings(args), capacity=capacity, num_pages=pages)
-    plain = Engine.from_pretrained(args.model, dtype=args.dtype, **settings)
-    drafter = host_drafter(args.draft, k)
-    fast = Engine(plain.model, plain.graphdef, plain.params, EngineConfig(**settings, num_speculative_tokens=k),
-                  drafter=drafter)
-    t0 = time.perf_counter()
+    per_seq = -(-capacity // args.page_size)
+    settings = dict(engine_settings(args), capacity=capacity)
+    plain = Engine.from_pretrained(args.model, dtype=args.dtype, **dict(settings, num_pages=max(batches) * per_seq + 16))
     plain.warmup(progress=False)
-    fast.warmup(progress=False)
-    console.print(f"{args.model}: compiled plain and speculative ({args.draft}, {k} draft tokens) engines in "
-                  f"{time.perf_counter() - t0:.0f} s")
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=args.gen_len, temperature=0.0, ignore_eos=True)
     rows = []
     for b in batches:
+        drafter = host_drafter(args.draft, k)
+        fast = Engine(plain.model, plain.graphdef, plain.params,
+                      EngineConfig(**dict(settings, max_seqs=b, num_pages=b * per_seq + 16), num_speculative_tokens=k),
+                      drafter=drafter)
+        t0 = time.perf_counter()
+        fast.warmup(progress=False)
+        compile_s = time.perf_counter() - t0
         prompts = [rng.integers(0, plain.model.vocab_size, args.prompt_len).tolist() for _ in range(b)]
         timed = {}
-        for name, engine in (("plain", plain), ("speculative", fast)):
+        passes = oracle_passes if args.draft == "oracle" else 1
+        for name, engine in [("plain", plain)] + [("speculative", fast)] * passes:
             engine.generate(prompts[:1], dataclasses.replace(params, max_tokens=4))  # warm
             engine.stats = type(engine.stats)()
             t = time.perf_counter()
             outs = engine.generate(prompts, params)
-            timed[name] = (time.perf_counter() - t, outs, engine.stats)
-            if name == "plain" and hasattr(drafter, "record"):
+            timed.setdefault(name, []).append((time.perf_counter() - t, outs, engine.stats))
+            if args.draft == "oracle":
                 for p, o in zip(prompts, outs):
                     drafter.record(p, o.token_ids)
-        (t_plain, ref, _), (t_spec, outs, st) = timed["plain"], timed["speculative"]
-        same = sum(o.token_ids == r.token_ids for o, r in zip(outs, ref))
+        (t_plain, ref, _), (t_spec, outs, st) = timed["plain"][0], timed["speculative"][-1]
         tokens = b * args.gen_len
+        steps = sum(st.steps_per_bucket.values())
         rows.append(dict(batch=b, plain_tokens_per_s=tokens / t_plain, spec_tokens_per_s=tokens / t_spec,
                          speedup=t_plain / t_spec, mean_acceptance_length=st.mean_acceptance_length,
-                         spec_steps=st.spec_steps, identical_outputs=same,
+                         spec_steps=st.spec_steps, ms_per_step=1e3 * t_spec / steps, compile_s=compile_s,
+                         same_as_plain=sum(o.token_ids == r.token_ids for o, r in zip(outs, ref)),
+                         acceptance_per_pass=[s.mean_acceptance_length for _, _, s in timed["speculative"]],
                          steps_per_bucket=dict(sorted(st.steps_per_bucket.items()))))
     t = Table(title=f"speculative decoding ({args.draft}, {k} draft tokens), {args.prompt_len} prompt + "
               f"{args.gen_len} generated, greedy: end to end, prefill included")
-    for col in ("batch", "plain tok/s", "speculative tok/s", "speedup", "mean acceptance", "same output"):
+    for col in ("batch", "plain tok/s", "speculative tok/s", "speedup", "mean acceptance", "ms/step",
+                "same as plain"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(str(r["batch"]), f"{r['plain_tokens_per_s']:.0f}", f"{r['spec_tokens_per_s']:.0f}",
-                  f"{r['speedup']:.2f}x", f"{r['mean_acceptance_length']:.2f}", f"{r['identical_outputs']}/{r['batch']}")
+                  f"{r['speedup']:.2f}x", "→".join(f"{a:.1f}" for a in r["acceptance_per_pass"]),
+                  f"{r['ms_per_step']:.2f}", f"{r['same_as_plain']}/{r['batch']}")
     console.print(t)
     return dict(draft=args.draft, num_speculative_tokens=k, prompt_len=args.prompt_len, gen_len=args.gen_len,
                 rows=rows)

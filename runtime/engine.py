@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import pathlib
 import time
 from collections.abc import Sequence
 
@@ -14,8 +15,8 @@ from glint.kvcache import BatchControl, CacheConfig, default_num_pages
 from glint.runtime import compile_cache, interrupts
 from glint.runtime.config import EngineConfig
 from glint.runtime.params import SamplingParams
-from glint.runtime.programs import (RUNTIME_PROGRAMS, SPEC_PROGRAMS, DeviceMeta, ProgramSet, Runner, forward_name,
-                                    num_segments)
+from glint.runtime.programs import (RUNTIME_PROGRAMS, SPEC_PROGRAMS, DeviceMeta, ProgramSet, Runner, draft_name,
+                                    forward_name, num_segments)
 from glint.runtime.request import Completion, Request, RequestOutput, Status
 from glint.runtime.sampling import SamplerInputs, uses_filters
 from glint.runtime.scheduler import Entry, Scheduler
@@ -30,17 +31,21 @@ def resolved_capacity(model, config: EngineConfig) -> int:
     return config.capacity or min(model.max_position_embeddings, DEFAULT_MAX_CAPACITY)
 
 
-def cache_config_for(model, config: EngineConfig) -> CacheConfig:
-    """The KV cache geometry for a model under an engine config (pool size from free memory by default)."""
+def cache_config_for(model, config: EngineConfig, draft=None) -> CacheConfig:
+    """The KV cache geometry for a model under an engine config (pool size from free memory by default); a
+    DFlash `draft`'s layers follow the model's (full attention, sharing its sequences' page tables)."""
     if config.capacity and config.capacity > model.max_position_embeddings and not config.allow_long_context:
         raise ValueError(f"capacity {config.capacity} exceeds the model's context (max_position_embeddings "
                          f"{model.max_position_embeddings}); pass allow_long_context=True (--allow-long-context) "
                          "to serve beyond it anyway")
     capacity = resolved_capacity(model, config)
     chunk = config.for_model(model.layer_windows, capacity).max_prefill_chunk
+    layers = [(w, model.num_kv_heads, model.head_dim) for w in model.layer_windows]
+    if draft is not None:
+        layers += [(0, draft.num_kv_heads, draft.head_dim)] * draft.num_layers
+    windows, kv_heads, head_dim = (tuple(column) for column in zip(*layers))
     fields = dict(page_size=config.page_size, max_seqs=config.max_seqs, max_write=config.buckets[-1],
-                  max_seq_write=chunk, capacity=capacity,
-                  windows=model.layer_windows, kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                  max_seq_write=chunk, capacity=capacity, windows=windows, kv_heads=kv_heads, head_dim=head_dim,
                   dtype=model.dtype)
     num_pages = config.num_pages or default_num_pages(CacheConfig(num_pages=2, **fields), config.memory_fraction)
     return CacheConfig(num_pages=num_pages, **fields)
@@ -107,10 +112,15 @@ class Engine:
         impl = config.attention
         if impl == "auto":
             impl = "pallas" if jax.default_backend() == "gpu" else "reference"
-        cache = cache_config_for(model, config)
+        draft = drafter.cfg if isinstance(drafter, spec.DFlashDrafter) else None
+        cache = cache_config_for(model, config, draft)
         flat = flatten(params)  # programs take {"dotted.name": array}; a flat dict stays as it is
+        if draft is not None:
+            from glint.model.dflash import flatten_params
+
+            flat |= flatten_params(drafter.params)
         programs = live_programs(model, flat, cache, impl, config.buckets, config.max_seqs, config.max_sample_rows,
-                                 speculative=drafter is not None)
+                                 speculative=drafter is not None, draft=draft)
         self.graphdef = graphdef
         self._start(model, config, cache, impl, programs, flat, tokenizer, drafter)
         if warmup:
@@ -130,6 +140,7 @@ class Engine:
                                  f"{self.capacity} (needs {cache.group_pages_per_seq(g) + 1} pages)")
         self.control = BatchControl(cache)
         self.drafter = drafter
+        self._drafts_on_device = isinstance(drafter, spec.DFlashDrafter)
         self.scheduler = Scheduler(config, self.control, propose=None if drafter is None else self._propose)
         self.runner = Runner(programs)
         self.kv = self.runner.kv_init()
@@ -149,8 +160,9 @@ class Engine:
 
         `dtype` defaults to the checkpoint's own (`torch_dtype` in config.json; bfloat16 for presets; an
         artifact keeps the dtype it was exported with). `weights_seed` seeds a preset's random weights.
-        `draft` turns on speculative decoding: "ngram" (prompt lookup) or "oracle" (replays continuations
-        given to `engine.drafter.record`), `num_speculative_tokens` draft tokens per step (default
+        `draft` turns on speculative decoding: a DFlash draft folder (z-lab layout; block_size - 1 draft
+        tokens per step), "ngram" (prompt lookup) or "oracle" (replays continuations given to
+        `engine.drafter.record`), `num_speculative_tokens` draft tokens per step (default
         DEFAULT_SPECULATIVE_TOKENS). Keyword arguments are EngineConfig fields (max_seqs, page_size,
         max_step_tokens, seed, ...).
         """
@@ -163,13 +175,25 @@ class Engine:
             return cls.from_export(path, dtype=dtype, warmup=warmup, **engine_config)
         from glint.runtime.loading import load_model
 
-        drafter = None
-        if draft is not None:
+        is_dflash = draft is not None and pathlib.Path(draft).is_dir()
+        if is_dflash:
+            from glint.model import dflash
+
+            block = dflash.DraftConfig.from_hf(draft).block_size
+            k = engine_config.setdefault("num_speculative_tokens", block - 1)
+            if k != block - 1:
+                raise ValueError(f"num_speculative_tokens {k}: a DFlash draft of block_size {block} drafts "
+                                 f"{block - 1} tokens per step")
+        elif draft is not None:
             engine_config.setdefault("num_speculative_tokens", DEFAULT_SPECULATIVE_TOKENS)
             drafter = spec.host_drafter(draft, engine_config["num_speculative_tokens"])
+        else:
+            drafter = None
         config = EngineConfig(**engine_config)
         compile_cache.configure(config.compile_cache)  # before loading: random weights compile too
         cfg, graphdef, params, tokenizer = load_model(path, dtype=dtype, seed=weights_seed)
+        if is_dflash:
+            drafter = spec.DFlashDrafter(*dflash.load_draft(draft, cfg, dtype=cfg.dtype))
         return cls(cfg, graphdef, params, config, tokenizer=tokenizer, warmup=warmup, drafter=drafter)
 
     @classmethod
@@ -415,15 +439,16 @@ class Engine:
         the first token (a prompt's last chunk draws it, however the prompt was chunked)."""
         if not req.generated:
             return []
-        k = min(self.config.num_speculative_tokens, room, req.params.max_tokens - len(req.generated) - 1,
-                self.capacity - req.num_cached - 1)
+        k = min(self.config.num_speculative_tokens, room, self.capacity - req.num_cached - 1)
+        if not self._drafts_on_device:  # a device draft's block is whole; a host draft need not pass max_tokens
+            k = min(k, req.params.max_tokens - len(req.generated) - 1)
         return self.drafter.propose(req.prompt + req.generated, len(req.prompt), k) if k > 0 else []
 
     def _dispatch(self, entries: list[Entry]) -> InFlight:
         width = self.config.bucket_for(sum(e.count for e in entries))
         meta = self.control.prepare_step(width=width, num_segments=num_segments(width, self.config.max_seqs))
-        tokens, token_src, rows, sample_reqs, proposed = self._pack(entries, width)
-        next_tokens, lp, accepted = self._run(width, meta, tokens, token_src, rows, sample_reqs, proposed)
+        tokens, token_src, rows, sample_reqs, proposed, draft_rows = self._pack(entries, width)
+        next_tokens, lp, accepted = self._run(width, meta, tokens, token_src, rows, sample_reqs, proposed, draft_rows)
         self.control.commit_step()
         self.stats.steps_per_bucket[width] += 1
         sampled, row = [], 0
@@ -439,24 +464,27 @@ class Engine:
                 row += e.samples
         return InFlight(sampled, next_tokens, lp, accepted)
 
-    def _run(self, width: int, meta, tokens, token_src, rows, sample_reqs, proposed):
-        """Launch the step's programs: page copies, the forward, and top-k/top-p, speculative verification or
-        logprobs when asked."""
+    def _run(self, width: int, meta, tokens, token_src, rows, sample_reqs, proposed, draft_rows):
+        """Launch the step's programs: page copies, drafting, the forward, and top-k/top-p, speculative
+        verification or logprobs when asked."""
         rows_out = self.config.max_sample_rows
         prev = self._inflight.next_tokens if self._inflight else np.zeros(rows_out, np.int32)
         if any(len(c) for c in meta.copies):
             self.kv = self.runner.copy(self.kv, meta.copies)
             self.stats.page_copies += sum(len(c) for c in meta.copies)
+        device_meta = DeviceMeta.from_host(meta)
+        if draft_rows is not None:  # the draft tokens the step's token_src reads
+            prev, self.kv = self.runner.draft(width, self.params, self.kv, tokens, token_src, device_meta, draft_rows)
         params = [r.params for r, _, _ in sample_reqs]
         sampler = SamplerInputs.from_params(params, [p for _, _, p in sample_reqs], rows=rows_out,
                                             seeds=[s for _, s, _ in sample_reqs])
         padded_rows = np.zeros(rows_out, np.int32)
         padded_rows[:len(rows)] = rows
         next_tokens, logits, self.kv = self.runner.forward(width, self.params, self.kv, tokens, token_src, prev,
-                                                           DeviceMeta.from_host(meta), padded_rows, sampler)
+                                                           device_meta, padded_rows, sampler)
         accepted = None
         if proposed is not None:
-            next_tokens, accepted = self.runner.accept(logits, sampler, proposed, uses_filters(params))
+            next_tokens, accepted = self.runner.accept(logits, sampler, proposed, prev, uses_filters(params))
         elif uses_filters(params):
             next_tokens = self.runner.sample(logits, sampler)
         lp = self.runner.logprobs(logits, next_tokens) if any(p.logprobs for p in params) else None
@@ -464,14 +492,21 @@ class Engine:
 
     def _pack(self, entries: list[Entry], width: int):
         """Token ids (from the host, or `token_src` rows of the previous step's output), sampled rows as
-        (request, seed, position), and the draft token each row verifies (None: no speculative block)."""
+        (request, seed, position), the draft token each row verifies (None: no speculative block), and the step
+        row whose draft the device drafter puts in each output row (None: no device drafts)."""
         chunks, rows, sample_reqs, start = [], [], [], 0
-        proposed = np.full(self.config.max_sample_rows, -1, np.int32) if any(e.draft for e in entries) else None
+        rows_out = self.config.max_sample_rows
+        proposed = np.full(rows_out, -1, np.int32) if any(e.draft for e in entries) else None
+        draft_rows = np.zeros(rows_out, np.int32) if self._drafts_on_device and proposed is not None else None
         for e in entries:
             position = len(e.req.prompt) + len(e.req.generated)  # of the token its (first) row draws
             if e.draft:  # the last known token, then the draft; row i draws position + i and verifies draft[i]
-                chunks.append(e.req.token_slice(e.req.num_cached, 1) + e.draft)
-                proposed[len(rows):len(rows) + len(e.draft)] = e.draft
+                r0, draft = len(rows), list(e.draft)
+                for j, t in enumerate(draft):
+                    if t == spec.DRAFTED_ON_DEVICE:  # output row r0 + j drafts block token j + 1 (step row)
+                        draft[j], draft_rows[r0 + j] = -(r0 + j) - 1, start + j + 1
+                chunks.append(e.req.token_slice(e.req.num_cached, 1) + draft)
+                proposed[r0:r0 + len(draft)] = e.draft
                 rows.extend(range(start, start + e.count))
                 sample_reqs.extend((e.req, e.req.seed, position + i) for i in range(e.count))
                 start += e.count
@@ -485,7 +520,7 @@ class Engine:
         ids[:start] = [t for chunk in chunks for t in chunk]
         tokens, token_src = np.maximum(ids, 0), np.where(ids < 0, -ids - 1, -1).astype(np.int32)
         token_src[start:] = -1
-        return tokens, token_src, rows, sample_reqs, proposed
+        return tokens, token_src, rows, sample_reqs, proposed, draft_rows
 
     def _postprocess(self, step: InFlight, next_tokens: np.ndarray, lp, accepted) -> None:
         """Apply a step's tokens (into `_undelivered`); resumable: a request already applied is skipped."""
@@ -621,6 +656,8 @@ class Engine:
     def program_names(self) -> list[str]:
         """Every program this engine may run: decode widths first (a server needs them first), then the rest."""
         spec_programs = list(SPEC_PROGRAMS) if self.drafter is not None else []
+        if self._drafts_on_device:
+            spec_programs += [draft_name(w) for w in self.config.buckets]
         return [forward_name(w) for w in self.config.buckets] + list(RUNTIME_PROGRAMS) + spec_programs
 
     def warmup(self, progress: bool = True) -> dict[str, float]:

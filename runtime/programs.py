@@ -52,8 +52,12 @@ def forward_name(width: int) -> str:
     return f"forward_{width}"
 
 
+def draft_name(width: int) -> str:
+    return f"draft_{width}"
+
+
 def donate_argnums(name: str) -> tuple[int, ...]:
-    if name.startswith("forward_"):
+    if name.startswith(("forward_", "draft_")):
         return FORWARD_DONATE_ARGNUMS
     return COPY_DONATE_ARGNUMS if name == "copy" else ()
 
@@ -81,7 +85,8 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
     sample:    (logits f32[R, V], sampler tuple)
     sample_argmax: (logits f32[R, V],)
     logprobs:  (logits f32[R, V], tokens i32[R])
-    accept, accept_filtered: (logits f32[R, V], sampler tuple, proposed i32[R])
+    accept, accept_filtered: (logits f32[R, V], sampler tuple, proposed i32[R], drafted i32[R])
+    draft_W:   (params, (k, v), tokens i32[W], token_src i32[W], meta as forward_W, rows i32[R])
     copy:      ((k, v), per group i32[COPY_ROWS, 2])
     kv_init:   () -> the zeroed pools (k, v)
     """
@@ -97,16 +102,19 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
     if name == "logprobs":
         return logits, i32(rows)
     if name in SPEC_PROGRAMS:
-        return logits, sampler, i32(rows)
+        return logits, sampler, i32(rows), i32(rows)
     if name == "copy":
         return kv, tuple(i32(COPY_ROWS, 2) for _ in range(cache.num_groups))
     if name == "kv_init":
         return ()
-    width = int(name.removeprefix("forward_"))
+    kind, width = name.rsplit("_", 1)
+    width = int(width)
     s = num_segments(width, max_seqs)
     meta = (i32(width), tuple(i32(width) for _ in range(cache.num_groups)), i32(s, 4),
             tuple(i32(s, cache.group_pages_per_seq(g)) for g in range(cache.num_groups)))
     params = {k: _spec(v.shape, v.dtype) for k, v in params.items()}
+    if kind == "draft":
+        return params, kv, i32(width), i32(width), meta, i32(rows)
     return params, kv, i32(width), i32(width), i32(rows), meta, i32(rows), sampler
 
 
@@ -206,9 +214,16 @@ class Runner:
         """Tokens i32[R] with every row's top-k / top-p applied."""
         return self.programs["sample"](logits, _fields(sampler))
 
-    def accept(self, logits, sampler, proposed, filtered: bool):
-        """Speculative verification (`glint.runtime.spec.accept`): (tokens i32[R], accepted bool[R])."""
-        return self.programs["accept_filtered" if filtered else "accept"](logits, _fields(sampler), proposed)
+    def accept(self, logits, sampler, proposed, drafted, filtered: bool):
+        """Speculative verification (`glint.runtime.spec.accept`; a proposal DRAFTED_ON_DEVICE is the row's
+        `drafted` token): (tokens i32[R], accepted bool[R])."""
+        return self.programs["accept_filtered" if filtered else "accept"](logits, _fields(sampler), proposed, drafted)
+
+    def draft(self, width: int, params: dict, kv: KVState, tokens, token_src, meta: DeviceMeta, rows):
+        """DFlash drafting before a verifying step: (draft tokens i32[R], kv)."""
+        meta_args = (meta.positions, tuple(meta.slots), meta.seq_info, tuple(meta.page_tables))
+        drafted, (k, v) = self.programs[draft_name(width)](params, (kv.k, kv.v), tokens, token_src, meta_args, rows)
+        return drafted, KVState(k=k, v=v)
 
     def logprobs(self, logits, tokens):
         """(chosen f32[R], top f32[R, k], top_ids i32[R, k])."""

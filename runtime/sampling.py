@@ -172,10 +172,15 @@ def sample(logits: jax.Array, inputs: SamplerInputs, *, is_filtered: bool = True
             raise ValueError(f"inputs.{field.name} has shape {shape}, logits need ({num_rows},)")
     greedy = sample_argmax(logits)
     is_sampled, scaled = _scaled(logits, inputs)
-    perturbed = scaled + _gumbel_noise(inputs.seed.astype(jnp.uint32), inputs.position, vocab_size)
-    if is_filtered:  # noise is looked up by token id, so an unfiltered row draws the same token either way
-        perturbed = jnp.where(filter_mask(scaled, inputs.top_k, inputs.top_p), perturbed, -jnp.inf)
-    return jnp.where(is_sampled, jnp.argmax(perturbed, axis=-1).astype(jnp.int32), greedy)
+
+    def draw():
+        perturbed = scaled + _gumbel_noise(inputs.seed.astype(jnp.uint32), inputs.position, vocab_size)
+        if is_filtered:  # noise is looked up by token id, so an unfiltered row draws the same token either way
+            perturbed = jnp.where(filter_mask(scaled, inputs.top_k, inputs.top_p), perturbed, -jnp.inf)
+        return jnp.where(is_sampled, jnp.argmax(perturbed, axis=-1).astype(jnp.int32), greedy)
+
+    # An all-greedy step (the usual decode) skips the [R, V] noise and the sort.
+    return lax.cond(jnp.any(is_sampled), draw, lambda: greedy)
 
 
 class Logprobs(NamedTuple):

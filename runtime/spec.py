@@ -22,6 +22,7 @@ import numpy as np
 from glint.runtime.sampling import SamplerInputs, _gumbel_noise, _scaled, filter_mask, sample_argmax
 
 DRAFT_KINDS = ("ngram", "oracle")  # besides a DFlash checkpoint folder
+DRAFTED_ON_DEVICE = -2  # a proposal the device drafter makes in the step itself (the host never sees it)
 
 
 def accept(logits, sampler: SamplerInputs, proposed, *, is_filtered: bool):
@@ -34,24 +35,31 @@ def accept(logits, sampler: SamplerInputs, proposed, *, is_filtered: bool):
     seed and position). Randomness: the sampler's Gumbel noise for the draws and an independent uniform
     from `fold_in(fold_in(key(seed), position), 1)` for the acceptance test.
     """
-    num_rows, vocab_size = logits.shape
+    vocab_size = logits.shape[1]
     is_sampled, scaled = _scaled(logits, sampler)
     has = proposed >= 0
     safe = jnp.maximum(proposed, 0)
     greedy = sample_argmax(logits)
-    keep = filter_mask(scaled, sampler.top_k, sampler.top_p) if is_filtered else jnp.ones(scaled.shape, bool)
-    masked = jnp.where(keep, scaled, -jnp.inf)
-    p_proposed = jnp.take_along_axis(jax.nn.softmax(masked, axis=-1), safe[:, None], axis=1)[:, 0]
-    seeds = sampler.seed.astype(jnp.uint32)
-    u = jax.vmap(lambda s, p: jax.random.uniform(
-        jax.random.fold_in(jax.random.fold_in(jax.random.key(s), p), 1)))(seeds, sampler.position)
-    accepted = has & jnp.where(is_sampled, u < p_proposed, greedy == safe)
-    # The residual excludes the rejected proposal; a row without one draws from p itself.
-    ids = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
-    residual = jnp.where(has[:, None] & (ids == safe[:, None]), -jnp.inf, masked)
-    perturbed = residual + _gumbel_noise(seeds, sampler.position, vocab_size)
-    drawn = jnp.where(is_sampled, jnp.argmax(perturbed, axis=-1).astype(jnp.int32), greedy)
-    return jnp.where(accepted, safe, drawn), accepted
+    greedy_accepted = has & (greedy == safe)
+
+    def sampled():
+        keep = filter_mask(scaled, sampler.top_k, sampler.top_p) if is_filtered else jnp.ones(scaled.shape, bool)
+        masked = jnp.where(keep, scaled, -jnp.inf)
+        p_proposed = jnp.take_along_axis(jax.nn.softmax(masked, axis=-1), safe[:, None], axis=1)[:, 0]
+        seeds = sampler.seed.astype(jnp.uint32)
+        u = jax.vmap(lambda s, p: jax.random.uniform(
+            jax.random.fold_in(jax.random.fold_in(jax.random.key(s), p), 1)))(seeds, sampler.position)
+        accepted = jnp.where(is_sampled, has & (u < p_proposed), greedy_accepted)
+        # The residual excludes the rejected proposal; a row without one draws from p itself.
+        ids = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
+        residual = jnp.where(has[:, None] & (ids == safe[:, None]), -jnp.inf, masked)
+        perturbed = residual + _gumbel_noise(seeds, sampler.position, vocab_size)
+        drawn = jnp.where(is_sampled, jnp.argmax(perturbed, axis=-1).astype(jnp.int32), greedy)
+        return jnp.where(accepted, safe, drawn), accepted
+
+    # All-greedy verification (the usual case) skips the [R, V] noise, softmax and sort.
+    return jax.lax.cond(jnp.any(is_sampled), sampled,
+                        lambda: (jnp.where(greedy_accepted, safe, greedy), greedy_accepted))
 
 
 def committed(tokens: np.ndarray, accepted: np.ndarray, row: int, length: int) -> list[int]:
@@ -104,6 +112,18 @@ class OracleDrafter:
             return []
         done = len(tokens) - prompt_len
         return known[done:done + k]
+
+
+class DFlashDrafter:
+    """A DFlash draft (`glint.model.dflash`) run on the device: every block is the full block_size, drafted by
+    the engine's draft programs in the step that verifies it; `propose` only reserves the rows."""
+
+    def __init__(self, cfg, params):
+        self.cfg, self.params = cfg, params
+        self.num_speculative_tokens = cfg.block_size - 1
+
+    def propose(self, tokens: Sequence[int], prompt_len: int, k: int) -> list[int]:
+        return [DRAFTED_ON_DEVICE] * k if k == self.num_speculative_tokens else []
 
 
 def host_drafter(kind: str, num_speculative_tokens: int):

@@ -14,16 +14,17 @@ import jax.numpy as jnp
 
 from glint.export.checkpoint import unflatten
 from glint.kvcache import CacheConfig, KVState, apply_copies
-from glint.model import transformer
+from glint.model import dflash, transformer
 from glint.model.attention import LayerAttention
 from glint.model.config import ModelConfig
+from glint.model.dflash import DraftConfig
 from glint.pallas_kernels import (ring_write, ring_write_reference, varlen_attention,
                                   varlen_attention_reference)
 from glint.runtime.params import MAX_LOGPROBS
 from glint.runtime.programs import (COPY_DONATE_ARGNUMS, FORWARD_DONATE_ARGNUMS, SPEC_PROGRAMS, DeviceMeta, Program,
-                                    ProgramSet, abstract_args, forward_name)
+                                    ProgramSet, abstract_args, draft_name, forward_name)
 from glint.runtime.sampling import SamplerInputs, logprobs, sample, sample_argmax
-from glint.runtime.spec import accept
+from glint.runtime.spec import DRAFTED_ON_DEVICE, accept
 
 
 @dataclass(frozen=True)
@@ -31,24 +32,30 @@ class PagedAttention:
     """The model's attention backend over the paged state: write this step's K/V, then attend.
 
     impl: "pallas" (GPU kernels), "interpret" (the same kernels in the Pallas interpreter) or
-    "reference" (pure jnp).
+    "reference" (pure jnp). `causal=False`: every query sees its sequence's keys up to the step's end (a
+    DFlash draft block).
     """
 
     cache: CacheConfig
     impl: str
+    causal: bool = True
+
+    def write(self, index: int, pages, k, v, meta: DeviceMeta):
+        """Layer `index`'s pools (k, v) with this step's rows written at their slots."""
+        slots = meta.slots[self.cache.layer_group[index]]
+        if self.impl == "reference":
+            return ring_write_reference(*pages, k, v, slots)
+        return ring_write(*pages, k, v, slots, interpret=self.impl == "interpret")
 
     def __call__(self, layer: LayerAttention, q, k, v, cache, meta: DeviceMeta):
-        k_pages, v_pages = cache
+        k_pages, v_pages = self.write(layer.index, cache, k, v, meta)
         group = self.cache.layer_group[layer.index]
         if self.impl == "reference":
-            k_pages, v_pages = ring_write_reference(k_pages, v_pages, k, v, meta.slots[group])
             attend = varlen_attention_reference
         else:
-            interpret = self.impl == "interpret"
-            k_pages, v_pages = ring_write(k_pages, v_pages, k, v, meta.slots[group], interpret=interpret)
-            attend = functools.partial(varlen_attention, interpret=interpret)
+            attend = functools.partial(varlen_attention, interpret=self.impl == "interpret")
         out = attend(q, k_pages, v_pages, meta.page_tables[group], meta.seq_info,
-                     ring_rows=self.cache.group_ring_rows(group), window=layer.window, causal=True,
+                     ring_rows=self.cache.group_ring_rows(group), window=layer.window, causal=self.causal,
                      softcap=layer.softcap, scale=layer.scale)
         return out, (k_pages, v_pages)
 
@@ -61,10 +68,59 @@ def run_model(graphdef, backend, params, kv: KVState, tokens, meta: DeviceMeta, 
     return transformer.compute_logits(graphdef, params, hidden[rows]), kv
 
 
+def run_model_with_draft(graphdef, backend, params, flat, kv: KVState, tokens, meta: DeviceMeta, rows,
+                         draft: DraftConfig):
+    """`run_model` that also writes every step row's DFlash context (the tapped target layers through `fc`
+    and `hidden_norm`, then each draft layer's K/V) into the draft's pools, the cache layers after the
+    target's: a rejected row's context is overwritten when its position is fed again."""
+    n = len(kv.k) - draft.num_layers  # the target's layers come first
+    hidden, layers, tapped = transformer.forward(graphdef, params, tokens, meta.positions, backend,
+                                                 list(zip(kv.k[:n], kv.v[:n])), meta, taps=draft.target_layer_ids)
+    dp = dflash.unflatten_params(flat, draft)
+    features = dflash.context_features(dp, draft, tapped)
+    for i in range(draft.num_layers):
+        layers.append(backend.write(n + i, (kv.k[n + i], kv.v[n + i]),
+                                    *dflash.context_kv(dp, draft, i, features, meta.positions), meta))
+    kv = KVState(k=tuple(k for k, _ in layers), v=tuple(v for _, v in layers))
+    return transformer.compute_logits(graphdef, params, hidden[rows]), kv
+
+
 @functools.lru_cache(maxsize=16)
-def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str):
+def make_draft_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: DraftConfig):
+    """The DFlash drafting program (one per width), run before a step that verifies blocks: (flat params,
+    (k, v), tokens, token_src, meta tuple, rows) -> (draft tokens i32[R], (k, v)).
+
+    Over the very step the target then runs: rows with token_src >= 0 (draft positions) become mask tokens,
+    every row goes through the draft layers, whose block K/V are written at the step's slots (the target's
+    step overwrites them with context) and attended without a causal mask; row r of the output is the
+    draft's argmax at step row rows[r].
+    """
+    backend = PagedAttention(cache, impl, causal=False)
+    graphdef, like = transformer.split(transformer.abstract_model(model))
+    n = model.num_layers
+
+    def run(params, kv, tokens, token_src, meta, rows):
+        meta = DeviceMeta(meta[0], tuple(meta[1]), meta[2], tuple(meta[3]))
+        target = transformer.merge(graphdef, unflatten(params, like))
+        k, v = list(kv[0]), list(kv[1])
+
+        def attend(i, q, k_block, v_block):
+            spec = LayerAttention(n + i, 0, 0.0, draft.scale)
+            out, (k[n + i], v[n + i]) = backend(spec, q, k_block, v_block, (k[n + i], v[n + i]), meta)
+            return out
+
+        block = target.embed[...][jnp.where(token_src >= 0, draft.mask_token_id, tokens)]
+        hidden = dflash.draft_block(dflash.unflatten_params(params, draft), draft, block, meta.positions, attend)
+        return sample_argmax(target.logits(hidden[rows])), (tuple(k), tuple(v))
+
+    return jax.jit(run, donate_argnums=FORWARD_DONATE_ARGNUMS)
+
+
+@functools.lru_cache(maxsize=16)
+def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: DraftConfig | None = None):
     """The engine's step (one program per width): (flat params, (k, v), tokens, token_src, prev_tokens,
-    meta tuple, rows, sampler tuple) -> (tokens i32[R], logits f32[R, V], (k, v)).
+    meta tuple, rows, sampler tuple) -> (tokens i32[R], logits f32[R, V], (k, v)). With a DFlash `draft`,
+    the step also writes the draft's context (`run_model_with_draft`).
 
     Token t is `prev_tokens[token_src[t]]` where token_src[t] >= 0 (a token sampled by the previous
     step, still on the device), else `tokens[t]`. The returned tokens are drawn without top-k/top-p
@@ -78,7 +134,11 @@ def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str):
     def step(params, kv, tokens, token_src, prev_tokens, meta, rows, sampler):
         tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], tokens)
         meta = DeviceMeta(meta[0], tuple(meta[1]), meta[2], tuple(meta[3]))
-        logits, kv = run_model(graphdef, backend, unflatten(params, like), KVState(*kv), tokens, meta, rows)
+        if draft is None:
+            logits, kv = run_model(graphdef, backend, unflatten(params, like), KVState(*kv), tokens, meta, rows)
+        else:
+            logits, kv = run_model_with_draft(graphdef, backend, unflatten(params, like), params, KVState(*kv),
+                                              tokens, meta, rows, draft)
         return sample(logits, SamplerInputs(*sampler), is_filtered=False), logits, (kv.k, kv.v)
 
     return jax.jit(step, donate_argnums=FORWARD_DONATE_ARGNUMS)
@@ -100,8 +160,11 @@ def _logprobs(logits, tokens):
 
 
 def _accept_fn(is_filtered: bool):
-    return jax.jit(lambda logits, sampler, proposed: accept(logits, SamplerInputs(*sampler), proposed,
-                                                             is_filtered=is_filtered))
+    def run(logits, sampler, proposed, drafted):
+        proposed = jnp.where(proposed == DRAFTED_ON_DEVICE, drafted, proposed)
+        return accept(logits, SamplerInputs(*sampler), proposed, is_filtered=is_filtered)
+
+    return jax.jit(run)
 
 
 _ACCEPT = {name: _accept_fn(f) for name, f in zip(SPEC_PROGRAMS, (False, True))}
@@ -130,15 +193,18 @@ def make_copy_fn(cache: CacheConfig):
 
 
 def live_programs(model: ModelConfig, params: dict, cache: CacheConfig, impl: str, widths, max_seqs: int,
-                  rows: int, speculative: bool = False) -> ProgramSet:
-    """Every program an engine runs, for the live model (params: the flat parameter dict); `speculative` adds
-    the verification programs."""
-    fns = {forward_name(w): make_step_fn(model, cache, impl) for w in widths}
+                  rows: int, speculative: bool = False, draft: DraftConfig | None = None) -> ProgramSet:
+    """Every program an engine runs, for the live model (params: the flat parameter dict, with the draft's
+    under "draft."); `speculative` adds the verification programs, a DFlash `draft` its drafting programs."""
+    fns = {forward_name(w): make_step_fn(model, cache, impl, draft) for w in widths}
     fns.update(sample=_sample_filtered, sample_argmax=_sample_argmax, logprobs=_logprobs, copy=make_copy_fn(cache),
                kv_init=make_kv_init_fn(cache))
     if speculative:
         fns.update(_ACCEPT)
+    if draft is not None:
+        fns.update({draft_name(w): make_draft_fn(model, cache, impl, draft) for w in widths})
     programs = {name: Program(fn, abstract_args(name, params, cache, max_seqs, rows, model.vocab_size))
                 for name, fn in fns.items()}
-    identity = repr((model, cache, impl, max_seqs, rows, sorted((k, v.shape, str(v.dtype)) for k, v in params.items())))
+    identity = repr((model, cache, impl, max_seqs, rows, draft,
+                     sorted((k, v.shape, str(v.dtype)) for k, v in params.items())))
     return ProgramSet(programs, identity=identity)

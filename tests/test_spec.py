@@ -234,3 +234,67 @@ def test_bad_draft_settings_are_clear_errors(tmp_path):
         EngineConfig(num_speculative_tokens=-1)
     with pytest.raises(ValueError, match="draft 'medusa' is not a drafter kind"):
         Engine.from_pretrained("tiny", draft="medusa")
+
+
+DFLASH = STORIES.parents[1] / "fixtures" / "dflash"
+
+
+def _fed_blocks(engine: Engine, block: int) -> list[list[int]]:
+    """Wrap the engine's forward to record each verified block (a segment of `block` tokens, drafts filled in)."""
+    blocks, forward = [], engine.runner.forward
+
+    def recording(width, params, kv, tokens, token_src, prev, meta, rows, sampler):
+        fed = np.where(token_src >= 0, np.asarray(prev)[np.maximum(token_src, 0)], tokens)
+        for start, length, _, _ in np.asarray(meta.seq_info):
+            if length == block:
+                blocks.append(fed[start:start + length].tolist())
+        return forward(width, params, kv, tokens, token_src, prev, meta, rows, sampler)
+
+    engine.runner.forward = recording
+    return blocks
+
+
+def test_dflash_engine_matches_the_authors_reference():
+    """The DFlash draft through the engine (paged draft cache, drafting and verification inside the steps, on
+    the reference attention): z-lab's tokens, acceptance lengths and verified blocks, batched and solo, and
+    again through a pool small enough to preempt (the draft context is recomputed with the prompt)."""
+    ref = json.loads((DFLASH / "reference.json").read_text())
+    block, n = ref["block_size"], ref["max_new_tokens"]
+    cases = ref["cases"]
+    longest = max(len(c["prompt"]) for c in cases) + n + block
+    settings = dict(SMALL, capacity=longest, num_pages=4 * -(-longest // SMALL["page_size"]) + 1)
+    engine = Engine.from_pretrained(str(DFLASH / "target"), draft=str(DFLASH / "draft"), **settings)
+    assert engine.config.num_speculative_tokens == block - 1
+    blocks = _fed_blocks(engine, block)
+    for case in cases:
+        blocks.clear()
+        out = engine.generate([case["prompt"]], greedy(n))[0]
+        assert out.token_ids == case["output_ids"] == case["target_greedy"]
+        # The reference loops while its next block would start inside the n tokens, so its last step
+        # verifies a block after all n tokens exist; the engine stops there.
+        steps = len(out.acceptance_lengths)
+        assert out.acceptance_lengths == case["acceptance_lengths"][:steps]
+        assert steps == len(case["acceptance_lengths"]) - 1 and 1 + sum(case["acceptance_lengths"][:-1]) >= n
+        assert blocks == case["proposed_blocks"][:steps]
+    outs = engine.generate([c["prompt"] for c in cases], greedy(n))
+    assert [o.token_ids for o in outs] == [c["output_ids"] for c in cases]
+    assert [o.acceptance_lengths for o in outs] == [c["acceptance_lengths"][:-1] for c in cases]
+    small = Engine.from_pretrained(str(DFLASH / "target"), draft=str(DFLASH / "draft"),
+                                   **dict(settings, num_pages=-(-longest // SMALL["page_size"]) + 3))
+    outs = small.generate([c["prompt"] for c in cases], greedy(n))
+    assert small.stats.preemptions > 0
+    assert [o.token_ids for o in outs] == [c["output_ids"] for c in cases]
+
+
+def test_dflash_bad_input_is_a_clear_error(tmp_path):
+    ref = json.loads((DFLASH / "reference.json").read_text())
+    llama = sorted((STORIES.parents[1] / "fixtures" / "hf").glob("llama*"))[0]
+    with pytest.raises(ValueError, match="draft hidden_size|draft vocab_size|num_target_layers"):
+        Engine.from_pretrained(str(llama), draft=str(DFLASH / "draft"), **SMALL)
+    with pytest.raises(ValueError, match=f"makes blocks of {ref['block_size']} tokens"):
+        Engine.from_pretrained(str(DFLASH / "target"), draft=str(DFLASH / "draft"),
+                               **dict(SMALL, max_step_tokens=ref["block_size"] - 1, forward_sizes=(1,),
+                                      min_prefill_chunk=1))
+    with pytest.raises(ValueError, match=f"a DFlash draft of block_size {ref['block_size']} drafts"):
+        Engine.from_pretrained(str(DFLASH / "target"), draft=str(DFLASH / "draft"),
+                               num_speculative_tokens=ref["block_size"], **SMALL)

@@ -53,7 +53,11 @@ case "${1:-all}" in
     tail -20 "$out/serve_bench.log"
     kill $server; wait $server
     ;;&
-  spec|serve)  # plain vs speculative decoding, oracle drafter, block 16 (~4 min)
+  spec)  # speculative decoding through the Pallas kernels == the references (~2 min; cp -r ../shared/fixtures/dflash .gpu/)
+    timeout 200 python3 tools/gpu_spec.py .gpu/fixtures .gpu/stories260K .gpu/dflash > "$out/spec_check.log" 2>&1
+    sed -n '/^check |/,$p' "$out/spec_check.log"; tail -3 "$out/spec_check.log"
+    ;;&
+  spec|serve)  # plain vs speculative decoding, oracle drafter, block 16 (~5 min)
     timeout 330 python3 -m glint.runtime.cli bench llama3-8b --draft ${DRAFT:-oracle} --num-speculative-tokens 15 \
       --batch 1,4,16,64 --prompt-len 512 --gen-len 256 --max-step-tokens 1024 --json "$out/spec.json" \
       > "$out/spec.log" 2>&1
