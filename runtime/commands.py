@@ -40,16 +40,21 @@ def _engine_args(p) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="batch invariance: a request's output is bit-identical whatever shares its steps (every "
                    "step runs at the widest forward size; long prompts prefill in chunks of it)")
+    p.add_argument("--draft", help="speculative decoding: a DFlash draft folder (z-lab layout) or 'ngram' (prompt "
+                   "lookup); output stays the model's own")
+    p.add_argument("--num-speculative-tokens", type=int, help="--draft: draft tokens verified per step (default: "
+                   "the DFlash block size - 1; 4 for ngram)")
 
 
 def _engine_config(args) -> dict:
     """The engine settings given on the command line (the rest keep EngineConfig's or the artifact's)."""
-    names = ("max_seqs", "page_size", "max_step_tokens", "max_prefill_chunk", "num_pages", "capacity", "attention")
+    names = ("max_seqs", "page_size", "max_step_tokens", "max_prefill_chunk", "num_pages", "capacity", "attention",
+             "num_speculative_tokens")
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     for flag in ("allow_long_context", "deterministic"):
         if getattr(args, flag):
             given[flag] = True
-    return given | {"compile_cache": args.compile_cache}
+    return given | {"compile_cache": args.compile_cache, "draft": args.draft}
 
 
 def _cmd_generate(args) -> int:
@@ -91,7 +96,9 @@ def _cmd_generate(args) -> int:
         for i, c in enumerate(out.outputs):
             print(f"[{i}] {c.text if c.text is not None else ' '.join(map(str, c.token_ids))} ({c.finish_reason})")
     else:
-        print(f"\n[{out.finish_reason}]")
+        accepted = (f", {engine.stats.mean_acceptance_length:.2f} tokens per speculative step"
+                    if engine.stats.spec_steps else "")
+        print(f"\n[{out.finish_reason}{accepted}]")
     return 0
 
 
@@ -158,8 +165,11 @@ def _cmd_demo(args) -> int:
 def _cmd_export(args) -> int:
     from glint.export.exporter import export_engine
 
-    meta = export_engine(args.checkpoint, args.out, dtype=args.dtype, compiled=args.compiled,
-                         **_engine_config(args))
+    settings = _engine_config(args)
+    if settings.pop("draft") or "num_speculative_tokens" in settings:
+        raise ValueError("an exported artifact has no speculative decoding yet (drop --draft and "
+                         "--num-speculative-tokens)")
+    meta = export_engine(args.checkpoint, args.out, dtype=args.dtype, compiled=args.compiled, **settings)
     kernels = sorted({c for p in meta["programs"].values() for c in p["custom_calls"]})
     executables = any("compiled" in p for p in meta["programs"].values())
     print(f"wrote {args.out}: {len(meta['programs'])} programs (widths {meta['widths']}), "
