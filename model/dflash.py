@@ -291,3 +291,18 @@ def unflatten_params(flat: dict, cfg: DraftConfig) -> dict:
     params["layers"] = [{name: flat[f"draft.layers.{i}.{name}"] for name in _LAYER_TENSORS}
                         for i in range(cfg.num_layers)]
     return params
+
+
+def init_draft(cfg: DraftConfig, dtype: str = "bfloat16", seed: int = 0) -> dict:
+    """Random draft weights of `cfg`'s shape (benchmarks: a real draft's cost without its checkpoint);
+    matrices normal with 1 / sqrt(fan-in) scale, norms 1."""
+    d, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    keys = iter(jax.random.split(jax.random.key(seed), 4 + 5 * cfg.num_layers))
+    dense = lambda n_in, n_out: (jax.random.normal(next(keys), (n_in, n_out), jnp.float32)  # noqa: E731
+                                 * n_in ** -0.5).astype(dtype)
+    ones = lambda n: jnp.ones((n,), jnp.float32)  # noqa: E731
+    layers = [{"attn_norm": ones(d), "wqkv": dense(d, q + 2 * kv), "q_norm": ones(hd), "k_norm": ones(hd),
+               "wo": dense(q, d), "mlp_norm": ones(d), "gate_up": dense(d, 2 * ff), "down": dense(ff, d)}
+              for _ in range(cfg.num_layers)]
+    return {"fc": dense(len(cfg.target_layer_ids) * d, d), "hidden_norm": ones(d), "norm": ones(d), "layers": layers}

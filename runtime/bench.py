@@ -21,7 +21,7 @@ from glint.runtime.commands import fill_defaults
 from glint.runtime.engine import Engine
 from glint.runtime.params import SamplingParams
 from glint.runtime.sampling import SamplerInputs
-from glint.runtime.spec import host_drafter
+from glint.runtime.spec import DFlashDrafter, host_drafter
 from glint.runtime.programs import DeviceMeta, forward_name, num_segments
 
 
@@ -222,13 +222,14 @@ def run_cold_start(args) -> dict:
     return result
 
 
-def speculative(args, console: Console, oracle_passes: int = 3) -> dict:
+def speculative(args, console: Console, oracle_passes: int = 10) -> dict:
     """Plain greedy decoding against speculative decoding with `args.draft`, per batch size, on the same random
     prompts and one set of weights: output tokens/s of each, their ratio, the mean acceptance length and the
     milliseconds per speculative engine step. The speculative engine of batch b serves b sequences (its
-    steps return b x (k + 1) rows of logits). The oracle replays the plain run's tokens, then
-    `oracle_passes - 1` times the speculative engine's own: low precision makes a verify step's argmax differ
-    from a decode step's now and then, and every token after the first difference would be rejected."""
+    steps return b x (k + 1) rows of logits). The oracle replays the plain run's tokens, then the speculative
+    engine's own from its previous pass, until 90% of each block is accepted or `oracle_passes` passes (the
+    last is reported): low precision makes a verify step's argmax differ from a decode step's now and then,
+    and every token after the first difference would be rejected. `dflash-random`: `dflash_random`'s draft."""
     from glint.runtime.config import EngineConfig
 
     batches = [int(b) for b in args.batch.split(",")]
@@ -242,7 +243,8 @@ def speculative(args, console: Console, oracle_passes: int = 3) -> dict:
     params = SamplingParams(max_tokens=args.gen_len, temperature=0.0, ignore_eos=True)
     rows = []
     for b in batches:
-        drafter = host_drafter(args.draft, k)
+        drafter = dflash_random(plain.model) if args.draft == "dflash-random" else host_drafter(args.draft, k)
+        k = drafter.num_speculative_tokens
         fast = Engine(plain.model, plain.graphdef, plain.params,
                       EngineConfig(**dict(settings, max_seqs=b, num_pages=b * per_seq + 16), num_speculative_tokens=k),
                       drafter=drafter)
@@ -261,6 +263,8 @@ def speculative(args, console: Console, oracle_passes: int = 3) -> dict:
             if args.draft == "oracle":
                 for p, o in zip(prompts, outs):
                     drafter.record(p, o.token_ids)
+            if name == "speculative" and engine.stats.mean_acceptance_length >= 0.9 * (k + 1):
+                break
         (t_plain, ref, _), (t_spec, outs, st) = timed["plain"][0], timed["speculative"][-1]
         tokens = b * args.gen_len
         steps = sum(st.steps_per_bucket.values())
@@ -282,6 +286,21 @@ def speculative(args, console: Console, oracle_passes: int = 3) -> dict:
     console.print(t)
     return dict(draft=args.draft, num_speculative_tokens=k, prompt_len=args.prompt_len, gen_len=args.gen_len,
                 rows=rows)
+
+
+def dflash_random(target):
+    """A DFlash drafter of z-lab's Qwen3-8B-DFlash-b16 shape (5 layers, block 16, taps 1, 9, 17, 25, 33 of 36)
+    with random weights: what a real draft costs per step (its acceptance is that of noise)."""
+    from glint.model import dflash
+    from glint.model.config import RopeConfig
+
+    taps = tuple(min(max(t, 0), target.num_layers - 1) for t in dflash.default_target_layer_ids(target.num_layers, 5))
+    cfg = dflash.DraftConfig(hidden_size=target.hidden_size, num_heads=target.num_heads,
+                             num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
+                             intermediate_size=target.intermediate_size, norm_eps=1e-6, rope=RopeConfig(1e6),
+                             num_layers=5, num_target_layers=target.num_layers, block_size=16,
+                             mask_token_id=target.vocab_size - 1, target_layer_ids=taps, vocab_size=target.vocab_size)
+    return DFlashDrafter(cfg, dflash.init_draft(cfg, target.dtype))
 
 
 def run_bench(args) -> dict:

@@ -54,13 +54,19 @@ case "${1:-all}" in
     kill $server; wait $server
     ;;&
   spec)  # speculative decoding through the Pallas kernels == the references (~2 min; cp -r ../shared/fixtures/dflash .gpu/)
-    timeout 200 python3 tools/gpu_spec.py .gpu/fixtures .gpu/stories260K .gpu/dflash > "$out/spec_check.log" 2>&1
+    timeout 300 python3 tools/gpu_spec.py .gpu/fixtures .gpu/stories260K .gpu/dflash ${SPEC_CHECK_ARGS:-} \
+      > "$out/spec_check.log" 2>&1
     sed -n '/^check |/,$p' "$out/spec_check.log"; tail -3 "$out/spec_check.log"
     ;;&
   spec|serve)  # plain vs speculative decoding, oracle drafter, block 16 (~5 min)
-    timeout 330 python3 -m glint.runtime.cli bench llama3-8b --draft ${DRAFT:-oracle} --num-speculative-tokens 15 \
-      --batch 1,4,16,64 --prompt-len 512 --gen-len 256 --max-step-tokens 1024 --json "$out/spec.json" \
-      > "$out/spec.log" 2>&1
+    timeout 330 python3 -m glint.runtime.cli bench llama3-8b --draft oracle --num-speculative-tokens 15 \
+      --batch ${SPEC_BATCH:-1,4,16,64} --prompt-len 512 --gen-len 256 --max-step-tokens 1024 \
+      --json "$out/spec.json" > "$out/spec.log" 2>&1
     tail -14 "$out/spec.log"
+    ;;
+  dflash-time)  # DFlash of Qwen3-8B-DFlash-b16's shape, random weights, on qwen3-8b: draft + verify per step
+    timeout 300 python3 -m glint.runtime.cli bench qwen3-8b --draft dflash-random --batch ${SPEC_BATCH:-1,4,16,64} \
+      --prompt-len 512 --gen-len 128 --max-step-tokens 1024 --json "$out/dflash.json" > "$out/dflash.log" 2>&1
+    tail -12 "$out/dflash.log"
     ;;
 esac

@@ -2,7 +2,7 @@
 places, on every HF fixture against transformers' greedy tokens and the acceptance greedy verification
 defines; prompt lookup on stories260K against llama2.c's tokens; the DFlash fixture against z-lab's outputs.
 
-  python tools/gpu_spec.py FIXTURES_DIR STORIES_DIR DFLASH_DIR
+  python tools/gpu_spec.py FIXTURES_DIR STORIES_DIR DFLASH_DIR [--no-fixtures]
 """
 import json
 import pathlib
@@ -25,7 +25,7 @@ def greedy(n):
 def main():
     fixtures, stories, dflash = (pathlib.Path(a) for a in sys.argv[1:4])
     rows = []
-    for d in sorted(p for p in fixtures.iterdir() if (p / "config.json").exists()):
+    for d in [] if "--no-fixtures" in sys.argv else sorted(p for p in fixtures.iterdir() if (p / "config.json").exists()):
         cases = json.loads((d / "reference.json").read_text())["cases"]
         vocab = json.loads((d / "config.json").read_text())["vocab_size"]
         for k in (3, 7):
