@@ -10,7 +10,9 @@ import pytest
 from conftest import STORIES
 from scipy import stats
 
-from glint.model import transformer
+from glint.export.checkpoint import unflatten
+from glint.model import dflash, transformer
+from glint.model.attention import DenseMeta, dense_attention
 from glint.model.presets import preset
 from glint.runtime.config import EngineConfig
 from glint.runtime.engine import Engine
@@ -298,3 +300,30 @@ def test_dflash_bad_input_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=f"a DFlash draft of block_size {ref['block_size']} drafts"):
         Engine.from_pretrained(str(DFLASH / "target"), draft=str(DFLASH / "draft"),
                                num_speculative_tokens=ref["block_size"], **SMALL)
+
+
+def test_dflash_draft_cache_after_rejections_holds_the_committed_context():
+    """After DFlash blocks whose drafts were rejected and rewound, the draft's pools hold, at every position
+    the sequence keeps, the context K/V of its committed tokens as the dense path computes them (the target's
+    tapped layers over the whole sequence, fc, hidden_norm, each layer's k/v projection)."""
+    case = json.loads((DFLASH / "reference.json").read_text())["cases"][0]
+    engine = Engine.from_pretrained(str(DFLASH / "target"), draft=str(DFLASH / "draft"),
+                                    **dict(SMALL, capacity=128, num_pages=40))
+    rid = engine.add_request(case["prompt"], greedy(64))
+    while len(engine.output(rid).token_ids) < 24:
+        engine.step()
+    assert 1 in engine.output(rid).acceptance_lengths  # drafts were rejected
+    req, cfg = engine._requests[rid], engine.drafter.cfg
+    tokens = (req.prompt + req.generated)[:req.num_cached]
+    positions = jnp.arange(len(tokens), dtype=jnp.int32)
+    graphdef, like = transformer.split(transformer.abstract_model(engine.model))
+    target = unflatten(engine.params, like)  # the target's weights out of the engine's flat dict
+    _, _, tapped = transformer.forward(graphdef, target, jnp.asarray(tokens, jnp.int32), positions, dense_attention,
+                                       None, DenseMeta.single(len(tokens)), taps=cfg.target_layer_ids)
+    features = dflash.context_features(engine.drafter.params, cfg, tapped)
+    pools = _kv_at(engine, req.seq, np.arange(len(tokens)))
+    n = engine.model.num_layers
+    for i in range(cfg.num_layers):
+        k, v = dflash.context_kv(engine.drafter.params, cfg, i, features, positions)
+        np.testing.assert_allclose(pools[2 * (n + i)], np.asarray(k), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(pools[2 * (n + i) + 1], np.asarray(v), rtol=1e-5, atol=1e-5)
