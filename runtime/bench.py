@@ -233,7 +233,7 @@ def speculative(args, console: Console, oracle_passes: int = 10) -> dict:
     from glint.runtime.config import EngineConfig
 
     batches = [int(b) for b in args.batch.split(",")]
-    k = args.num_speculative_tokens
+    k = DFLASH_BLOCK - 1 if args.draft == "dflash-random" else args.num_speculative_tokens
     capacity = args.prompt_len + args.gen_len + k + 1
     per_seq = -(-capacity // args.page_size)
     settings = dict(engine_settings(args), capacity=capacity)
@@ -244,7 +244,6 @@ def speculative(args, console: Console, oracle_passes: int = 10) -> dict:
     rows = []
     for b in batches:
         drafter = dflash_random(plain.model) if args.draft == "dflash-random" else host_drafter(args.draft, k)
-        k = drafter.num_speculative_tokens
         fast = Engine(plain.model, plain.graphdef, plain.params,
                       EngineConfig(**dict(settings, max_seqs=b, num_pages=b * per_seq + 16), num_speculative_tokens=k),
                       drafter=drafter)
@@ -288,6 +287,9 @@ def speculative(args, console: Console, oracle_passes: int = 10) -> dict:
                 rows=rows)
 
 
+DFLASH_BLOCK = 16  # z-lab's Qwen3-8B-DFlash-b16
+
+
 def dflash_random(target):
     """A DFlash drafter of z-lab's Qwen3-8B-DFlash-b16 shape (5 layers, block 16, taps 1, 9, 17, 25, 33 of 36)
     with random weights: what a real draft costs per step (its acceptance is that of noise)."""
@@ -298,7 +300,7 @@ def dflash_random(target):
     cfg = dflash.DraftConfig(hidden_size=target.hidden_size, num_heads=target.num_heads,
                              num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
                              intermediate_size=target.intermediate_size, norm_eps=1e-6, rope=RopeConfig(1e6),
-                             num_layers=5, num_target_layers=target.num_layers, block_size=16,
+                             num_layers=5, num_target_layers=target.num_layers, block_size=DFLASH_BLOCK,
                              mask_token_id=target.vocab_size - 1, target_layer_ids=taps, vocab_size=target.vocab_size)
     return DFlashDrafter(cfg, dflash.init_draft(cfg, target.dtype))
 

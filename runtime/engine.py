@@ -15,8 +15,7 @@ from glint.kvcache import BatchControl, CacheConfig, default_num_pages
 from glint.runtime import compile_cache, interrupts
 from glint.runtime.config import EngineConfig
 from glint.runtime.params import SamplingParams
-from glint.runtime.programs import (RUNTIME_PROGRAMS, SPEC_PROGRAMS, DeviceMeta, ProgramSet, Runner, draft_name,
-                                    forward_name, num_segments)
+from glint.runtime.programs import RUNTIME_PROGRAMS, DeviceMeta, ProgramSet, Runner, draft_name, forward_name, num_segments
 from glint.runtime.request import Completion, Request, RequestOutput, Status
 from glint.runtime.sampling import SamplerInputs, uses_filters
 from glint.runtime.scheduler import Entry, Scheduler
@@ -88,7 +87,8 @@ class InFlight:
     sampled: list[Sampled]
     next_tokens: jax.Array
     lp: object
-    accepted: jax.Array | None = None  # a speculative step: which rows accepted their draft token
+    proposed: np.ndarray | None = None  # a speculative step: the draft token each row verifies (-1: none)
+    drafted: jax.Array | None = None  # the device drafter's tokens, for proposals DRAFTED_ON_DEVICE
 
 
 class Engine:
@@ -116,11 +116,12 @@ class Engine:
         cache = cache_config_for(model, config, draft)
         flat = flatten(params)  # programs take {"dotted.name": array}; a flat dict stays as it is
         if draft is not None:
-            from glint.model.dflash import flatten_params
+            from glint.model.dflash import check_fits, flatten_params
 
+            check_fits(draft, model)
             flat |= flatten_params(drafter.params)
         programs = live_programs(model, flat, cache, impl, config.buckets, config.max_seqs, config.max_sample_rows,
-                                 speculative=drafter is not None, draft=draft)
+                                 draft=draft)
         self.graphdef = graphdef
         self._start(model, config, cache, impl, programs, flat, tokenizer, drafter)
         if warmup:
@@ -390,11 +391,12 @@ class Engine:
                 if self.control.has_pending_step:
                     self.control.abort_step()
                 raise
-            self._unread, self._inflight = self._inflight, dispatched
+            if self.drafter is None:
+                self._unread, self._inflight = self._inflight, dispatched
+            else:  # a block's length depends on what the last one accepted: read each step before the next
+                self._unread, self._inflight = dispatched, None
         if self._unread is None and dispatched is None and self.scheduler.has_work():
             raise RuntimeError("no request can be scheduled: the KV pool is too small for the waiting requests")
-        if self.drafter is not None:  # a block's length depends on what the last one accepted: no overlap
-            self._unread, self._inflight = self._unread or self._inflight, None
         self.stats.host_seconds += time.perf_counter() - t0
         if self._unread is not None:
             self._read(self._unread)
@@ -406,17 +408,22 @@ class Engine:
     def _read(self, step: InFlight) -> None:
         """Wait for a dispatched step's tokens (interruptible), then apply them (not interruptible)."""
         t0 = time.perf_counter()
-        next_tokens, lp, accepted = self._fetch(step)
+        next_tokens, lp, proposed = self._fetch(step)
         t1 = time.perf_counter()
         with interrupts.deferred():
-            self._postprocess(step, next_tokens, lp, accepted)
+            self._postprocess(step, next_tokens, lp, proposed)
             self._unread = None
         self.stats.wait_seconds += t1 - t0
         self.stats.host_seconds += time.perf_counter() - t1
 
     @staticmethod
     def _fetch(step: InFlight):
-        return jax.device_get((step.next_tokens, step.lp, step.accepted))
+        """The step's tokens, logprobs and (speculative) proposals, the device drafter's filled in."""
+        next_tokens, lp, drafted = jax.device_get((step.next_tokens, step.lp, step.drafted))
+        proposed = step.proposed
+        if drafted is not None:
+            proposed = np.where(proposed == spec.DRAFTED_ON_DEVICE, drafted, proposed)
+        return next_tokens, lp, proposed
 
     def _undeliver(self, new: dict[int, list[int]]) -> None:
         """Put back tokens a call took but could not return (it is raising an interrupt instead)."""
@@ -427,6 +434,11 @@ class Engine:
     def _schedule(self) -> list[Entry]:
         entries = self.scheduler.schedule()
         while entries and not self.control.declare_step([e.req.seq for e in entries for _ in range(e.count)]):
+            if any(e.draft for e in entries):  # pages run out: drop the drafts before preempting anyone
+                for e in entries:
+                    if e.draft:
+                        e.count, e.samples, e.draft = 1, 1, []
+                continue
             if self.scheduler.preempt(entries) is None:
                 break
             self.stats.preemptions += 1
@@ -440,15 +452,16 @@ class Engine:
         if not req.generated:
             return []
         k = min(self.config.num_speculative_tokens, room, self.capacity - req.num_cached - 1)
-        if not self._drafts_on_device:  # a device draft's block is whole; a host draft need not pass max_tokens
-            k = min(k, req.params.max_tokens - len(req.generated) - 1)
+        if self._drafts_on_device:  # a whole block, drafted in the step (past max_tokens is cut when committed)
+            return self.drafter.propose((), 0, k)
+        k = min(k, req.params.max_tokens - len(req.generated) - 1)
         return self.drafter.propose(req.prompt + req.generated, len(req.prompt), k) if k > 0 else []
 
     def _dispatch(self, entries: list[Entry]) -> InFlight:
         width = self.config.bucket_for(sum(e.count for e in entries))
         meta = self.control.prepare_step(width=width, num_segments=num_segments(width, self.config.max_seqs))
         tokens, token_src, rows, sample_reqs, proposed, draft_rows = self._pack(entries, width)
-        next_tokens, lp, accepted = self._run(width, meta, tokens, token_src, rows, sample_reqs, proposed, draft_rows)
+        next_tokens, lp, drafted = self._run(width, meta, tokens, token_src, rows, sample_reqs, draft_rows)
         self.control.commit_step()
         self.stats.steps_per_bucket[width] += 1
         sampled, row = [], 0
@@ -462,19 +475,22 @@ class Engine:
                 e.req.generated.append(-(row + 1))  # placeholder: row `row` of this step's output
                 e.req.num_children = 0
                 row += e.samples
-        return InFlight(sampled, next_tokens, lp, accepted)
+        return InFlight(sampled, next_tokens, lp, proposed, drafted)
 
-    def _run(self, width: int, meta, tokens, token_src, rows, sample_reqs, proposed, draft_rows):
-        """Launch the step's programs: page copies, drafting, the forward, and top-k/top-p, speculative
-        verification or logprobs when asked."""
+    def _run(self, width: int, meta, tokens, token_src, rows, sample_reqs, draft_rows):
+        """Launch the step's programs: page copies, drafting, the forward, and top-k/top-p or logprobs when
+        asked. -> (tokens, logprobs, the device drafter's tokens or None)."""
         rows_out = self.config.max_sample_rows
         prev = self._inflight.next_tokens if self._inflight else np.zeros(rows_out, np.int32)
         if any(len(c) for c in meta.copies):
             self.kv = self.runner.copy(self.kv, meta.copies)
             self.stats.page_copies += sum(len(c) for c in meta.copies)
         device_meta = DeviceMeta.from_host(meta)
+        drafted = None
         if draft_rows is not None:  # the draft tokens the step's token_src reads
-            prev, self.kv = self.runner.draft(width, self.params, self.kv, tokens, token_src, device_meta, draft_rows)
+            drafted, self.kv = self.runner.draft(width, self.params, self.kv, tokens, token_src, device_meta,
+                                                 draft_rows)
+            prev = drafted
         params = [r.params for r, _, _ in sample_reqs]
         sampler = SamplerInputs.from_params(params, [p for _, _, p in sample_reqs], rows=rows_out,
                                             seeds=[s for _, s, _ in sample_reqs])
@@ -482,13 +498,10 @@ class Engine:
         padded_rows[:len(rows)] = rows
         next_tokens, logits, self.kv = self.runner.forward(width, self.params, self.kv, tokens, token_src, prev,
                                                            device_meta, padded_rows, sampler)
-        accepted = None
-        if proposed is not None:
-            next_tokens, accepted = self.runner.accept(logits, sampler, proposed, prev, uses_filters(params))
-        elif uses_filters(params):
+        if uses_filters(params):
             next_tokens = self.runner.sample(logits, sampler)
         lp = self.runner.logprobs(logits, next_tokens) if any(p.logprobs for p in params) else None
-        return next_tokens, lp, accepted
+        return next_tokens, lp, drafted
 
     def _pack(self, entries: list[Entry], width: int):
         """Token ids (from the host, or `token_src` rows of the previous step's output), sampled rows as
@@ -522,14 +535,14 @@ class Engine:
         token_src[start:] = -1
         return tokens, token_src, rows, sample_reqs, proposed, draft_rows
 
-    def _postprocess(self, step: InFlight, next_tokens: np.ndarray, lp, accepted) -> None:
+    def _postprocess(self, step: InFlight, next_tokens: np.ndarray, lp, proposed) -> None:
         """Apply a step's tokens (into `_undelivered`); resumable: a request already applied is skipped."""
         new = self._undelivered
         for s in step.sampled:
             if s.is_applied or s.req.status is Status.FINISHED:
                 continue  # applied by an earlier, interrupted call; or finished or aborted while this step ran
             if s.block:
-                self._commit_block(s, next_tokens, lp, accepted, new)
+                self._commit_block(s, next_tokens, lp, proposed, new)
                 s.is_applied = True
                 continue
             drawn = next_tokens[s.row:s.row + 1 + s.num_children].tolist()
@@ -544,10 +557,15 @@ class Engine:
             self._accept(s.req, drawn[0], s.index + 1, lps[0], new)
             s.is_applied = True
 
-    def _commit_block(self, s: Sampled, next_tokens, lp, accepted, new: dict[int, list[int]]) -> None:
+    def _commit_block(self, s: Sampled, next_tokens, lp, proposed, new: dict[int, list[int]]) -> None:
         """Record what a speculative block committed and rewind the cache over the rejected rest."""
         req, k = s.req, s.req.params.logprobs
-        tokens = spec.committed(next_tokens, accepted, s.row, s.block)
+        tokens = spec.committed(next_tokens, proposed, s.row, s.block)
+        kept = s.num_cached - s.block + len(tokens)  # the block's tokens before the last committed one
+        if not self.control.rewind(req.seq, kept):  # first: a failure leaves the step to be read again, whole
+            raise RuntimeError(f"sequence {req.seq} cannot rewind to {kept}: a ring layer lost the window (the "
+                               "cache geometry must hold window + max_seq_write - 1 rows)")
+        req.num_cached = kept
         req.acceptance_lengths.append(len(tokens))
         self.stats.spec_steps += 1
         self.stats.spec_tokens += len(tokens)
@@ -557,11 +575,6 @@ class Engine:
             self._accept(req, token, s.index + 1 + i, self._row_logprobs(lp, s.row + i, k, token) if k else None, new)
             if req.status is Status.FINISHED:
                 return
-        kept = s.num_cached - s.block + len(tokens)  # the block's tokens before the last committed one
-        if not self.control.rewind(req.seq, kept):
-            raise RuntimeError(f"sequence {req.seq} cannot rewind to {kept}: a ring layer lost the window (the "
-                               "cache geometry must hold window + max_seq_write - 1 rows)")
-        req.num_cached = kept
 
     def _spawn_child(self, s: Sampled, i: int, token: int, lp, new: dict[int, list[int]]) -> None:
         """Completion i of an n > 1 request: a clone of the prompt's pages, with its own first token."""
@@ -655,10 +668,8 @@ class Engine:
 
     def program_names(self) -> list[str]:
         """Every program this engine may run: decode widths first (a server needs them first), then the rest."""
-        spec_programs = list(SPEC_PROGRAMS) if self.drafter is not None else []
-        if self._drafts_on_device:
-            spec_programs += [draft_name(w) for w in self.config.buckets]
-        return [forward_name(w) for w in self.config.buckets] + list(RUNTIME_PROGRAMS) + spec_programs
+        drafts = [draft_name(w) for w in self.config.buckets] if self._drafts_on_device else []
+        return [forward_name(w) for w in self.config.buckets] + list(RUNTIME_PROGRAMS) + drafts
 
     def warmup(self, progress: bool = True) -> dict[str, float]:
         """Compile every program (all step widths, top-k/top-p sampling, logprobs, page copies) in parallel

@@ -29,7 +29,6 @@ COPY_ROWS = 64  # page copies per `copy` call; a step needing more runs it again
 # Arguments a program donates (the KV state), so XLA updates it in place: the live jit and the exported call.
 FORWARD_DONATE_ARGNUMS, COPY_DONATE_ARGNUMS = (1,), (0,)
 RUNTIME_PROGRAMS = ("sample", "logprobs", "copy")  # besides one forward per width, what an engine runs
-SPEC_PROGRAMS = ("accept", "accept_filtered")  # and what a speculating engine adds
 START_PROGRAMS = ("kv_init",)  # run once, when an engine starts
 
 
@@ -85,7 +84,6 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
     sample:    (logits f32[R, V], sampler tuple)
     sample_argmax: (logits f32[R, V],)
     logprobs:  (logits f32[R, V], tokens i32[R])
-    accept, accept_filtered: (logits f32[R, V], sampler tuple, proposed i32[R], drafted i32[R])
     draft_W:   (params, (k, v), tokens i32[W], token_src i32[W], meta as forward_W, rows i32[R])
     copy:      ((k, v), per group i32[COPY_ROWS, 2])
     kv_init:   () -> the zeroed pools (k, v)
@@ -101,8 +99,6 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
         return (logits,)
     if name == "logprobs":
         return logits, i32(rows)
-    if name in SPEC_PROGRAMS:
-        return logits, sampler, i32(rows), i32(rows)
     if name == "copy":
         return kv, tuple(i32(COPY_ROWS, 2) for _ in range(cache.num_groups))
     if name == "kv_init":
@@ -213,11 +209,6 @@ class Runner:
     def sample(self, logits, sampler) -> jax.Array:
         """Tokens i32[R] with every row's top-k / top-p applied."""
         return self.programs["sample"](logits, _fields(sampler))
-
-    def accept(self, logits, sampler, proposed, drafted, filtered: bool):
-        """Speculative verification (`glint.runtime.spec.accept`; a proposal DRAFTED_ON_DEVICE is the row's
-        `drafted` token): (tokens i32[R], accepted bool[R])."""
-        return self.programs["accept_filtered" if filtered else "accept"](logits, _fields(sampler), proposed, drafted)
 
     def draft(self, width: int, params: dict, kv: KVState, tokens, token_src, meta: DeviceMeta, rows):
         """DFlash drafting before a verifying step: (draft tokens i32[R], kv)."""

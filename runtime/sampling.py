@@ -113,7 +113,7 @@ def sample_argmax(logits: jax.Array) -> jax.Array:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def _gumbel_noise(seed: jax.Array, position: jax.Array, vocab_size: int) -> jax.Array:
+def gumbel_noise(seed: jax.Array, position: jax.Array, vocab_size: int) -> jax.Array:
     """u32[R], i32[R] -> f32[R, V]: each row's noise depends only on its (seed, position)."""
 
     def row_noise(row_seed: jax.Array, row_position: jax.Array) -> jax.Array:
@@ -142,10 +142,10 @@ def filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Ar
     mass_above = jnp.pad(jnp.cumsum(probs, axis=-1)[:, :-1], ((0, 0), (1, 0)))
     keep &= (mass_above < top_p[:, None]) | (top_p[:, None] >= 1)
     rows = lax.broadcasted_iota(jnp.int32, scaled.shape, 0)
-    return jnp.zeros(scaled.shape, bool).at[rows, order].set(keep)
+    return jnp.zeros(scaled.shape, bool).at[rows, order].set(keep, unique_indices=True)
 
 
-def _scaled(logits: jax.Array, inputs: SamplerInputs):
+def scaled_logits(logits: jax.Array, inputs: SamplerInputs):
     """(whether each row samples bool[R], logits / temperature f32[R, V]; greedy rows divided by 1)."""
     is_sampled = inputs.temperature > 0
     temperature = jnp.where(is_sampled, inputs.temperature, 1.0).astype(jnp.float32)
@@ -170,17 +170,11 @@ def sample(logits: jax.Array, inputs: SamplerInputs, *, is_filtered: bool = True
         shape = getattr(inputs, field.name).shape
         if shape != (num_rows,):
             raise ValueError(f"inputs.{field.name} has shape {shape}, logits need ({num_rows},)")
-    greedy = sample_argmax(logits)
-    is_sampled, scaled = _scaled(logits, inputs)
-
-    def draw():
-        perturbed = scaled + _gumbel_noise(inputs.seed.astype(jnp.uint32), inputs.position, vocab_size)
-        if is_filtered:  # noise is looked up by token id, so an unfiltered row draws the same token either way
-            perturbed = jnp.where(filter_mask(scaled, inputs.top_k, inputs.top_p), perturbed, -jnp.inf)
-        return jnp.where(is_sampled, jnp.argmax(perturbed, axis=-1).astype(jnp.int32), greedy)
-
-    # An all-greedy step (the usual decode) skips the [R, V] noise and the sort.
-    return lax.cond(jnp.any(is_sampled), draw, lambda: greedy)
+    is_sampled, scaled = scaled_logits(logits, inputs)
+    perturbed = scaled + gumbel_noise(inputs.seed.astype(jnp.uint32), inputs.position, vocab_size)
+    if is_filtered:  # noise is looked up by token id, so an unfiltered row draws the same token either way
+        perturbed = jnp.where(filter_mask(scaled, inputs.top_k, inputs.top_p), perturbed, -jnp.inf)
+    return jnp.where(is_sampled, jnp.argmax(perturbed, axis=-1).astype(jnp.int32), sample_argmax(logits))
 
 
 class Logprobs(NamedTuple):

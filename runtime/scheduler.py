@@ -20,7 +20,7 @@ class Entry:
     req: Request
     count: int
     samples: int  # 0: a prefill chunk that does not reach the end of the known tokens
-    draft: list[int] = field(default_factory=list)  # < 0: -(i + 1) is row i of the device drafter's output
+    draft: list[int] = field(default_factory=list)  # spec.DRAFTED_ON_DEVICE: drafted in the step itself
 
 
 class Scheduler:
@@ -48,8 +48,9 @@ class Scheduler:
     def schedule(self) -> list[Entry]:
         budget, rows = self.config.max_step_tokens, self.config.max_sample_rows
         entries: list[Entry] = []
-        for req in self.running:
-            entry = self._entry(req, budget, rows)
+        for i, req in enumerate(self.running):
+            # drafts never take the token every later running request needs to go on
+            entry = self._entry(req, budget, rows, reserve=len(self.running) - i - 1)
             if entry is not None:
                 entries.append(entry)
                 budget, rows = budget - entry.count, rows - entry.samples
@@ -68,12 +69,13 @@ class Scheduler:
             budget, rows = budget - entry.count, rows - entry.samples
         return entries
 
-    def _entry(self, req: Request, budget: int, rows: int) -> Entry | None:
+    def _entry(self, req: Request, budget: int, rows: int, reserve: int = 0) -> Entry | None:
         if len(req.generated) >= req.params.max_tokens:
             return None  # its last token is still in flight
         pending = req.num_pending
-        if pending == 1 and not req.num_children and self.propose is not None and min(budget, rows) > 1:
-            draft = self.propose(req, min(budget, rows) - 1)
+        room = min(budget, rows) - reserve - 1
+        if pending == 1 and not req.num_children and self.propose is not None and room > 0:
+            draft = self.propose(req, room)
             if draft:
                 return Entry(req, 1 + len(draft), 1 + len(draft), draft)
         count = min(pending, budget, self.config.max_prefill_chunk)

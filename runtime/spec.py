@@ -1,12 +1,16 @@
 """Speculative decoding: drafters that propose tokens, and the lossless rule that accepts them.
 
 A speculating sequence feeds a block `[t0, d1 .. dk]` (its last token, then k draft tokens) in one step and
-gets the target's distribution at every block position. Row i of the block verifies d(i+1): greedy rows
-accept it when it is the target's argmax; sampled rows accept it with probability p(d) (every drafter here
-proposes deterministically, so q is a point mass and min(1, p/q) is p(d)) and otherwise draw from the
-residual, p without d, renormalised. The first rejected row's draw, or after k acceptances the last row's
-draw, is the target's own token: so a sequence commits accepted + 1 tokens per step and its tokens have
-exactly the target's distribution (greedy: exactly the target's greedy tokens).
+gets the target's distribution at every block position. Row i of the block draws the target's token x_i
+exactly as a plain step would (`glint.runtime.sampling.sample`: argmax for greedy rows, the Gumbel-max draw
+of (seed, position) for sampled ones) and accepts d(i+1) when x_i equals it; the block commits x_0, x_1, ..
+up to and including the first row that rejects (or its last row).
+
+This is the standard rule min(1, p/q), else a draw from the residual, for drafts that are deterministic (q a
+point mass, as every drafter here proposes): P(accept) = P(x = d) = p(d), and a rejected row's x is
+distributed as p without d, renormalised. Coupling both through the plain draw makes more than the
+distribution exact: every committed token is the very token a non-speculative run draws at that position
+for that seed, so seeded sampling and greedy decoding give the plain run's tokens, whatever was proposed.
 
 Host drafters (`NgramDrafter`, `OracleDrafter`) propose from the tokens the host has; the DFlash drafter
 runs on the device (`glint.model.dflash`, programs in `glint.runtime.step`).
@@ -15,59 +19,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-
-from glint.runtime.sampling import SamplerInputs, _gumbel_noise, _scaled, filter_mask, sample_argmax
 
 DRAFT_KINDS = ("ngram", "oracle")  # besides a DFlash checkpoint folder
 DRAFTED_ON_DEVICE = -2  # a proposal the device drafter makes in the step itself (the host never sees it)
 
 
-def accept(logits, sampler: SamplerInputs, proposed, *, is_filtered: bool):
-    """Per row: the token the target commits there and whether it accepts the row's proposal.
-
-    logits f32[R, V]; proposed i32[R]: the draft token row r verifies (the block's next token), -1 for a
-    row that only samples (a block's last row, an ordinary decode or prefill row).
-    -> (tokens i32[R], accepted bool[R]): an accepted row's token is its proposal; a rejected row's is a
-    draw from the residual; a row with no proposal draws as `sample` does (the same token for the same
-    seed and position). Randomness: the sampler's Gumbel noise for the draws and an independent uniform
-    from `fold_in(fold_in(key(seed), position), 1)` for the acceptance test.
-    """
-    vocab_size = logits.shape[1]
-    is_sampled, scaled = _scaled(logits, sampler)
-    has = proposed >= 0
-    safe = jnp.maximum(proposed, 0)
-    greedy = sample_argmax(logits)
-    greedy_accepted = has & (greedy == safe)
-
-    def sampled():
-        keep = filter_mask(scaled, sampler.top_k, sampler.top_p) if is_filtered else jnp.ones(scaled.shape, bool)
-        masked = jnp.where(keep, scaled, -jnp.inf)
-        p_proposed = jnp.take_along_axis(jax.nn.softmax(masked, axis=-1), safe[:, None], axis=1)[:, 0]
-        seeds = sampler.seed.astype(jnp.uint32)
-        u = jax.vmap(lambda s, p: jax.random.uniform(
-            jax.random.fold_in(jax.random.fold_in(jax.random.key(s), p), 1)))(seeds, sampler.position)
-        accepted = jnp.where(is_sampled, has & (u < p_proposed), greedy_accepted)
-        # The residual excludes the rejected proposal; a row without one draws from p itself.
-        ids = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
-        residual = jnp.where(has[:, None] & (ids == safe[:, None]), -jnp.inf, masked)
-        perturbed = residual + _gumbel_noise(seeds, sampler.position, vocab_size)
-        drawn = jnp.where(is_sampled, jnp.argmax(perturbed, axis=-1).astype(jnp.int32), greedy)
-        return jnp.where(accepted, safe, drawn), accepted
-
-    # All-greedy verification (the usual case) skips the [R, V] noise, softmax and sort.
-    return jax.lax.cond(jnp.any(is_sampled), sampled,
-                        lambda: (jnp.where(greedy_accepted, safe, greedy), greedy_accepted))
-
-
-def committed(tokens: np.ndarray, accepted: np.ndarray, row: int, length: int) -> list[int]:
-    """The tokens a block of `length` rows from `row` commits: its accepted proposals, then the target's token."""
+def committed(tokens: np.ndarray, proposed: np.ndarray, row: int, length: int) -> list[int]:
+    """The tokens a block of `length` rows from `row` commits: each row's drawn token, up to and including the
+    first row whose draw is not the proposal it verifies (`proposed[i]`, -1 for the block's last row)."""
     out = []
     for i in range(row, row + length):
         out.append(int(tokens[i]))
-        if not accepted[i]:
+        if tokens[i] != proposed[i]:
             break
     return out
 

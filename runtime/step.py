@@ -21,10 +21,9 @@ from glint.model.dflash import DraftConfig
 from glint.pallas_kernels import (ring_write, ring_write_reference, varlen_attention,
                                   varlen_attention_reference)
 from glint.runtime.params import MAX_LOGPROBS
-from glint.runtime.programs import (COPY_DONATE_ARGNUMS, FORWARD_DONATE_ARGNUMS, SPEC_PROGRAMS, DeviceMeta, Program,
-                                    ProgramSet, abstract_args, draft_name, forward_name)
+from glint.runtime.programs import (COPY_DONATE_ARGNUMS, FORWARD_DONATE_ARGNUMS, DeviceMeta, Program, ProgramSet,
+                                    abstract_args, draft_name, forward_name)
 from glint.runtime.sampling import SamplerInputs, logprobs, sample, sample_argmax
-from glint.runtime.spec import DRAFTED_ON_DEVICE, accept
 
 
 @dataclass(frozen=True)
@@ -159,17 +158,6 @@ def _logprobs(logits, tokens):
     return tuple(logprobs(logits, tokens, MAX_LOGPROBS))
 
 
-def _accept_fn(is_filtered: bool):
-    def run(logits, sampler, proposed, drafted):
-        proposed = jnp.where(proposed == DRAFTED_ON_DEVICE, drafted, proposed)
-        return accept(logits, SamplerInputs(*sampler), proposed, is_filtered=is_filtered)
-
-    return jax.jit(run)
-
-
-_ACCEPT = {name: _accept_fn(f) for name, f in zip(SPEC_PROGRAMS, (False, True))}
-
-
 @functools.lru_cache(maxsize=16)
 def make_kv_init_fn(cache: CacheConfig):
     """The zeroed KV pools, (k, v): a program, so an engine (an artifact too) creates them without compiling."""
@@ -193,14 +181,12 @@ def make_copy_fn(cache: CacheConfig):
 
 
 def live_programs(model: ModelConfig, params: dict, cache: CacheConfig, impl: str, widths, max_seqs: int,
-                  rows: int, speculative: bool = False, draft: DraftConfig | None = None) -> ProgramSet:
+                  rows: int, draft: DraftConfig | None = None) -> ProgramSet:
     """Every program an engine runs, for the live model (params: the flat parameter dict, with the draft's
-    under "draft."); `speculative` adds the verification programs, a DFlash `draft` its drafting programs."""
+    under "draft."); a DFlash `draft` adds its drafting programs."""
     fns = {forward_name(w): make_step_fn(model, cache, impl, draft) for w in widths}
     fns.update(sample=_sample_filtered, sample_argmax=_sample_argmax, logprobs=_logprobs, copy=make_copy_fn(cache),
                kv_init=make_kv_init_fn(cache))
-    if speculative:
-        fns.update(_ACCEPT)
     if draft is not None:
         fns.update({draft_name(w): make_draft_fn(model, cache, impl, draft) for w in widths})
     programs = {name: Program(fn, abstract_args(name, params, cache, max_seqs, rows, model.vocab_size))

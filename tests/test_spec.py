@@ -17,8 +17,8 @@ from glint.model.presets import preset
 from glint.runtime.config import EngineConfig
 from glint.runtime.engine import Engine
 from glint.runtime.params import SamplingParams
-from glint.runtime.sampling import SamplerInputs
-from glint.runtime.spec import NgramDrafter, OracleDrafter, accept
+from glint.runtime.sampling import SamplerInputs, sample
+from glint.runtime.spec import NgramDrafter, OracleDrafter, committed
 
 SMALL = dict(max_seqs=8, page_size=8, max_step_tokens=64, forward_sizes=(1, 4, 16, 32), num_pages=160,
              capacity=256, min_prefill_chunk=2)
@@ -101,21 +101,23 @@ def _tiny(**config):
 
 
 def test_batched_with_preemption_equals_plain_runs():
-    """Many prompts through a pool too small for all of them (preemption, recompute) with a drafter that is
-    right and wrong: every output equals its plain run."""
+    """Many prompts, greedy and seeded (top-k, top-p), through a pool too small for all of them (preemption,
+    recompute) with drafters that are right and wrong: every output equals its plain run."""
     cfg, graphdef, params = _tiny()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, int(rng.integers(3, 30))).tolist() for _ in range(10)]
+    settings = [greedy(24) if i % 2 else SamplingParams(max_tokens=24, temperature=0.7, top_k=(0, 5)[i % 4 == 0],
+                                                       top_p=0.9, seed=i, ignore_eos=True) for i in range(10)]
     plain = Engine(cfg, graphdef, params, EngineConfig(**SMALL))
-    refs = [o.token_ids for o in plain.generate(prompts, greedy(24))]
+    refs = [o.token_ids for o in plain.generate(prompts, settings)]
     for drafter in (NgramDrafter(K), OracleDrafter(K)):
         if isinstance(drafter, OracleDrafter):
             for i, (p, r) in enumerate(zip(prompts, refs)):
                 drafter.record(p, perturbed(r, cfg.vocab_size, every=4, salt=i))
-        engine = Engine(cfg, graphdef, params, EngineConfig(**dict(SMALL, num_pages=16, capacity=96), num_speculative_tokens=K),
-                        drafter=drafter)
-        outs = engine.generate(prompts, greedy(24))
-        assert [o.token_ids for o in outs] == refs
+        engine = Engine(cfg, graphdef, params, EngineConfig(**dict(SMALL, num_pages=16, capacity=96),
+                                                            num_speculative_tokens=K), drafter=drafter)
+        outs = engine.generate(prompts, settings)
+        assert [o.token_ids for o in outs] == refs  # greedy and seeded: the very tokens of the plain run
         assert engine.stats.preemptions > 0 and engine.stats.spec_steps > 0
 
 
@@ -156,10 +158,10 @@ def test_cache_after_rejections_equals_plain_cache():
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
-def test_accept_rule_keeps_the_target_distribution():
-    """The acceptance rule alone, many seeds of one row: tokens follow softmax(logits / T) (chi-square),
-    with and without top-k, and a proposal is accepted with its probability; greedy rows accept exactly the
-    argmax."""
+def test_verification_is_the_rejection_rule_for_a_deterministic_draft():
+    """Rows verify by the plain draw (many seeds of one row): a proposal d is accepted with probability p(d)
+    and a rejected row's token follows the residual, p without d renormalised (chi-square), with and without
+    top-k; so the committed tokens follow softmax(logits / T) whatever is proposed."""
     rows, vocab = 20000, 7
     logits = jnp.asarray(np.random.default_rng(1).normal(size=vocab) * 1.5, jnp.float32)
     for top_k, proposal in ((0, 2), (4, 0), (0, int(np.argmax(logits)))):
@@ -172,21 +174,19 @@ def test_accept_rule_keeps_the_target_distribution():
         sampler = SamplerInputs(jnp.full(rows, temperature, jnp.float32), jnp.full(rows, top_k, jnp.int32),
                                 jnp.ones(rows, jnp.float32), jnp.arange(rows, dtype=jnp.uint32),
                                 jnp.full(rows, 7, jnp.int32))
-        tokens, accepted = jax.jit(accept, static_argnames="is_filtered")(
-            jnp.tile(logits, (rows, 1)), sampler, jnp.full(rows, proposal, jnp.int32), is_filtered=top_k > 0)
-        tokens, accepted = np.asarray(tokens), np.asarray(accepted)
-        counts = np.bincount(tokens, minlength=vocab)
-        kept = p > 0
-        assert counts[~kept].sum() == 0
-        assert stats.chisquare(counts[kept], p[kept] * rows).pvalue > 1e-3
-        assert (tokens[accepted] == proposal).all()
+        drawn = np.asarray(jax.jit(sample, static_argnames="is_filtered")(
+            jnp.tile(logits, (rows, 1)), sampler, is_filtered=top_k > 0))
+        blocks = [committed(np.array([t, 5]), np.array([proposal, -1]), 0, 2) for t in drawn]
+        accepted = np.array([len(b) == 2 for b in blocks])
         assert abs(accepted.mean() - p[proposal]) < 4 * np.sqrt(p[proposal] * (1 - p[proposal]) / rows) + 1e-9
-    greedy_sampler = SamplerInputs(jnp.zeros(3), jnp.zeros(3, jnp.int32), jnp.ones(3), jnp.zeros(3, jnp.uint32),
-                                   jnp.zeros(3, jnp.int32))
-    best = int(np.argmax(logits))
-    tokens, accepted = accept(jnp.tile(logits, (3, 1)), greedy_sampler, jnp.asarray([best, (best + 1) % vocab, -1]),
-                              is_filtered=False)
-    assert np.asarray(accepted).tolist() == [True, False, False] and np.asarray(tokens).tolist() == [best] * 3
+        rejected = np.array([b[0] for b in blocks if len(b) == 1])
+        residual = np.where(np.arange(vocab) == proposal, 0.0, p)
+        residual /= residual.sum()
+        kept = residual > 0
+        counts = np.bincount(rejected, minlength=vocab)
+        assert counts[~kept].sum() == 0
+        if kept.any() and len(rejected):
+            assert stats.chisquare(counts[kept], residual[kept] * len(rejected)).pvalue > 1e-3
 
 
 def test_sampling_with_speculation_keeps_the_joint_distribution():
@@ -327,3 +327,65 @@ def test_dflash_draft_cache_after_rejections_holds_the_committed_context():
         k, v = dflash.context_kv(engine.drafter.params, cfg, i, features, positions)
         np.testing.assert_allclose(pools[2 * (n + i)], np.asarray(k), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(pools[2 * (n + i) + 1], np.asarray(v), rtol=1e-5, atol=1e-5)
+
+
+def _spec_engine():
+    from test_robustness import TIGHT, HF_FIXTURES
+
+    return Engine.from_pretrained(str(HF_FIXTURES / "llama"), dtype="float32", draft="ngram",
+                                  num_speculative_tokens=K, **TIGHT)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_speculating_engine_survives_interrupts_and_exceptions(sampled):
+    """Ctrl-C at random moments, then an exception injected at each stage of a step, on an engine that
+    speculates (a pool tight enough to preempt): every run gives the uninterrupted run's tokens."""
+    from test_robustness import Interrupter, outputs, requests
+
+    eng = _spec_engine()
+    prompts, params = requests(sampled)
+
+    def run(before_each=None):
+        rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while eng.has_unfinished():
+            try:
+                eng.step()
+            except RuntimeError as e:
+                assert "injected" in str(e) and not eng.control.has_pending_step
+        out = outputs(eng, rids)
+        for rid in rids:
+            eng.release(rid)
+        return out
+
+    want = run()
+    assert eng.stats.spec_steps > 0 and eng.stats.preemptions > 0
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    interrupter, caught = Interrupter(seed=3), 0
+    interrupter.thread.start()
+    while True:
+        try:
+            interrupter.armed.set()
+            while eng.has_unfinished():
+                eng.step()
+            with interrupter.lock:
+                interrupter.stop = True
+            break
+        except KeyboardInterrupt:
+            caught += 1
+            interrupter.caught.set()
+    interrupter.thread.join()
+    assert caught >= 10 and outputs(eng, rids) == want
+    for rid in rids:
+        eng.release(rid)
+    rng = np.random.default_rng(5)
+    for stage in ("_dispatch", "_run", "_fetch", "_commit_block"):
+        original = getattr(eng, stage)
+
+        def flaky(*args, _original=original, _stage=stage, **kwargs):
+            if rng.random() < 0.25:
+                raise RuntimeError(f"injected into {_stage}")
+            return _original(*args, **kwargs)
+
+        setattr(eng, stage, flaky)
+        assert run() == want, stage
+        setattr(eng, stage, original)
