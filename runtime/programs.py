@@ -46,6 +46,14 @@ class DeviceMeta:
     def from_host(cls, meta: StepMetadata) -> DeviceMeta:
         return cls(meta.positions, tuple(meta.slots), meta.seq_info, tuple(meta.page_tables))
 
+    @classmethod
+    def from_args(cls, args: tuple) -> DeviceMeta:
+        """From the plain tuple programs take (`as_args`)."""
+        return cls(args[0], tuple(args[1]), args[2], tuple(args[3]))
+
+    def as_args(self) -> tuple:
+        return self.positions, tuple(self.slots), self.seq_info, tuple(self.page_tables)
+
 
 def forward_name(width: int) -> str:
     return f"forward_{width}"
@@ -201,9 +209,8 @@ class Runner:
     def forward(self, width: int, params: dict, kv: KVState, tokens, token_src, prev_tokens, meta: DeviceMeta, rows,
                 sampler) -> tuple[jax.Array, jax.Array, KVState]:
         """-> (tokens i32[R] drawn without top-k/top-p, logits f32[R, V], kv)."""
-        meta_args = (meta.positions, tuple(meta.slots), meta.seq_info, tuple(meta.page_tables))
         next_tokens, logits, (k, v) = self.programs[forward_name(width)](
-            params, (kv.k, kv.v), tokens, token_src, prev_tokens, meta_args, rows, _fields(sampler))
+            params, (kv.k, kv.v), tokens, token_src, prev_tokens, meta.as_args(), rows, _fields(sampler))
         return next_tokens, logits, KVState(k=k, v=v)
 
     def sample(self, logits, sampler) -> jax.Array:
@@ -212,8 +219,8 @@ class Runner:
 
     def draft(self, width: int, params: dict, kv: KVState, tokens, token_src, meta: DeviceMeta, rows):
         """DFlash drafting before a verifying step: (draft tokens i32[R], kv)."""
-        meta_args = (meta.positions, tuple(meta.slots), meta.seq_info, tuple(meta.page_tables))
-        drafted, (k, v) = self.programs[draft_name(width)](params, (kv.k, kv.v), tokens, token_src, meta_args, rows)
+        drafted, (k, v) = self.programs[draft_name(width)](params, (kv.k, kv.v), tokens, token_src, meta.as_args(),
+                                                           rows)
         return drafted, KVState(k=k, v=v)
 
     def logprobs(self, logits, tokens):

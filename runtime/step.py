@@ -99,7 +99,7 @@ def make_draft_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: Draf
     n = model.num_layers
 
     def run(params, kv, tokens, token_src, meta, rows):
-        meta = DeviceMeta(meta[0], tuple(meta[1]), meta[2], tuple(meta[3]))
+        meta = DeviceMeta.from_args(meta)
         target = transformer.merge(graphdef, unflatten(params, like))
         k, v = list(kv[0]), list(kv[1])
 
@@ -132,7 +132,7 @@ def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: Draft
 
     def step(params, kv, tokens, token_src, prev_tokens, meta, rows, sampler):
         tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], tokens)
-        meta = DeviceMeta(meta[0], tuple(meta[1]), meta[2], tuple(meta[3]))
+        meta = DeviceMeta.from_args(meta)
         if draft is None:
             logits, kv = run_model(graphdef, backend, unflatten(params, like), KVState(*kv), tokens, meta, rows)
         else:

@@ -56,7 +56,7 @@ case "${1:-all}" in
   spec)  # speculative decoding through the Pallas kernels == the references (~2 min; cp -r ../shared/fixtures/dflash .gpu/)
     timeout 300 python3 tools/gpu_spec.py .gpu/fixtures .gpu/stories260K .gpu/dflash ${SPEC_CHECK_ARGS:-} \
       > "$out/spec_check.log" 2>&1
-    sed -n '/^check |/,$p' "$out/spec_check.log"; tail -3 "$out/spec_check.log"
+    sed -n '/^check |/,$p' "$out/spec_check.log"; grep -E "Error|Traceback" "$out/spec_check.log" | tail -3
     ;;&
   spec|serve)  # plain vs speculative decoding, oracle drafter, block 16 (~5 min)
     timeout 330 python3 -m glint.runtime.cli bench llama3-8b --draft oracle --num-speculative-tokens 15 \
