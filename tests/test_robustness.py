@@ -67,13 +67,9 @@ class Interrupter:
                 self.caught.clear()
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
-def test_sigint_at_random_moments_loses_no_token(sampled):
-    want = reference(sampled)
-    eng = engine()
-    prompts, params = requests(sampled)
-    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-    interrupter, caught = Interrupter(seed=int(sampled)), 0
+def step_through_interrupts(eng: Engine, seed: int) -> int:
+    """Step `eng` until it has nothing left while SIGINTs arrive at random moments; returns how many it caught."""
+    interrupter, caught = Interrupter(seed), 0
     interrupter.thread.start()
     while True:
         try:
@@ -87,6 +83,16 @@ def test_sigint_at_random_moments_loses_no_token(sampled):
             caught += 1
             interrupter.caught.set()
     interrupter.thread.join()
+    return caught
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_sigint_at_random_moments_loses_no_token(sampled):
+    want = reference(sampled)
+    eng = engine()
+    prompts, params = requests(sampled)
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    caught = step_through_interrupts(eng, seed=int(sampled))
     print("interrupts caught:", caught)
     assert caught >= 20, caught
     assert outputs(eng, rids) == want

@@ -340,12 +340,12 @@ def _spec_engine():
 def test_speculating_engine_survives_interrupts_and_exceptions(sampled):
     """Ctrl-C at random moments, then an exception injected at each stage of a step, on an engine that
     speculates (a pool tight enough to preempt): every run gives the uninterrupted run's tokens."""
-    from test_robustness import Interrupter, outputs, requests
+    from test_robustness import outputs, requests, step_through_interrupts
 
     eng = _spec_engine()
     prompts, params = requests(sampled)
 
-    def run(before_each=None):
+    def run():
         rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
         while eng.has_unfinished():
             try:
@@ -360,20 +360,7 @@ def test_speculating_engine_survives_interrupts_and_exceptions(sampled):
     want = run()
     assert eng.stats.spec_steps > 0 and eng.stats.preemptions > 0
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-    interrupter, caught = Interrupter(seed=3), 0
-    interrupter.thread.start()
-    while True:
-        try:
-            interrupter.armed.set()
-            while eng.has_unfinished():
-                eng.step()
-            with interrupter.lock:
-                interrupter.stop = True
-            break
-        except KeyboardInterrupt:
-            caught += 1
-            interrupter.caught.set()
-    interrupter.thread.join()
+    caught = step_through_interrupts(eng, seed=3)
     assert caught >= 10 and outputs(eng, rids) == want
     for rid in rids:
         eng.release(rid)
