@@ -28,6 +28,8 @@ def _engine_args(p) -> None:
     p.add_argument("--max-prefill-chunk", type=int, help="most prompt tokens a sequence feeds per step (default: "
                    "512 for models with sliding-window layers, whose ring holds window + chunk - 1 rows per "
                    "sequence; else --max-step-tokens)")
+    p.add_argument("--max-sample-rows", type=int, help="rows of logits a step returns (default: --max-seqs x (1 + "
+                   "--num-speculative-tokens)); export with room for the blocks an artifact will verify")
     p.add_argument("--num-pages", type=int, help=f"KV pool pages (default: {C.memory_fraction} of free memory)")
     p.add_argument("--capacity", type=int, help="most positions per sequence (default: the model's context, "
                    "at most 32768)")
@@ -48,8 +50,8 @@ def _engine_args(p) -> None:
 
 def _engine_config(args) -> dict:
     """The engine settings given on the command line (the rest keep EngineConfig's or the artifact's)."""
-    names = ("max_seqs", "page_size", "max_step_tokens", "max_prefill_chunk", "num_pages", "capacity", "attention",
-             "num_speculative_tokens")
+    names = ("max_seqs", "page_size", "max_step_tokens", "max_prefill_chunk", "max_sample_rows", "num_pages",
+             "capacity", "attention", "num_speculative_tokens")
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     for flag in ("allow_long_context", "deterministic"):
         if getattr(args, flag):
@@ -167,8 +169,8 @@ def _cmd_export(args) -> int:
 
     settings = _engine_config(args)
     if settings.pop("draft") or "num_speculative_tokens" in settings:
-        raise ValueError("an exported artifact has no speculative decoding yet (drop --draft and "
-                         "--num-speculative-tokens)")
+        raise ValueError("glint export takes no --draft: an artifact speculates with a host drafter given when it "
+                         "is served (glint serve ARTIFACT --draft ngram)")
     meta = export_engine(args.checkpoint, args.out, dtype=args.dtype, compiled=args.compiled, **settings)
     kernels = sorted({c for p in meta["programs"].values() for c in p["custom_calls"]})
     executables = any("compiled" in p for p in meta["programs"].values())

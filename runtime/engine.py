@@ -170,10 +170,7 @@ class Engine:
         from glint.runtime.artifact import is_artifact
 
         if is_artifact(path):
-            if draft is not None:
-                raise ValueError(f"draft={draft!r}: speculative decoding runs on a live engine (a checkpoint or a "
-                                 "preset); an exported artifact has no verification programs")
-            return cls.from_export(path, dtype=dtype, warmup=warmup, **engine_config)
+            return cls.from_export(path, dtype=dtype, warmup=warmup, draft=draft, **engine_config)
         from glint.runtime.loading import load_model
 
         is_dflash = draft is not None and pathlib.Path(draft).is_dir()
@@ -199,19 +196,29 @@ class Engine:
 
     @classmethod
     def from_export(cls, folder: str, dtype: str | None = None, warmup: bool = False, compiled: bool = True,
-                    **engine_config) -> Engine:
+                    draft: str | None = None, **engine_config) -> Engine:
         """An engine over the programs and weights of a `glint export` folder (no model code imported).
 
         Keyword arguments are EngineConfig fields; geometry fields must equal the exported ones.
-        `compiled=False` ignores stored executables and compiles the StableHLO (cached as usual).
+        `compiled=False` ignores stored executables and compiles the StableHLO (cached as usual). `draft`:
+        "ngram" or "oracle" (host drafters need no program of their own; blocks use the exported
+        max_sample_rows, so export with room for them); a DFlash draft needs a live engine.
         """
         from glint.runtime.artifact import load_artifact
 
+        drafter = None
+        if draft is not None:
+            if draft not in spec.DRAFT_KINDS:
+                raise ValueError(f"draft={draft!r}: an exported artifact speculates with a host drafter "
+                                 f"{spec.DRAFT_KINDS}; a DFlash draft needs a live engine (a checkpoint or a preset)")
+            engine_config.setdefault("num_speculative_tokens", DEFAULT_SPECULATIVE_TOKENS)
+            drafter = spec.host_drafter(draft, engine_config["num_speculative_tokens"])
         compile_cache.configure(engine_config.get("compile_cache", True))
         engine = cls.__new__(cls)
         art = load_artifact(folder, dtype=dtype, compiled=compiled, **engine_config)
         engine.graphdef = None
-        engine._start(art.model, art.config, art.cache, art.attention, art.programs, art.params, art.tokenizer)
+        engine._start(art.model, art.config, art.cache, art.attention, art.programs, art.params, art.tokenizer,
+                      drafter)
         engine.load_seconds = art.seconds
         if warmup:
             engine.warmup()

@@ -49,15 +49,15 @@ def reference(sampled: bool):
 class Interrupter:
     """Sends SIGINT to this process at random moments; the next one only after the main thread caught one."""
 
-    def __init__(self, seed: int):
-        self.rng, self.lock = np.random.default_rng(seed), threading.Lock()
+    def __init__(self, seed: int, gaps: tuple[float, float] = (0.0001, 0.002)):
+        self.rng, self.lock, self.gaps = np.random.default_rng(seed), threading.Lock(), gaps
         self.caught, self.armed, self.stop = threading.Event(), threading.Event(), False
         self.thread = threading.Thread(target=self.run, daemon=True)
 
     def run(self):
         self.armed.wait()  # the main thread is inside its try
         while True:
-            self.caught.wait(float(self.rng.uniform(0.0001, 0.002)))
+            self.caught.wait(float(self.rng.uniform(*self.gaps)))
             with self.lock:
                 if self.stop:
                     return
@@ -67,9 +67,10 @@ class Interrupter:
                 self.caught.clear()
 
 
-def step_through_interrupts(eng: Engine, seed: int) -> int:
-    """Step `eng` until it has nothing left while SIGINTs arrive at random moments; returns how many it caught."""
-    interrupter, caught = Interrupter(seed), 0
+def step_through_interrupts(eng: Engine, seed: int, gaps: tuple[float, float] = (0.0001, 0.002)) -> int:
+    """Step `eng` until it has nothing left while SIGINTs arrive at random moments (`gaps` seconds apart);
+    returns how many it caught."""
+    interrupter, caught = Interrupter(seed, gaps), 0
     interrupter.thread.start()
     while True:
         try:

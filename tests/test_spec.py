@@ -360,7 +360,9 @@ def test_speculating_engine_survives_interrupts_and_exceptions(sampled):
     want = run()
     assert eng.stats.spec_steps > 0 and eng.stats.preemptions > 0
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-    caught = step_through_interrupts(eng, seed=3)
+    # A speculating engine waits for the step it just dispatched, a longer wait than a pipelined one: gaps
+    # long enough that steps still finish between interrupts on a busy machine.
+    caught = step_through_interrupts(eng, seed=3, gaps=(0.002, 0.03))
     assert caught >= 10 and outputs(eng, rids) == want
     for rid in rids:
         eng.release(rid)
@@ -376,3 +378,53 @@ def test_speculating_engine_survives_interrupts_and_exceptions(sampled):
         setattr(eng, stage, flaky)
         assert run() == want, stage
         setattr(eng, stage, original)
+
+
+def test_logprobs_and_stop_tokens_inside_blocks_match_plain_runs():
+    """Logprobs of tokens committed from a block, and a stop token met in the middle of one (the rest of the
+    block discarded), as in a plain run."""
+    cfg, graphdef, params = _tiny()
+    prompt = list(range(7, 19))
+    plain = Engine(cfg, graphdef, params, EngineConfig(**SMALL))
+    ref = plain.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2))[0]
+    stop = ref.token_ids[9]
+    cut = plain.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                  stop_token_ids=(stop,)))[0]
+    engine = Engine(cfg, graphdef, params, EngineConfig(**SMALL, num_speculative_tokens=K),
+                    drafter=OracleDrafter(K, {tuple(prompt): ref.token_ids}))
+    out = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2))[0]
+    assert out.token_ids == ref.token_ids and max(out.acceptance_lengths) == K + 1
+    for got, want in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs, strict=True):
+        assert got.keys() == want.keys()
+        np.testing.assert_allclose([got[t] for t in want], list(want.values()), rtol=1e-5, atol=1e-6)
+    stopped = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                       stop_token_ids=(stop,)))[0]
+    assert stopped.token_ids == cut.token_ids and stopped.finish_reason == cut.finish_reason == "stop"
+    assert all(engine.control.pages_in_use(g) == 0 for g in range(engine.cache.num_groups))
+
+
+def test_exported_artifact_speculates_with_a_host_drafter(tmp_path):
+    """An artifact exported with rows for blocks, served with the oracle (wrong at known places): transformers'
+    tokens and greedy acceptance, from the exported programs alone; a DFlash draft is refused there."""
+    from test_export import SMALL as EXPORT
+
+    from glint.export import export_engine
+
+    fixture = sorted((STORIES.parents[1] / "fixtures" / "hf").glob("llama*"))[0]
+    cases = json.loads((fixture / "reference.json").read_text())["cases"]
+    vocab = json.loads((fixture / "config.json").read_text())["vocab_size"]
+    rows = EXPORT["max_seqs"] * (1 + K)
+    export_engine(str(fixture), tmp_path / "art", dtype="float32", show_progress=False, max_sample_rows=rows, **EXPORT)
+    engine = Engine.from_pretrained(str(tmp_path / "art"), draft="oracle", num_speculative_tokens=K)
+    assert engine.graphdef is None and engine.config.max_sample_rows == rows
+    n = len(cases[0]["greedy"])
+    proposals = [perturbed(c["greedy"], vocab, every=3, salt=i) for i, c in enumerate(cases)]
+    for c, p in zip(cases, proposals):
+        engine.drafter.record(c["prompt"], p)
+    outs = engine.generate([c["prompt"] for c in cases], greedy(n))
+    for case, out, prop in zip(cases, outs, proposals):
+        if case["greedy_min_gap"] >= 1e-3:
+            assert out.token_ids == case["greedy"]
+            assert out.acceptance_lengths == expected_acceptance(case["greedy"], prop, K)
+    with pytest.raises(ValueError, match="a DFlash draft needs a live engine"):
+        Engine.from_pretrained(str(tmp_path / "art"), draft=str(DFLASH / "draft"))
