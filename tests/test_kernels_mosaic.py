@@ -22,11 +22,15 @@ def test_tiles_and_gather_put_every_row_back():
     assert tiles[:6].tolist() == [[0, 0], [0, 1], [0, 2], [2, 0], [3, 0], [3, 1]]
     assert (tiles[6:, 0] == -1).all()
     rng = np.random.default_rng(3)
+    num_segments = 8
     for trial in range(30):  # random layouts: gaps, empty segments, starts at every residue mod 8
-        tile_rows, num_segments = int(rng.choice([16, 64, 128])), int(rng.integers(1, 9))
+        tile_rows, used = int(rng.choice([16, 64, 128])), int(rng.integers(1, num_segments + 1))
         lengths = rng.integers(0, 3 * tile_rows, num_segments) * (rng.random(num_segments) > 0.2)
+        lengths[used:] = 0  # segments past `used` are empty
         starts = np.cumsum(rng.integers(0, 9, num_segments)) + np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        num_rows = int(starts[-1] + lengths[-1] + rng.integers(0, 5))
+        # One row count per tile size (the longest layout's), so each tile size compiles once; the rows past
+        # the last segment belong to none.
+        num_rows = num_segments * (3 * tile_rows + 9) + 5
         info = np.stack([starts, lengths, np.zeros_like(lengths), lengths], 1).astype(np.int32)
         num_tiles = mg.max_tiles(num_rows, num_segments, tile_rows)
         tiles, first = (np.asarray(x) for x in mg._tiles(jnp.asarray(info), tile_rows, num_tiles))
