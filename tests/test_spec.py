@@ -193,7 +193,7 @@ def test_sampling_with_speculation_keeps_the_joint_distribution():
     """Seeded sampling through the engine: the first two tokens of many requests, the second verified from
     an oracle proposal, follow the model's joint distribution (computed by the dense full-sequence path)."""
     cfg, graphdef, params = _tiny()
-    prompt, top_k, temperature, n = [4, 9, 17, 30], 3, 1.0, 2400
+    prompt, top_k, temperature, n = [4, 9, 17, 30], 3, 1.0, 1200
     full = lambda toks: np.asarray(transformer.full_sequence_logits(graphdef, params, toks)[-1], np.float64)  # noqa: E731
 
     def dist(logits):
