@@ -26,7 +26,7 @@ from safetensors import safe_open
 
 from glint.model.attention import softmax_attention
 from glint.model.config import ModelConfig, RopeConfig, read_json_object
-from glint.model.transformer import apply_rope, rope_frequencies
+from glint.model.transformer import apply_rope, matmul, rms_norm, rope_table
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -203,38 +203,19 @@ def load_draft(folder: str | pathlib.Path, target_cfg: ModelConfig, dtype: str |
     return cfg, params
 
 
-def _dot(x, w):
-    """x @ w in x's dtype; float32 at full precision (no TF32: argmaxes hinge on ~1e-2 logit gaps)."""
-    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    return jnp.dot(x, w.astype(x.dtype), precision=precision)
-
-
-def _rms_norm(x, weight, eps: float):
-    """RMSNorm in float32, as the target's."""
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * weight).astype(x.dtype)
-
-
-def _rope_table(cfg: DraftConfig, positions):
-    """(cos, sin) f32[T, 1, head_dim // 2] for `apply_rope`."""
-    inv_freq = jnp.asarray(rope_frequencies(cfg.rope, cfg.head_dim), jnp.float32)
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
-
-
 def context_features(params, cfg: DraftConfig, tapped):
     """tapped [T, len(target_layer_ids) * hidden] (the target's `taps` features) -> context features
     [T, hidden]: fc then hidden_norm, once per committed token."""
-    return _rms_norm(_dot(tapped, params["fc"]), params["hidden_norm"], cfg.norm_eps)
+    return rms_norm(matmul(tapped, params["fc"]), params["hidden_norm"], cfg.norm_eps)
 
 
 def context_kv(params, cfg: DraftConfig, layer: int, feats, positions):
     """Keys and values of context features [T, hidden] at positions i32[T] in draft layer `layer`:
     (k, v) [T, num_kv_heads, head_dim], k normed and rotated. No layernorm: the features enter as they are."""
     p, t = params["layers"][layer], feats.shape[0]
-    kv = _dot(feats, p["wqkv"][:, cfg.num_heads * cfg.head_dim:]).reshape(t, 2 * cfg.num_kv_heads, cfg.head_dim)
+    kv = matmul(feats, p["wqkv"][:, cfg.num_heads * cfg.head_dim:]).reshape(t, 2 * cfg.num_kv_heads, cfg.head_dim)
     k, v = jnp.split(kv, 2, axis=1)
-    return apply_rope(_rms_norm(k, p["k_norm"], cfg.norm_eps), _rope_table(cfg, positions)), v
+    return apply_rope(rms_norm(k, p["k_norm"], cfg.norm_eps), rope_table(cfg.rope, cfg.head_dim, positions)), v
 
 
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
@@ -249,16 +230,16 @@ def draft_block(params, cfg: DraftConfig, block_x, positions, attend: Attend):
     and its whole block, with no causal mask. The block's K/V are not kept: the next step drafts anew.
     """
     t, hq, hkv, hd = block_x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    table, eps, x = _rope_table(cfg, positions), cfg.norm_eps, block_x
+    table, eps, x = rope_table(cfg.rope, cfg.head_dim, positions), cfg.norm_eps, block_x
     for i, p in enumerate(params["layers"]):
-        qkv = _dot(_rms_norm(x, p["attn_norm"], eps), p["wqkv"]).reshape(t, hq + 2 * hkv, hd)
+        qkv = matmul(rms_norm(x, p["attn_norm"], eps), p["wqkv"]).reshape(t, hq + 2 * hkv, hd)
         q, k, v = jnp.split(qkv, [hq, hq + hkv], axis=1)
-        q = apply_rope(_rms_norm(q, p["q_norm"], eps), table)
-        k = apply_rope(_rms_norm(k, p["k_norm"], eps), table)
-        x = x + _dot(attend(i, q, k, v).reshape(t, hq * hd), p["wo"])
-        gate, up = jnp.split(_dot(_rms_norm(x, p["mlp_norm"], eps), p["gate_up"]), 2, axis=-1)
-        x = x + _dot(jax.nn.silu(gate) * up, p["down"])
-    return _rms_norm(x, params["norm"], eps)
+        q = apply_rope(rms_norm(q, p["q_norm"], eps), table)
+        k = apply_rope(rms_norm(k, p["k_norm"], eps), table)
+        x = x + matmul(attend(i, q, k, v).reshape(t, hq * hd), p["wo"])
+        gate, up = jnp.split(matmul(rms_norm(x, p["mlp_norm"], eps), p["gate_up"]), 2, axis=-1)
+        x = x + matmul(jax.nn.silu(gate) * up, p["down"])
+    return rms_norm(x, params["norm"], eps)
 
 
 def dense_draft(params, cfg: DraftConfig, ctx_k, ctx_v, ctx_len, block_embeds, block_positions):

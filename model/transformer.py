@@ -26,6 +26,20 @@ def _init(rngs: nnx.Rngs, shape, dtype, scale: float):
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype))
 
 
+def matmul(x, w):
+    """x @ w [in, out] in x's dtype (float32 at full precision)."""
+    return jnp.dot(x, w.astype(x.dtype), precision=_precision(x.dtype))
+
+
+def rms_norm(x, weight, eps: float):
+    """RMSNorm in float32, back in x's dtype; `weight` None: no scale."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        y = y * weight
+    return y.astype(x.dtype)
+
+
 class Linear(nnx.Module):
     """y = x @ kernel, kernel [in, out]."""
 
@@ -33,7 +47,7 @@ class Linear(nnx.Module):
         self.kernel = _init(rngs, (d_in, d_out), dtype, d_in ** -0.5)
 
     def __call__(self, x):
-        return jnp.dot(x, self.kernel[...].astype(x.dtype), precision=_precision(x.dtype))
+        return matmul(x, self.kernel[...])
 
 
 class RMSNorm(nnx.Module):
@@ -44,11 +58,7 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), jnp.float32)) if scaled else None
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        if self.weight is not None:
-            y = y * self.weight[...]
-        return y.astype(x.dtype)
+        return rms_norm(x, None if self.weight is None else self.weight[...], self.eps)
 
 
 @functools.lru_cache(maxsize=64)
@@ -70,16 +80,18 @@ def rope_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
     return inv
 
 
+def rope_table(rope: RopeConfig, head_dim: int, positions):
+    """(cos, sin) f32[T, 1, head_dim // 2] of one RoPE at positions i32[T], for `apply_rope`."""
+    inv_freq = jnp.asarray(rope_frequencies(rope, head_dim), jnp.float32)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+
+
 def rope_tables(cfg: ModelConfig, positions) -> dict:
     """{RopeConfig: (cos, sin) f32[T, 1, head_dim // 2]} for each distinct RoPE of the model's layers: computed
     once per step from positions i32[T] and shared by every layer that uses it (not twice per layer)."""
-    tables = {}
-    for rope in cfg.layer_rope:
-        if rope is not None and rope not in tables:
-            inv_freq = jnp.asarray(rope_frequencies(rope, cfg.head_dim), jnp.float32)
-            angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-            tables[rope] = (jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :])
-    return tables
+    return {rope: rope_table(rope, cfg.head_dim, positions) for rope in dict.fromkeys(cfg.layer_rope)
+            if rope is not None}
 
 
 def apply_rope(x, table):
