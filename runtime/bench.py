@@ -21,7 +21,7 @@ from glint.runtime.commands import fill_defaults
 from glint.runtime.engine import Engine
 from glint.runtime.params import SamplingParams
 from glint.runtime.sampling import SamplerInputs
-from glint.runtime.spec import DFlashDrafter, host_drafter
+from glint.runtime.spec import DEFAULT_SPECULATIVE_TOKENS, DFlashDrafter, host_drafter
 from glint.runtime.programs import DeviceMeta, forward_name, num_segments
 
 
@@ -233,11 +233,16 @@ def speculative(args, console: Console, oracle_passes: int = 10) -> dict:
     from glint.runtime.config import EngineConfig
 
     batches = [int(b) for b in args.batch.split(",")]
-    k = DFLASH_BLOCK - 1 if args.draft == "dflash-random" else args.num_speculative_tokens
+    k = args.num_speculative_tokens
+    if args.draft == "dflash-random":
+        k = DFLASH_BLOCK - 1
+    elif k is None:
+        k = DEFAULT_SPECULATIVE_TOKENS
     capacity = args.prompt_len + args.gen_len + k + 1
     per_seq = -(-capacity // args.page_size)
     settings = dict(engine_settings(args), capacity=capacity)
-    plain = Engine.from_pretrained(args.model, dtype=args.dtype, **dict(settings, num_pages=max(batches) * per_seq + 16))
+    plain = Engine.from_pretrained(args.model, dtype=args.dtype,
+                                   **dict(settings, num_pages=max(batches) * per_seq + 16))
     plain.warmup(progress=False)
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=args.gen_len, temperature=0.0, ignore_eos=True)

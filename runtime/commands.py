@@ -293,7 +293,8 @@ def _register_bench(sub) -> None:
                    help="do not use the persistent compilation cache ($GLINT_CACHE_DIR, default ~/.cache/glint)")
     p.add_argument("--draft", help="instead: plain against speculative decoding with this drafter (ngram, oracle) "
                    "at each --batch, --prompt-len -> --gen-len tokens")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="--draft: draft tokens per step")
+    p.add_argument("--num-speculative-tokens", type=int, help="--draft: draft tokens per step (default 4; "
+                   "dflash-random: 15)")
     p.add_argument("--server", help="instead: load a running OpenAI-compatible server at this URL (MODEL is the "
                    "served model name): --requests streaming completions of --prompt-len -> --gen-len tokens")
     p.add_argument("--concurrency", type=int, default=0, help="--server: requests in flight at most (0: all)")

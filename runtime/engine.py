@@ -12,17 +12,16 @@ import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from glint.kvcache import BatchControl, CacheConfig, default_num_pages
-from glint.runtime import compile_cache, interrupts
+from glint.runtime import compile_cache, interrupts, spec
 from glint.runtime.config import EngineConfig
 from glint.runtime.params import SamplingParams
-from glint.runtime.programs import RUNTIME_PROGRAMS, DeviceMeta, ProgramSet, Runner, draft_name, forward_name, num_segments
+from glint.runtime.programs import (RUNTIME_PROGRAMS, DeviceMeta, ProgramSet, Runner, draft_name, forward_name,
+                                    num_segments)
 from glint.runtime.request import Completion, Request, RequestOutput, Status
 from glint.runtime.sampling import SamplerInputs, uses_filters
 from glint.runtime.scheduler import Entry, Scheduler
-from glint.runtime import spec
 
 DEFAULT_MAX_CAPACITY = 32768
-DEFAULT_SPECULATIVE_TOKENS = 4  # draft tokens per step of the n-gram and oracle drafters unless told
 
 
 def resolved_capacity(model, config: EngineConfig) -> int:
@@ -164,7 +163,7 @@ class Engine:
         `draft` turns on speculative decoding: a DFlash draft folder (z-lab layout; block_size - 1 draft
         tokens per step), "ngram" (prompt lookup) or "oracle" (replays continuations given to
         `engine.drafter.record`), `num_speculative_tokens` draft tokens per step (default
-        DEFAULT_SPECULATIVE_TOKENS). Keyword arguments are EngineConfig fields (max_seqs, page_size,
+        spec.DEFAULT_SPECULATIVE_TOKENS). Keyword arguments are EngineConfig fields (max_seqs, page_size,
         max_step_tokens, seed, ...).
         """
         from glint.runtime.artifact import is_artifact
@@ -183,8 +182,8 @@ class Engine:
                 raise ValueError(f"num_speculative_tokens {k}: a DFlash draft of block_size {block} drafts "
                                  f"{block - 1} tokens per step")
         elif draft is not None:
-            engine_config.setdefault("num_speculative_tokens", DEFAULT_SPECULATIVE_TOKENS)
-            drafter = spec.host_drafter(draft, engine_config["num_speculative_tokens"])
+            drafter = spec.host_drafter(draft, engine_config.get("num_speculative_tokens"))
+            engine_config["num_speculative_tokens"] = drafter.num_speculative_tokens
         else:
             drafter = None
         config = EngineConfig(**engine_config)
@@ -211,8 +210,8 @@ class Engine:
             if draft not in spec.DRAFT_KINDS:
                 raise ValueError(f"draft={draft!r}: an exported artifact speculates with a host drafter "
                                  f"{spec.DRAFT_KINDS}; a DFlash draft needs a live engine (a checkpoint or a preset)")
-            engine_config.setdefault("num_speculative_tokens", DEFAULT_SPECULATIVE_TOKENS)
-            drafter = spec.host_drafter(draft, engine_config["num_speculative_tokens"])
+            drafter = spec.host_drafter(draft, engine_config.get("num_speculative_tokens"))
+            engine_config["num_speculative_tokens"] = drafter.num_speculative_tokens
         compile_cache.configure(engine_config.get("compile_cache", True))
         engine = cls.__new__(cls)
         art = load_artifact(folder, dtype=dtype, compiled=compiled, **engine_config)

@@ -113,7 +113,7 @@ def sample_argmax(logits: jax.Array) -> jax.Array:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def gumbel_noise(seed: jax.Array, position: jax.Array, vocab_size: int) -> jax.Array:
+def _gumbel_noise(seed: jax.Array, position: jax.Array, vocab_size: int) -> jax.Array:
     """u32[R], i32[R] -> f32[R, V]: each row's noise depends only on its (seed, position)."""
 
     def row_noise(row_seed: jax.Array, row_position: jax.Array) -> jax.Array:
@@ -123,7 +123,7 @@ def gumbel_noise(seed: jax.Array, position: jax.Array, vocab_size: int) -> jax.A
     return jax.vmap(row_noise)(seed, position)
 
 
-def filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def _filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """The tokens each row keeps: its top-k, then of those its top-p nucleus.
 
     scaled: f32[R, V] (temperature applied); top_k: i32[R]; top_p: f32[R] -> bool[R, V], by token id.
@@ -145,13 +145,6 @@ def filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Ar
     return jnp.zeros(scaled.shape, bool).at[rows, order].set(keep, unique_indices=True)
 
 
-def scaled_logits(logits: jax.Array, inputs: SamplerInputs):
-    """(whether each row samples bool[R], logits / temperature f32[R, V]; greedy rows divided by 1)."""
-    is_sampled = inputs.temperature > 0
-    temperature = jnp.where(is_sampled, inputs.temperature, 1.0).astype(jnp.float32)
-    return is_sampled, logits.astype(jnp.float32) / temperature[:, None]
-
-
 def sample(logits: jax.Array, inputs: SamplerInputs, *, is_filtered: bool = True) -> jax.Array:
     """Samples one token per row.
 
@@ -170,10 +163,12 @@ def sample(logits: jax.Array, inputs: SamplerInputs, *, is_filtered: bool = True
         shape = getattr(inputs, field.name).shape
         if shape != (num_rows,):
             raise ValueError(f"inputs.{field.name} has shape {shape}, logits need ({num_rows},)")
-    is_sampled, scaled = scaled_logits(logits, inputs)
-    perturbed = scaled + gumbel_noise(inputs.seed.astype(jnp.uint32), inputs.position, vocab_size)
+    is_sampled = inputs.temperature > 0
+    temperature = jnp.where(is_sampled, inputs.temperature, 1.0).astype(jnp.float32)
+    scaled = logits.astype(jnp.float32) / temperature[:, None]
+    perturbed = scaled + _gumbel_noise(inputs.seed.astype(jnp.uint32), inputs.position, vocab_size)
     if is_filtered:  # noise is looked up by token id, so an unfiltered row draws the same token either way
-        perturbed = jnp.where(filter_mask(scaled, inputs.top_k, inputs.top_p), perturbed, -jnp.inf)
+        perturbed = jnp.where(_filter_mask(scaled, inputs.top_k, inputs.top_p), perturbed, -jnp.inf)
     return jnp.where(is_sampled, jnp.argmax(perturbed, axis=-1).astype(jnp.int32), sample_argmax(logits))
 
 

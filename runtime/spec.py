@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 DRAFT_KINDS = ("ngram", "oracle")  # besides a DFlash checkpoint folder
+DEFAULT_SPECULATIVE_TOKENS = 4  # draft tokens per step of the host drafters unless told
 DRAFTED_ON_DEVICE = -2  # a proposal the device drafter makes in the step itself (the host never sees it)
 
 
@@ -90,7 +91,10 @@ class DFlashDrafter:
         return [DRAFTED_ON_DEVICE] * k if k == self.num_speculative_tokens else []
 
 
-def host_drafter(kind: str, num_speculative_tokens: int):
+def host_drafter(kind: str, num_speculative_tokens: int | None = None):
+    """The host drafter `kind` proposing `num_speculative_tokens` (default DEFAULT_SPECULATIVE_TOKENS) per step."""
+    if num_speculative_tokens is None:
+        num_speculative_tokens = DEFAULT_SPECULATIVE_TOKENS
     if kind == "ngram":
         return NgramDrafter(num_speculative_tokens)
     if kind == "oracle":

@@ -59,27 +59,24 @@ class PagedAttention:
         return out, (k_pages, v_pages)
 
 
-def run_model(graphdef, backend, params, kv: KVState, tokens, meta: DeviceMeta, rows):
-    """Forward over the step's tokens; logits f32[R, V] only for the selected `rows` i32[R]."""
-    hidden, layers = transformer.forward(graphdef, params, tokens, meta.positions, backend,
-                                         list(zip(kv.k, kv.v)), meta)
-    kv = KVState(k=tuple(k for k, _ in layers), v=tuple(v for _, v in layers))
-    return transformer.compute_logits(graphdef, params, hidden[rows]), kv
+def run_model(graphdef, backend, params, kv: KVState, tokens, meta: DeviceMeta, rows,
+              draft: DraftConfig | None = None, flat: dict | None = None):
+    """Forward over the step's tokens; logits f32[R, V] only for the selected `rows` i32[R].
 
-
-def run_model_with_draft(graphdef, backend, params, flat, kv: KVState, tokens, meta: DeviceMeta, rows,
-                         draft: DraftConfig):
-    """`run_model` that also writes every step row's DFlash context (the tapped target layers through `fc`
-    and `hidden_norm`, then each draft layer's K/V) into the draft's pools, the cache layers after the
-    target's: a rejected row's context is overwritten when its position is fed again."""
-    n = len(kv.k) - draft.num_layers  # the target's layers come first
-    hidden, layers, tapped = transformer.forward(graphdef, params, tokens, meta.positions, backend,
-                                                 list(zip(kv.k[:n], kv.v[:n])), meta, taps=draft.target_layer_ids)
-    dp = dflash.unflatten_params(flat, draft)
-    features = dflash.context_features(dp, draft, tapped)
-    for i in range(draft.num_layers):
-        layers.append(backend.write(n + i, (kv.k[n + i], kv.v[n + i]),
-                                    *dflash.context_kv(dp, draft, i, features, meta.positions), meta))
+    With a DFlash `draft` (its weights in the `flat` dict) the step also writes every row's draft context (the
+    tapped target layers through `fc` and `hidden_norm`, then each draft layer's K/V) into the draft's pools,
+    the cache layers after the target's: a rejected row's context is overwritten when its position is fed
+    again."""
+    n = len(kv.k) - (draft.num_layers if draft is not None else 0)  # the target's layers come first
+    taps = draft.target_layer_ids if draft is not None else ()
+    hidden, layers, *tapped = transformer.forward(graphdef, params, tokens, meta.positions, backend,
+                                                  list(zip(kv.k[:n], kv.v[:n])), meta, taps=taps)
+    if draft is not None:
+        dp = dflash.unflatten_params(flat, draft)
+        features = dflash.context_features(dp, draft, tapped[0])
+        for i in range(draft.num_layers):
+            layers.append(backend.write(n + i, (kv.k[n + i], kv.v[n + i]),
+                                        *dflash.context_kv(dp, draft, i, features, meta.positions), meta))
     kv = KVState(k=tuple(k for k, _ in layers), v=tuple(v for _, v in layers))
     return transformer.compute_logits(graphdef, params, hidden[rows]), kv
 
@@ -119,7 +116,7 @@ def make_draft_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: Draf
 def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: DraftConfig | None = None):
     """The engine's step (one program per width): (flat params, (k, v), tokens, token_src, prev_tokens,
     meta tuple, rows, sampler tuple) -> (tokens i32[R], logits f32[R, V], (k, v)). With a DFlash `draft`,
-    the step also writes the draft's context (`run_model_with_draft`).
+    the step also writes the draft's context (`run_model`).
 
     Token t is `prev_tokens[token_src[t]]` where token_src[t] >= 0 (a token sampled by the previous
     step, still on the device), else `tokens[t]`. The returned tokens are drawn without top-k/top-p
@@ -133,11 +130,8 @@ def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: Draft
     def step(params, kv, tokens, token_src, prev_tokens, meta, rows, sampler):
         tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], tokens)
         meta = DeviceMeta.from_args(meta)
-        if draft is None:
-            logits, kv = run_model(graphdef, backend, unflatten(params, like), KVState(*kv), tokens, meta, rows)
-        else:
-            logits, kv = run_model_with_draft(graphdef, backend, unflatten(params, like), params, KVState(*kv),
-                                              tokens, meta, rows, draft)
+        logits, kv = run_model(graphdef, backend, unflatten(params, like), KVState(*kv), tokens, meta, rows, draft,
+                               params)
         return sample(logits, SamplerInputs(*sampler), is_filtered=False), logits, (kv.k, kv.v)
 
     return jax.jit(step, donate_argnums=FORWARD_DONATE_ARGNUMS)
