@@ -94,7 +94,7 @@ def test_ngram_on_stories_is_lossless_and_accepts():
     assert sum(out.acceptance_lengths) <= len(case["greedy"]) - 1
 
 
-def _tiny(**config):
+def _tiny():
     cfg = preset("tiny", dtype="float32")
     graphdef, params = transformer.split(transformer.init_model(cfg, 3))
     return cfg, graphdef, params
