@@ -13,6 +13,13 @@ undo log backwards. While a step is pending, its sequences may not be cloned,
 removed or rewound (ValueError): commit or abort first. A page a step copies
 away from keeps its writer's reference until commit, so outside a pending step
 every refcount equals the number of page-table entries naming the page.
+
+Prefix caching (`glint.kvcache.prefix`): `cache_pages` enters a sequence's full pages into a per-group
+index under content keys; `seq_new(prefix)` maps the longest cached run of a new sequence's keys.
+A cached page whose last reference goes stays cached (evictable, LRU) rather than free; a step
+that needs pages takes free ones first, then evicts. A ring group caches only pages of its
+first lap (positions below its ring rows, not yet overwritten), so a prefix is reused in every
+group or not at all: a step computes every layer.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from glint.kvcache.config import CacheConfig
+from glint.kvcache.prefix import PageIndex
 
 
 class StepMetadata(NamedTuple):
@@ -87,6 +95,11 @@ class BatchControl:
         # Stacks: pop() hands out the lowest page first on a fresh cache.
         self._free_pages = [list(range(cfg.num_pages - 1, 0, -1)) for _ in range(cfg.num_groups)]
         self._free_ids = list(range(cfg.max_seqs))  # min-heap
+        self._index = [PageIndex() for _ in range(cfg.num_groups)]
+        # Pages a ring group can cache per sequence: the whole pages of its first lap.
+        self._cacheable = [None if r is None else r // cfg.page_size for r in self._ring_rows]
+        self._num_cached = np.zeros(cfg.max_seqs, np.int64)  # leading pages cache_pages has looked at
+        self.evictions = 0  # cached pages reused for new data (all groups)
         self._active = np.zeros(cfg.max_seqs, bool)
         self._pos = np.zeros(cfg.max_seqs, np.int64)
         self._hw = np.zeros(cfg.max_seqs, np.int64)
@@ -106,7 +119,21 @@ class BatchControl:
         return [int(s) for s in np.flatnonzero(self._active)]
 
     def num_free_pages(self, group: int) -> int:
-        return len(self._free_pages[self._check_group(group)])
+        """Pages a step can take: free ones and cached ones no sequence references."""
+        g = self._check_group(group)
+        return len(self._free_pages[g]) + len(self._index[g].unused)
+
+    def num_cached_pages(self, group: int) -> int:
+        """Pages of `group` in the prefix cache, referenced or not."""
+        return len(self._index[self._check_group(group)])
+
+    def cached_pages(self, group: int) -> dict[int, object]:
+        """{page: key} of `group`'s prefix cache (a copy)."""
+        return dict(self._index[self._check_group(group)].key_of)
+
+    def evictable_pages(self, group: int) -> list[int]:
+        """Cached pages no sequence references, the next to be evicted first."""
+        return list(self._index[self._check_group(group)].unused)
 
     def pages_in_use(self, group: int) -> int:
         return self.config.num_pages - 1 - self.num_free_pages(group)
@@ -138,15 +165,62 @@ class BatchControl:
             return False
         for g in range(self._num_groups):
             rows = num_tokens if self._ring_rows[g] is None else min(num_tokens, self._ring_rows[g])
-            if -(-rows // self._page_size) > len(self._free_pages[g]):
+            if -(-rows // self._page_size) > self.num_free_pages(g):
                 return False
         return True
 
+    def can_extend(self, seq_id: int, num_tokens: int) -> bool:
+        """Whether `seq_id` could write `num_tokens` more tokens in a step of its own now."""
+        seq = self._check_id(seq_id)
+        pos = int(self._pos[seq])
+        if pos + num_tokens > self.config.capacity:
+            return False
+        ids = np.full(num_tokens, seq, np.int64)
+        token_pos = pos + np.arange(num_tokens)
+        return all(int(self._plan(g, ids, token_pos)[3].sum()) <= self.num_free_pages(g)
+                   for g in range(self._num_groups))
+
     # ---- sequence lifecycle -----------------------------------------------
 
-    def seq_new(self) -> int | None:
-        """A new empty sequence id (also its page-table row), or None if none is free."""
-        return self._take_id() if self._free_ids else None
+    def seq_new(self, prefix: Sequence[object] = ()) -> int | None:
+        """A new sequence id (also its page-table row), or None if none is free.
+
+        `prefix`: the page keys of the sequence's first pages (`prefix.page_keys`); the longest leading
+        run cached in every group is mapped, shared copy-on-write, and `pos` starts after it.
+        """
+        if not self._free_ids:
+            return None
+        seq = self._take_id()
+        runs = [self._index[g].leading(prefix, self._tables[g].shape[1] if c is None else c)
+                for g, c in enumerate(self._cacheable)]
+        num_pages = min(len(run) for run in runs) if runs else 0
+        for g, run in enumerate(runs):
+            pages = np.array(run[:num_pages], np.int64)
+            self._tables[g][seq, :num_pages] = pages
+            self._refcounts[g][pages] += 1
+            for page in pages[self._refcounts[g][pages] == 1].tolist():
+                self._index[g].acquire(page)
+        self._pos[seq] = self._hw[seq] = num_pages * self._page_size
+        self._num_cached[seq] = num_pages
+        return seq
+
+    def cache_pages(self, seq_id: int, keys: Sequence[object]) -> None:
+        """Enter `seq_id`'s full pages into the prefix cache: page i under keys[i], for the pages below
+        pos() that `keys` covers (keys[i]: the key of the sequence's own tokens of page i)."""
+        seq = self._check_id(seq_id)
+        start = int(self._num_cached[seq])
+        end = min(len(keys), int(self._pos[seq]) // self._page_size)
+        if end <= start:
+            return
+        for g, cacheable in enumerate(self._cacheable):
+            lo, hi = start, end
+            if cacheable is not None:  # first-lap pages the ring has not yet overwritten (hw <= i*P + R)
+                lo = max(lo, -(-(int(self._hw[seq]) - self._ring_rows[g]) // self._page_size))
+                hi = min(hi, cacheable)
+            row, index = self._tables[g][seq], self._index[g]
+            for i in range(lo, hi):
+                index.add(keys[i], int(row[i]))
+        self._num_cached[seq] = end
 
     def seq_clone(self, src: int, upto: int | None = None) -> int | None:
         """A new sequence owning `src`'s first `upto` positions (default all).
@@ -176,6 +250,7 @@ class BatchControl:
             self._refcounts[g][pages] += 1  # pages within a row are distinct
         self._pos[seq] = upto
         self._hw[seq] = self._hw[src]
+        self._num_cached[seq] = min(int(self._num_cached[src]), upto // self._page_size)
         return seq
 
     def seq_rm(self, seq_id: int) -> None:
@@ -187,6 +262,7 @@ class BatchControl:
         self._active[seq] = False
         self._pos[seq] = 0
         self._hw[seq] = 0
+        self._num_cached[seq] = 0
         heapq.heappush(self._free_ids, seq)
 
     def rewind(self, seq_id: int, new_len: int) -> bool:
@@ -207,6 +283,7 @@ class BatchControl:
                 self._release_pages(g, seq, 0)
             self._pos[seq] = 0
             self._hw[seq] = 0
+            self._num_cached[seq] = 0
             return True
         if not self._above_ring_floor(seq, new_len):
             return False
@@ -214,6 +291,7 @@ class BatchControl:
             if self._ring_rows[g] is None:
                 self._release_pages(g, seq, -(-new_len // self._page_size))
         self._pos[seq] = new_len
+        self._num_cached[seq] = min(int(self._num_cached[seq]), new_len // self._page_size)
         return True
 
     # ---- step protocol ----------------------------------------------------
@@ -236,24 +314,16 @@ class BatchControl:
         token_pos = np.repeat(seg_pos - seg_start, seg_len) + np.arange(len(ids))
         plans = []
         for g in range(self._num_groups):
-            table = self._tables[g]
-            ring_rows = self._ring_rows[g]
-            rows = token_pos if ring_rows is None else token_pos % ring_rows
-            # Each (sequence, page index) the step writes, once.
-            keys = np.unique(ids * table.shape[1] + rows // self._page_size)
-            seqs, index = np.divmod(keys, table.shape[1])
-            pages = table[seqs, index]
-            # A page shared at declare time is copied by every writer (even the
-            # last one), so an abort leaves shared pages untouched.
-            need = (pages == 0) | (self._refcounts[g][pages] > 1)
-            if int(need.sum()) > len(self._free_pages[g]):
+            seqs, index, pages, need = self._plan(g, ids, token_pos)
+            if int(need.sum()) > self.num_free_pages(g):
                 return False
-            plans.append((seqs[need], index[need], pages[need]))
+            plans.append((seqs, index, pages, need))
         changes = []
-        for g, (seqs, index, old) in enumerate(plans):
-            free = self._free_pages[g]
-            new = np.array(free[len(free) - len(old):][::-1], np.int64)  # as if popped one by one
-            del free[len(free) - len(old):]
+        for g, (seqs, index, pages, need) in enumerate(plans):
+            for page in pages[~need].tolist():  # written in place: its cached contents are about to change
+                self._index[g].drop(page)
+            seqs, index, old = seqs[need], index[need], pages[need]
+            new = self._take_pages(g, len(old))
             self._refcounts[g][new] = 1
             self._tables[g][seqs, index] = new
             changes.append((seqs, index, new, old))
@@ -314,7 +384,7 @@ class BatchControl:
             if len(old):
                 refcounts = self._refcounts[g]
                 np.subtract.at(refcounts, old, 1)  # two writers may have copied one page
-                self._free_pages[g].extend(np.unique(old[refcounts[old] == 0]).tolist())
+                self._free(g, np.unique(old[refcounts[old] == 0]))
         self._pos[step.seg_seq] += step.seg_len
         self._hw[step.seg_seq] = np.maximum(self._hw[step.seg_seq], self._pos[step.seg_seq])
         self._step = None
@@ -332,7 +402,7 @@ class BatchControl:
         for g, (seqs, index, new, old) in enumerate(step.changes):
             self._tables[g][seqs, index] = old
             self._refcounts[g][new] = 0
-            self._free_pages[g].extend(new[::-1].tolist())  # back in the order declare took them
+            self._free_pages[g].extend(new[::-1].tolist())  # back in the order declare took them (evicted ones too)
         if self._has_ring:
             end = self._pos[step.seg_seq] + step.seg_len
             self._hw[step.seg_seq] = np.maximum(self._hw[step.seg_seq], end)
@@ -400,12 +470,42 @@ class BatchControl:
                 return False
         return True
 
+    def _plan(self, group: int, ids: np.ndarray, token_pos: np.ndarray):
+        """The (sequence, page index) pairs tokens at `token_pos` of `ids` write in `group`, each once:
+        (seqs, index, current page, whether it needs a new page)."""
+        table = self._tables[group]
+        ring_rows = self._ring_rows[group]
+        rows = token_pos if ring_rows is None else token_pos % ring_rows
+        keys = np.unique(ids * table.shape[1] + rows // self._page_size)
+        seqs, index = np.divmod(keys, table.shape[1])
+        pages = table[seqs, index]
+        # A page shared at declare time is copied by every writer (even the
+        # last one), so an abort leaves shared pages untouched.
+        need = (pages == 0) | (self._refcounts[group][pages] > 1)
+        return seqs, index, pages, need
+
+    def _take_pages(self, group: int, count: int) -> np.ndarray:
+        """`count` pages for new data: free ones first (as if popped one by one), then evicted cached ones."""
+        free = self._free_pages[group]
+        num_free = min(count, len(free))
+        pages = free[len(free) - num_free:][::-1]
+        del free[len(free) - num_free:]
+        for _ in range(count - num_free):
+            pages.append(self._index[group].evict())
+            self.evictions += 1
+        return np.array(pages, np.int64)
+
+    def _free(self, group: int, pages: np.ndarray) -> None:
+        """Pages whose last reference went: cached ones become evictable (in this order), the rest free."""
+        index = self._index[group]
+        self._free_pages[group].extend(p for p in pages.tolist() if not index.release(p))
+
     def _release_pages(self, group: int, seq: int, keep: int) -> None:
-        """Drop `seq`'s references to its pages at indices >= keep."""
+        """Drop `seq`'s references to its pages at indices >= keep (the last page first: evicted first)."""
         row = self._tables[group][seq, keep:]
         pages = row[row > 0]
         if len(pages):
             refcounts = self._refcounts[group]
             refcounts[pages] -= 1  # pages within a row are distinct
-            self._free_pages[group].extend(pages[refcounts[pages] == 0].tolist())
+            self._free(group, pages[refcounts[pages] == 0][::-1])
             row[:] = 0

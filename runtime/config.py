@@ -37,6 +37,8 @@ class EngineConfig:
     # request's arithmetic is the same program's whatever shares its steps: bit-identical solo or batched.
     deterministic: bool = False
     compile_cache: bool = True  # JAX's persistent compilation cache in $GLINT_CACHE_DIR (~/.cache/glint)
+    # Automatic prefix caching: a request maps the cached pages of its prompt's longest cached prefix.
+    prefix_cache: bool = True
     # Speculative decoding: draft tokens a decoding sequence verifies per step (0: none; needs a drafter).
     num_speculative_tokens: int = 0
 
@@ -80,8 +82,9 @@ class EngineConfig:
             raise ValueError(f"capacity must be >= 1, got {self.capacity}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
             raise ValueError(f"seed must be None or an int >= 0, got {self.seed!r}")
-        if not isinstance(self.compile_cache, bool):
-            raise ValueError(f"compile_cache must be a bool, got {self.compile_cache!r}")
+        for name in ("compile_cache", "prefix_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention {self.attention!r} is not one of {ATTENTION_IMPLS}")
 

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from glint.kvcache import BatchControl, CacheConfig, default_num_pages
+from glint.kvcache import BatchControl, CacheConfig, default_num_pages, prefix
 from glint.runtime import compile_cache, interrupts, spec
 from glint.runtime.config import EngineConfig
 from glint.runtime.params import SamplingParams
@@ -60,6 +60,15 @@ class EngineStats:
     wait_seconds: float = 0.0  # host blocked on the device's results
     spec_steps: int = 0  # speculative blocks verified
     spec_tokens: int = 0  # tokens they committed (accepted drafts + the target's own)
+    prefix_lookup_tokens: int = 0  # tokens of admitted requests (prompts, and recomputed ones after preemption)
+    prefix_hit_tokens: int = 0  # of them, mapped from the prefix cache instead of computed
+    prefix_cached_pages: int = 0  # pages in the prefix cache now (all layer groups)
+    prefix_evictions: int = 0  # cached pages reused for new data
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of admitted tokens the prefix cache held; 0 before the first admission."""
+        return self.prefix_hit_tokens / self.prefix_lookup_tokens if self.prefix_lookup_tokens else 0.0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -139,6 +148,9 @@ class Engine:
                 raise ValueError(f"num_pages {cache.num_pages} cannot hold one sequence of capacity "
                                  f"{self.capacity} (needs {cache.group_pages_per_seq(g) + 1} pages)")
         self.control = BatchControl(cache)
+        # Keys chain from what else the K/V depend on; a DFlash draft's layers are pools of the same cache.
+        self._salt = prefix.salt(model, cache.windows, cache.kv_heads, cache.head_dim, cache.dtype,
+                                 getattr(drafter, "cfg", None)) if config.prefix_cache else None
         self.drafter = drafter
         self._drafts_on_device = isinstance(drafter, spec.DFlashDrafter)
         self.scheduler = Scheduler(config, self.control, propose=None if drafter is None else self._propose)
@@ -238,6 +250,7 @@ class Engine:
                              f"capacity {self.capacity}")
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
         req = Request(self._new_rid(), tokens, params, seed, num_children=params.n - 1)
+        self._extend_keys(req, len(tokens))
         self._requests[req.rid] = req
         self._children[req.rid] = []
         self.scheduler.add(req)
@@ -439,6 +452,9 @@ class Engine:
 
     def _schedule(self) -> list[Entry]:
         entries = self.scheduler.schedule()
+        stats, control = self.stats, self.control
+        stats.prefix_lookup_tokens = self.scheduler.num_lookup_tokens
+        stats.prefix_hit_tokens = self.scheduler.num_hit_tokens
         while entries and not self.control.declare_step([e.req.seq for e in entries for _ in range(e.count)]):
             if any(e.draft for e in entries):  # pages run out: drop the drafts before preempting anyone
                 for e in entries:
@@ -450,6 +466,8 @@ class Engine:
             self.stats.preemptions += 1
         if entries and not self.control.has_pending_step:
             raise RuntimeError("a single sequence does not fit in the KV pool")
+        stats.prefix_evictions = control.evictions
+        stats.prefix_cached_pages = sum(control.num_cached_pages(g) for g in range(self.cache.num_groups))
         return entries
 
     def _propose(self, req: Request, room: int) -> list[int]:
@@ -472,6 +490,8 @@ class Engine:
         self.stats.steps_per_bucket[width] += 1
         sampled, row = [], 0
         for e in entries:
+            if self._salt is not None:
+                self.control.cache_pages(e.req.seq, e.req.page_keys)
             e.req.num_cached += e.count
             self.stats.fed_tokens += e.count
             if e.samples:
@@ -586,7 +606,8 @@ class Engine:
         """Completion i of an n > 1 request: a clone of the prompt's pages, with its own first token."""
         parent = s.req
         child = Request(self._new_rid(), parent.prompt, parent.params, self._child_seed(parent, i),
-                        generated=parent.generated[:s.index] + [token])
+                        generated=parent.generated[:s.index] + [token],
+                        page_keys=parent.page_keys[:(len(parent.prompt) + s.index) // self.cache.page_size])
         self._requests[child.rid] = child
         self._children[parent.rid].append(child)
         seq = self.control.seq_clone(parent.seq, s.num_cached) if parent.status is Status.RUNNING else None
@@ -601,12 +622,24 @@ class Engine:
         """Record a sampled token (the request's `num_generated`-th) and apply the stop rules."""
         if lp is not None:
             req.logprobs.append(lp)
+        if self._extend_keys(req, len(req.prompt) + num_generated) and req.status is Status.RUNNING:
+            self.control.cache_pages(req.seq, req.page_keys)
         self.stats.generated_tokens += 1
         new.setdefault(req.rid, []).append(token)
         if token in req.params.stop_token_ids or (not req.params.ignore_eos and token in self.model.eos_token_ids):
             self._finish(req, "stop")
         elif num_generated >= req.params.max_tokens:
             self._finish(req, "length")
+
+    def _extend_keys(self, req: Request, num_known: int) -> bool:
+        """Prefix cache keys for the full pages of `req`'s first `num_known` tokens; whether any were added."""
+        size = self.cache.page_size
+        start = len(req.page_keys)
+        if self._salt is None or (start + 1) * size > num_known:
+            return False
+        prev = req.page_keys[-1] if start else self._salt
+        req.page_keys += prefix.page_keys(req.token_slice(start * size, num_known - start * size), size, prev)
+        return True
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason

@@ -30,6 +30,7 @@ class Request:
     finish_reason: str | None = None
     num_read: int = 0  # tokens `Engine.new_tokens` has handed out
     acceptance_lengths: list[int] = field(default_factory=list)  # per speculative step: accepted drafts + 1
+    page_keys: list[bytes] = field(default_factory=list)  # prefix cache: keys of the known tokens' full pages
 
     @property
     def known_tokens(self) -> list[int]:

@@ -26,7 +26,9 @@ class Entry:
 class Scheduler:
     """Continuous batching: decode tokens of running requests first, then prefill chunks, then admissions.
 
-    A step holds at most `max_step_tokens` tokens and `max_sample_rows` sampled rows; a prefill chunk
+    An admitted request starts after the longest prefix of its tokens the prefix cache holds (all but its last
+    token at most: that one's logits are needed). A step holds at most `max_step_tokens` tokens and
+    `max_sample_rows` sampled rows; a prefill chunk
     is at least `min_prefill_chunk` tokens unless less of the prompt is left, and at most
     `max_prefill_chunk` (resolved by `EngineConfig.for_model`). With `propose` (speculative decoding), a decoding
     request also feeds the draft tokens `propose(req, room)` gives it (at most `room`), verified in the same step.
@@ -37,6 +39,8 @@ class Scheduler:
         self.config, self.control, self.propose = config, control, propose
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_lookup_tokens = 0  # prompt (and recomputed) tokens of admitted requests
+        self.num_hit_tokens = 0  # of them, found in the prefix cache
 
     def add(self, req: Request, front: bool = False) -> None:
         req.status = Status.WAITING
@@ -56,17 +60,23 @@ class Scheduler:
                 budget, rows = budget - entry.count, rows - entry.samples
         while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs:
             req = self.waiting[0]
-            entry = self._entry(req, budget, rows)
-            if entry is None or not self.control.can_admit(entry.count):
-                break
-            req.seq = self.control.seq_new()
+            num_tokens = len(req.prompt) + len(req.generated)
+            req.seq = self.control.seq_new(req.page_keys[:(num_tokens - 1) // self.control.config.page_size])
             if req.seq is None:
                 break
+            req.num_cached = self.control.pos(req.seq)
+            entry = self._entry(req, budget, rows)
+            if entry is None or not self.control.can_extend(req.seq, entry.count):
+                self.control.seq_rm(req.seq)
+                req.seq, req.num_cached = None, 0
+                break
             self.waiting.popleft()
-            req.status, req.num_cached = Status.RUNNING, 0
+            req.status = Status.RUNNING
             self.running.append(req)
             entries.append(entry)
             budget, rows = budget - entry.count, rows - entry.samples
+            self.num_lookup_tokens += num_tokens
+            self.num_hit_tokens += req.num_cached
         return entries
 
     def _entry(self, req: Request, budget: int, rows: int, reserve: int = 0) -> Entry | None:

@@ -5,6 +5,11 @@ a group uses the same page ids), applies the reported copy-on-write copies
 before the step's writes exactly as the real device does, and writes a unique
 tag per (sequence, position, step). After every operation each sequence must
 read back its own tags through its page table.
+
+Prefix caching: every written position also gets a token (from a two-letter
+alphabet, so prefixes collide often); the machine records which token prefix
+each tag was computed from, and every position a sequence reads, and every row
+of every cached page, must hold a tag computed from exactly its own prefix.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from glint.kvcache import BatchControl, CacheConfig
+from glint.kvcache.prefix import page_keys, salt
+
+SALT = salt("test")
 
 
 def make_config(**overrides) -> CacheConfig:
@@ -97,7 +105,12 @@ def check_pages(control: BatchControl) -> None:
         assert 0 not in free
         used = set(np.flatnonzero(refs).tolist())
         assert not used & set(free), f"group {g}: pages both free and used: {used & set(free)}"
-        assert used | set(free) == set(range(1, cfg.num_pages)), f"group {g}: leaked pages"
+        cached, evictable = set(control.cached_pages(g)), control.evictable_pages(g)
+        assert len(evictable) == len(set(evictable)) and set(evictable) <= cached
+        assert not cached & set(free), f"group {g}: pages both free and cached: {cached & set(free)}"
+        assert set(evictable) == cached - used, f"group {g}: evictable pages must be exactly the unreferenced cached"
+        assert used | set(free) | cached == set(range(1, cfg.num_pages)), f"group {g}: leaked pages"
+        assert len(free) + len(evictable) == control.num_free_pages(g)
         for seq in range(cfg.max_seqs):
             row = table[seq]
             assert len(set(row[row > 0].tolist())) == int((row > 0).sum()), "page twice in one row"
@@ -131,7 +144,16 @@ class KVControlMachine(RuleBasedStateMachine):
         )
         self.control = BatchControl(self.cfg)
         self.device = Device(self.cfg)
-        self.seqs: dict[int, dict] = {}  # id -> {"tags": [...], "hw": int}
+        # id -> {"tags": [...], "tokens": [...], "hw": int, "mapped": per group, the tags of the mapped prefix}
+        self.seqs: dict[int, dict] = {}
+        self.prefix_of_tag: dict[int, tuple] = {}  # the token prefix each written tag was computed from
+        self.prefix_of_key: dict[bytes, tuple] = {}
+
+    def _keys(self, tokens: list[int]) -> list[bytes]:
+        keys = page_keys(tokens, self.cfg.page_size, SALT)
+        for i, key in enumerate(keys):
+            self.prefix_of_key[key] = tuple(tokens[:(i + 1) * self.cfg.page_size])
+        return keys
 
     def _pick(self, data) -> int:
         """An active sequence id (creating one if none is active)."""
@@ -141,14 +163,32 @@ class KVControlMachine(RuleBasedStateMachine):
 
     # ---- rules ------------------------------------------------------------
 
-    @rule()
-    def new(self):
-        seq = self.control.seq_new()
+    @rule(prompt=st.lists(st.integers(0, 1), max_size=24))
+    def new(self, prompt=()):
+        """A new sequence, mapping whatever prefix of `prompt` the cache holds."""
+        keys = self._keys(list(prompt))
+        seq = self.control.seq_new(keys)
         if len(self.seqs) == self.cfg.max_seqs:
             assert seq is None
-        else:
-            assert seq is not None and seq not in self.seqs
-            self.seqs[seq] = {"tags": [], "hw": 0}
+            return
+        assert seq is not None and seq not in self.seqs
+        m = self.control.pos(seq)
+        assert m % self.cfg.page_size == 0 and m <= len(keys) * self.cfg.page_size
+        assert self.control.high_water(seq) == m
+        # Groups may map different pages (computed by different sequences) of the same prefix.
+        mapped = [[self.device.read(self.control, g, seq, p) for p in range(m)] for g in range(self.cfg.num_groups)]
+        for tags in mapped:
+            for p, tag in enumerate(tags):
+                assert self.prefix_of_tag[tag] == tuple(prompt[:p + 1]), "a mapped page holds another prefix's K/V"
+        if m:
+            event("prefix hit")
+        self.seqs[seq] = {"tags": list(mapped[0]), "tokens": list(prompt[:m]), "hw": m, "mapped": mapped}
+
+    @rule(data=st.data())
+    def cache(self, data):
+        """Enter a sequence's full pages into the prefix cache (possibly late: after a ring wrapped)."""
+        seq = self._pick(data)
+        self.control.cache_pages(seq, self._keys(self.seqs[seq]["tokens"]))
 
     @rule(data=st.data())
     def clone(self, data):
@@ -164,7 +204,8 @@ class KVControlMachine(RuleBasedStateMachine):
             event("clone refused")
             return
         assert seq is not None and seq not in self.seqs
-        self.seqs[seq] = {"tags": model["tags"][:n], "hw": model["hw"] if n else 0}
+        self.seqs[seq] = {"tags": model["tags"][:n], "tokens": model["tokens"][:n], "hw": model["hw"] if n else 0,
+                          "mapped": [tags[:n] for tags in model["mapped"]]}
 
     @rule(data=st.data())
     def remove(self, data):
@@ -185,6 +226,9 @@ class KVControlMachine(RuleBasedStateMachine):
             event("rewind refused by ring floor")
             return
         del model["tags"][new_len:]
+        del model["tokens"][new_len:]
+        for tags in model["mapped"]:
+            del tags[new_len:]
         if new_len == 0:
             model["hw"] = 0
 
@@ -203,8 +247,10 @@ class KVControlMachine(RuleBasedStateMachine):
             budget -= q_len
             runs.append((seq, q_len))
         seq_ids = [seq for seq, q_len in runs for _ in range(q_len)]
+        new_tokens = [data.draw(st.lists(st.integers(0, 1), min_size=q_len, max_size=q_len)) for _, q_len in runs]
         before = snapshot(self.control)
         free_before = [self.control.num_free_pages(g) for g in range(cfg.num_groups)]
+        evictions = self.control.evictions
         if not self.control.declare_step(seq_ids):
             assert_same(before, snapshot(self.control))
             too_long = any(len(self.seqs[s]["tags"]) + q > cfg.capacity for s, q in runs)
@@ -216,6 +262,8 @@ class KVControlMachine(RuleBasedStateMachine):
             assert too_long or any(t > f for t, f in zip(touched, free_before))
             event("declare refused")
             return
+        if self.control.evictions > evictions:
+            event("cached pages evicted")
         width = len(seq_ids) + data.draw(st.integers(0, 3))
         meta = self.control.prepare_step(width)
         self._check_meta(meta, runs, width)
@@ -227,13 +275,17 @@ class KVControlMachine(RuleBasedStateMachine):
         tags = None
         if outcome != "abort_before_run":
             tags = self.device.run(meta, self.control)
+            self._record(runs, new_tokens, tags)
         if outcome == "commit":
             self.control.commit_step()
-            for seq, q_len in runs:
+            for (seq, q_len), toks in zip(runs, new_tokens):
                 model = self.seqs[seq]
                 model["tags"].extend(tags[:q_len])
+                model["tokens"].extend(toks)
                 tags = tags[q_len:]
                 model["hw"] = max(model["hw"], len(model["tags"]))
+                if data.draw(st.booleans()):
+                    self.control.cache_pages(seq, self._keys(model["tokens"]))
         else:
             self.control.abort_step()
             if any(cfg.group_windows):  # ring rows may have been written
@@ -252,10 +304,22 @@ class KVControlMachine(RuleBasedStateMachine):
             q_len = min(self.cfg.max_seq_write, self.cfg.capacity - len(model["tags"]))
             if q_len == 0 or not self.control.declare_step([seq] * q_len):
                 return
+            toks = data.draw(st.lists(st.integers(0, 1), min_size=q_len, max_size=q_len))
             tags = self.device.run(self.control.prepare_step(), self.control)
+            self._record([(seq, q_len)], [toks], tags)
             self.control.commit_step()
             model["tags"].extend(tags)
+            model["tokens"].extend(toks)
             model["hw"] = max(model["hw"], len(model["tags"]))
+            self.control.cache_pages(seq, self._keys(model["tokens"]))
+
+    def _record(self, runs, new_tokens, tags) -> None:
+        """Remember the token prefix each tag a step wrote was computed from."""
+        for (seq, q_len), toks in zip(runs, new_tokens):
+            prefix = self.seqs[seq]["tokens"]
+            for i in range(q_len):
+                self.prefix_of_tag[tags[i]] = tuple(prefix) + tuple(toks[:i + 1])
+            tags = tags[q_len:]
 
     def _touched(self, group: int, pos: int, q_len: int) -> set[int]:
         ring_rows = self.cfg.group_ring_rows(group)
@@ -293,6 +357,20 @@ class KVControlMachine(RuleBasedStateMachine):
             check_pages(self.control)
 
     @invariant()
+    def cached_pages_hold_their_prefix(self):
+        if not hasattr(self, "control"):
+            return
+        size = self.cfg.page_size
+        for g in range(self.cfg.num_groups):
+            for page, key in self.control.cached_pages(g).items():
+                prefix = self.prefix_of_key[key]
+                start = len(prefix) - size
+                for r in range(size):
+                    tag = int(self.device.pools[g][page, r])
+                    assert self.prefix_of_tag.get(tag) == prefix[:start + r + 1], \
+                        f"group {g}: cached page {page} row {r} does not hold its key's K/V"
+
+    @invariant()
     def sequences_read_back(self):
         if not hasattr(self, "control"):
             return
@@ -315,7 +393,9 @@ class KVControlMachine(RuleBasedStateMachine):
                     assert pos == 0 or max(0, pos - cfg.group_windows[g] + 1) >= first
                 for p in range(first, pos):
                     got = self.device.read(control, g, seq, p)
-                    assert got == model["tags"][p], f"seq {seq} group {g} position {p}: {got} != {model['tags'][p]}"
+                    mapped = model["mapped"][g]
+                    want = mapped[p] if p < len(mapped) else model["tags"][p]
+                    assert got == want, f"seq {seq} group {g} position {p}: {got} != {want}"
 
     def teardown(self):
         if not hasattr(self, "control"):
@@ -559,3 +639,105 @@ def test_per_sequence_write_limit_shrinks_the_ring_and_is_enforced():
     control.abort_step()  # still be wider than one sequence's limit
     with pytest.raises(ValueError, match=rf"max_seq_write = {max_write + 1!r}, must be an int in \[1, max_write"):
         make_config(max_write=max_write, max_seq_write=max_write + 1)
+
+
+# ---- prefix caching --------------------------------------------------------
+
+
+def test_page_keys_differ_when_any_token_of_the_prefix_differs():
+    rng = np.random.default_rng(0)
+    size = 4
+    tokens = rng.integers(0, 1000, 40).tolist()
+    keys = page_keys(tokens, size, SALT)
+    assert len(keys) == 10 and len(set(keys)) == 10
+    assert page_keys(tokens[:23], size, SALT) == keys[:5]  # a partial page has no key
+    assert page_keys(tokens, size, keys[3], start=4) == keys[4:]  # chained from page 3's key
+    for i in rng.choice(40, 8, replace=False).tolist():
+        changed = tokens[:i] + [tokens[i] + 1] + tokens[i + 1:]
+        other = page_keys(changed, size, SALT)
+        first = i // size
+        assert other[:first] == keys[:first]
+        assert all(a != b for a, b in zip(other[first:], keys[first:])), f"token {i} changed, a later key did not"
+    assert page_keys(tokens, size, salt("another model")) != keys
+
+
+def prefill(control, device, tokens, per_step=4):
+    """A new sequence over `tokens`, prefilled and cached; returns (seq, its tags)."""
+    seq = control.seq_new()
+    tags = decode(control, device, seq, len(tokens), per_step)
+    control.cache_pages(seq, page_keys(tokens, control.config.page_size, SALT))
+    return seq, tags
+
+
+def test_prefix_cache_maps_full_pages_and_leaves_the_rest():
+    cfg = make_config(windows=(0,), max_write=8)
+    control, device = BatchControl(cfg), Device(cfg)
+    tokens = list(range(1, 15))  # 3 full pages of 4 and 2 tokens
+    a, tags = prefill(control, device, tokens)
+    assert control.num_cached_pages(0) == 3 and not control.evictable_pages(0)
+    b = control.seq_new(page_keys(tokens[:10] + [99, 98, 97], 4, SALT))  # shares 2 full pages, then differs
+    assert control.pos(b) == 8
+    assert read_back(control, device, b, 0, range(8)) == tags[:8]
+    assert control.refcounts(0)[control.page_table(0)[a, :2]].tolist() == [2, 2]
+    more = decode(control, device, b, 5)  # writes a page of its own: nothing shared is written
+    assert read_back(control, device, a, 0, range(14)) == tags
+    assert read_back(control, device, b, 0, range(13)) == tags[:8] + more
+    control.seq_rm(a)
+    control.seq_rm(b)
+    assert control.num_free_pages(0) == cfg.num_pages - 1 and control.num_cached_pages(0) == 3
+    check_pages(control)
+
+
+def test_cached_pages_are_evicted_least_recently_released_first_and_only_when_free_pages_run_out():
+    cfg = make_config(windows=(0,), num_pages=9, max_write=8)  # 8 usable pages
+    control, device = BatchControl(cfg), Device(cfg)
+    a, _ = prefill(control, device, list(range(100, 112)))  # 3 pages
+    b, _ = prefill(control, device, list(range(200, 212)))  # 3 pages
+    pages_a, pages_b = control.page_table(0)[a, :3].tolist(), control.page_table(0)[b, :3].tolist()
+    control.seq_rm(a)
+    control.seq_rm(b)
+    assert control.evictable_pages(0) == pages_a[::-1] + pages_b[::-1]  # a's tail goes first
+    c = control.seq_new()
+    decode(control, device, c, 12)  # 3 pages: the 2 free ones, then a's last page
+    assert control.evictions == 1 and control.evictable_pages(0) == pages_a[1::-1] + pages_b[::-1]
+    d = control.seq_new(page_keys(list(range(100, 112)), 4, SALT))
+    assert control.pos(d) == 8  # a's first two pages survived
+    e = control.seq_new(page_keys(list(range(200, 212)), 4, SALT))
+    assert control.pos(e) == 12
+    check_pages(control)
+
+
+def test_ring_groups_reuse_only_a_first_lap_prefix():
+    cfg = make_config(windows=(0, 8), max_write=4, capacity=64)  # ring rows 8 + 4 - 1 = 11: 2 whole pages
+    control, device = BatchControl(cfg), Device(cfg)
+    short = list(range(1, 11))
+    a, tags = prefill(control, device, short)  # never wraps: the ring caches its whole pages 0 and 1
+    assert control.num_cached_pages(1) == 2 and control.num_cached_pages(0) == 2
+    b = control.seq_new(page_keys(short, 4, SALT))
+    assert control.pos(b) == 8  # page 2 would be past the first lap
+    for g in range(2):
+        assert read_back(control, device, b, g, range(8)) == tags[:8]
+    control.seq_rm(b)
+    long = list(range(20, 40))
+    c, _ = prefill(control, device, long)  # wrapped before it was cached: its ring pages are not
+    assert control.num_cached_pages(0) == 2 + 5 and control.num_cached_pages(1) == 2
+    d = control.seq_new(page_keys(long, 4, SALT))
+    assert control.pos(d) == 0  # the flat group alone could reuse 5 pages, but a step computes every layer
+    check_pages(control)
+
+
+def test_writing_into_a_cached_page_uncaches_or_copies_it():
+    cfg = make_config(windows=(0,), max_write=8)
+    control, device = BatchControl(cfg), Device(cfg)
+    tokens = list(range(1, 13))
+    a, tags = prefill(control, device, tokens)
+    assert control.rewind(a, 6)  # into page 1, cached, owned by a alone: written in place, so uncached
+    decode(control, device, a, 1)
+    assert control.num_cached_pages(0) == 2 and control.page_table(0)[a, 1] not in control.cached_pages(0)
+    b = control.seq_new(page_keys(tokens, 4, SALT))
+    assert control.pos(b) == 4
+    assert control.rewind(b, 2)  # into page 0, shared with a: copied, the cached page stays
+    decode(control, device, b, 1)
+    assert control.page_table(0)[b, 0] != control.page_table(0)[a, 0] in control.cached_pages(0)
+    assert read_back(control, device, a, 0, range(4)) == tags[:4]
+    check_pages(control)

@@ -1,0 +1,125 @@
+"""Automatic prefix caching end to end on CPU: outputs with the cache on equal outputs with it off (greedy and
+seeded, ring layers, preemption, n > 1, speculative rewinds, aborts); the cache's own bookkeeping is checked
+by the state machine in test_kvcache_control."""
+import numpy as np
+import pytest
+
+from glint.model import transformer
+from glint.model.presets import preset
+from glint.runtime import spec
+from glint.runtime.config import EngineConfig
+from glint.runtime.engine import Engine
+from glint.runtime.params import SamplingParams
+
+PAGE = 8
+BASE = dict(max_seqs=8, page_size=PAGE, max_step_tokens=64, forward_sizes=(1, 4, 16), capacity=128,
+            min_prefill_chunk=4)
+
+
+def shared_prompts(vocab: int, seed: int) -> list[list[int]]:
+    """Prompts over one base prompt, sharing prefixes inside a page, of exactly a page, of several pages plus a
+    few tokens, all of it (twice), all but the last token, and one sharing nothing."""
+    rng = np.random.default_rng(seed)
+
+    def fresh(n):
+        return rng.integers(0, vocab, n).tolist()
+
+    base = fresh(5 * PAGE + 3)
+    return [base, base[:3] + fresh(20), base[:PAGE] + fresh(11), base[:3 * PAGE + 2] + fresh(6), list(base),
+            base[:-1], base[:4 * PAGE] + fresh(1), fresh(30)]
+
+
+def params_for(prompts, max_tokens):
+    """Greedy for the even prompts, seeded top-k/top-p sampling for the odd ones."""
+    return [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True) if i % 2 == 0 else
+            SamplingParams(max_tokens=max_tokens, temperature=0.9, top_k=40, top_p=0.95, seed=100 + i, ignore_eos=True)
+            for i in range(len(prompts))]
+
+
+def run_twice(engine, prompts, params):
+    """Two rounds of the same requests: the second finds what the first left in the cache."""
+    return [[o.token_ids for o in engine.generate(prompts, params)] for _ in range(2)]
+
+
+def test_prefix_cache_on_equals_off_with_ring_layers_and_preemption(hf_fixture):
+    """Shared prefixes of every shape, greedy and seeded, over every HF fixture (gemma2/3 and mistral have
+    sliding-window rings), in a pool so small that requests are preempted and cached pages evicted: the
+    tokens of an engine with the cache off (the same programs, so they compile once)."""
+    probe = Engine.from_pretrained(str(hf_fixture), dtype="float32", num_pages=200, **BASE).cache
+    num_pages = max(probe.group_pages_per_seq(g) for g in range(probe.num_groups)) + 12
+    off = Engine.from_pretrained(str(hf_fixture), dtype="float32", prefix_cache=False, num_pages=num_pages, **BASE)
+    on = Engine.from_pretrained(str(hf_fixture), dtype="float32", num_pages=num_pages, **BASE)
+    prompts = shared_prompts(off.model.vocab_size, seed=0)
+    params = params_for(prompts, max_tokens=12)
+    want = run_twice(off, prompts, params)
+    assert run_twice(on, prompts, params) == want
+    stats = on.stats
+    assert stats.prefix_hit_tokens >= 4 * PAGE, "the shared prefixes were not found"
+    assert stats.preemptions > 0 and stats.prefix_evictions > 0
+    assert stats.fed_tokens < off.stats.fed_tokens
+    assert off.stats.prefix_hit_tokens == 0 and off.stats.prefix_cached_pages == 0
+    assert all(on.control.pages_in_use(g) == 0 for g in range(on.cache.num_groups))
+
+
+def tiny(draft: str | None = None, **overrides) -> Engine:
+    cfg = preset("tiny", dtype="float32")
+    graphdef, params = transformer.split(transformer.init_model(cfg, 0))
+    drafter = None
+    if draft is not None:
+        drafter = spec.host_drafter(draft, 3)
+        overrides["num_speculative_tokens"] = drafter.num_speculative_tokens
+    # room for blocks of 4 rows in every engine, so that all of them run the same programs (compiled once)
+    config = EngineConfig(**{**BASE, "num_pages": 160, "max_sample_rows": 4 * BASE["max_seqs"], **overrides})
+    return Engine(cfg, graphdef, params, config, drafter=drafter)
+
+
+def test_prefix_hits_skip_prefill_and_count_in_stats():
+    engine = tiny()
+    vocab = engine.model.vocab_size
+    prompts = shared_prompts(vocab, seed=1)
+    params = params_for(prompts, max_tokens=4)
+    first = engine.generate(prompts[:1], params[:1])
+    fed = engine.stats.fed_tokens
+    again = engine.generate(prompts[:1], params[:1])  # all but the page holding the last token is cached
+    assert again[0].token_ids == first[0].token_ids
+    n = len(prompts[0])
+    assert engine.stats.prefix_hit_tokens == (n - 1) // PAGE * PAGE
+    assert engine.stats.fed_tokens - fed == n - (n - 1) // PAGE * PAGE + 3  # the uncached rest, then 3 decodes
+    assert engine.stats.prefix_lookup_tokens == 2 * n
+    assert engine.stats.prefix_hit_rate == engine.stats.prefix_hit_tokens / (2 * n)
+    assert engine.stats.prefix_cached_pages > 0
+
+
+def test_prefix_cache_with_n_samples_aborts_and_speculative_rewinds():
+    """n > 1 clones share mapped pages; an abort leaves its pages cached for the next request; an n-gram
+    drafter's rejected tokens are rewound inside pages other sequences share: all as with the cache off."""
+    vocab = preset("tiny").vocab_size
+    rng = np.random.default_rng(2)
+    motif = rng.integers(0, vocab, 6).tolist()
+    base = (motif * 8)[:3 * PAGE + 5]  # repetitive: the n-gram drafter proposes, and is often wrong
+    prompts = [base + rng.integers(0, vocab, 3).tolist() for _ in range(3)] + [base]
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+              SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)] * 2
+    outs = {}
+    for cache in (False, True):
+        for draft in (None, "ngram"):
+            engine = tiny(draft, prefix_cache=cache)
+            rid = engine.add_request(base + [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+            engine.step()
+            engine.step()
+            engine.abort(rid)  # its prompt's pages stay cached
+            engine.release(rid)
+            got = [[c.token_ids for c in o.outputs] for o in engine.generate(prompts, params)]
+            outs[cache, draft] = got
+            if cache:
+                assert engine.stats.prefix_hit_tokens >= len(prompts) * 3 * PAGE
+            if draft:
+                assert engine.stats.spec_steps > 0 and engine.stats.spec_tokens > engine.stats.spec_steps
+            assert all(engine.control.pages_in_use(g) == 0 for g in range(engine.cache.num_groups))
+    assert outs[True, None] == outs[False, None]
+    assert outs[True, "ngram"] == outs[False, "ngram"] == outs[False, None]
+
+
+def test_prefix_cache_config_is_checked():
+    with pytest.raises(ValueError, match="prefix_cache must be a bool, got 'yes'"):
+        EngineConfig(prefix_cache="yes")
