@@ -292,6 +292,59 @@ def speculative(args, console: Console, oracle_passes: int = 10) -> dict:
                 rows=rows)
 
 
+def prefix_workload(args, console: Console) -> dict:
+    """The prefix cache on and off on one engine: `args.requests` greedy requests of a shared
+    `args.shared_prefix`-token system prompt + `args.prompt_len` tokens of their own -> `args.gen_len`, then
+    the same with nothing shared (prompts of the same lengths). Output tokens/s, time to first token and hits."""
+    n, shared, own = args.requests, args.shared_prefix, args.prompt_len
+    settings = dict(engine_settings(args), capacity=shared + own + args.gen_len)
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, **settings)
+    engine.warmup(progress=False)
+    rng = np.random.default_rng(0)
+    vocab = engine.model.vocab_size
+    system = rng.integers(0, vocab, shared).tolist()
+    workloads = {"shared": [system + rng.integers(0, vocab, own).tolist() for _ in range(n)],
+                 "unique": [rng.integers(0, vocab, shared + own).tolist() for _ in range(n)]}
+    params = SamplingParams(max_tokens=args.gen_len, temperature=0.0, ignore_eos=True)
+    rows, outputs = [], {}
+    for name, prompts in workloads.items():
+        for on in (False, True):
+            engine.set_prefix_cache(on)
+            warm = rng.integers(0, vocab, 64).tolist()  # a pass through the loop that shares nothing with the run
+            engine.generate([warm], dataclasses.replace(params, max_tokens=4))
+            engine.stats = type(engine.stats)()
+            t0 = time.perf_counter()
+            rids = [engine.add_request(p, params) for p in prompts]
+            first: dict[int, float] = {}
+            while engine.has_unfinished():
+                now = time.perf_counter() - t0
+                for rid in engine.step():
+                    first.setdefault(rid, now)
+            wall = time.perf_counter() - t0
+            outputs[name, on] = [engine.output(rid).token_ids for rid in rids]
+            for rid in rids:
+                engine.release(rid)
+            ttft = np.percentile([first[r] for r in rids], [50, 90])
+            s = engine.stats
+            rows.append(dict(workload=name, prefix_cache=on, wall_s=wall, output_tokens_per_s=n * args.gen_len / wall,
+                             ttft_p50_s=ttft[0], ttft_p90_s=ttft[1], hit_rate=s.prefix_hit_rate,
+                             fed_tokens=s.fed_tokens, evictions=s.prefix_evictions, preemptions=s.preemptions))
+    t = Table(title=f"prefix cache: {n} requests x ({shared} shared or not + {own} own prompt tokens -> "
+              f"{args.gen_len}), greedy")
+    for col in ("workload", "prefix cache", "tok/s", "on / off", "TTFT p50 / p90 s", "hit rate", "fed tokens",
+                "same tokens"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        off = next(o for o in rows if o["workload"] == r["workload"] and not o["prefix_cache"])
+        same = sum(a == b for a, b in zip(outputs[r["workload"], True], outputs[r["workload"], False]))
+        r["speedup"], r["same_as_off"] = r["output_tokens_per_s"] / off["output_tokens_per_s"], same
+        t.add_row(r["workload"], "on" if r["prefix_cache"] else "off", f"{r['output_tokens_per_s']:.0f}",
+                  f"{r['speedup']:.2f}x", f"{r['ttft_p50_s']:.2f} / {r['ttft_p90_s']:.2f}", f"{r['hit_rate']:.2f}",
+                  str(r["fed_tokens"]), f"{same}/{n}")
+    console.print(t)
+    return dict(requests=n, shared_prefix=shared, prompt_len=own, gen_len=args.gen_len, rows=rows)
+
+
 DFLASH_BLOCK = 16  # z-lab's Qwen3-8B-DFlash-b16
 
 
@@ -317,9 +370,11 @@ def run_bench(args) -> dict:
     console = Console()
     on_gpu = jax.default_backend() == "gpu"
     fill_defaults(args, on_gpu)
-    if args.draft:
+    if args.draft or args.shared_prefix:
+        run = speculative(args, console) if args.draft else prefix_workload(args, console)
         result = dict(model=args.model, dtype=args.dtype, device=str(jax.devices()[0].device_kind),
-                      jax=jax.__version__, date=time.strftime("%Y-%m-%d"), speculative=speculative(args, console))
+                      jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
+                      **{"speculative" if args.draft else "prefix_cache": run})
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)

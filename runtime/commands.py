@@ -37,6 +37,8 @@ def _engine_args(p) -> None:
                    help="attention implementation (default auto: Pallas on GPU, the jnp reference elsewhere)")
     p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
                    help="do not use the persistent compilation cache ($GLINT_CACHE_DIR, default ~/.cache/glint)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="do not share the KV pages of prompt prefixes between requests (automatic prefix caching)")
     p.add_argument("--allow-long-context", action="store_true",
                    help="let --capacity exceed the model's max_position_embeddings")
     p.add_argument("--deterministic", action="store_true",
@@ -56,7 +58,7 @@ def _engine_config(args) -> dict:
     for flag in ("allow_long_context", "deterministic"):
         if getattr(args, flag):
             given[flag] = True
-    return given | {"compile_cache": args.compile_cache, "draft": args.draft}
+    return given | {"compile_cache": args.compile_cache, "prefix_cache": args.prefix_cache, "draft": args.draft}
 
 
 def _cmd_generate(args) -> int:
@@ -291,6 +293,9 @@ def _register_bench(sub) -> None:
                    help="--cold-start: which ways to time (also artifact-again: a second process on the artifact)")
     p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
                    help="do not use the persistent compilation cache ($GLINT_CACHE_DIR, default ~/.cache/glint)")
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="instead: the prefix cache on and off, --requests prompts of this many shared tokens + "
+                        "--prompt-len of their own -> --gen-len (and the same lengths sharing nothing)")
     p.add_argument("--draft", help="instead: plain against speculative decoding with this drafter (ngram, oracle) "
                    "at each --batch, --prompt-len -> --gen-len tokens")
     p.add_argument("--num-speculative-tokens", type=int, help="--draft: draft tokens per step (default 4; "

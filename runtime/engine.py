@@ -148,10 +148,9 @@ class Engine:
                 raise ValueError(f"num_pages {cache.num_pages} cannot hold one sequence of capacity "
                                  f"{self.capacity} (needs {cache.group_pages_per_seq(g) + 1} pages)")
         self.control = BatchControl(cache)
-        # Keys chain from what else the K/V depend on; a DFlash draft's layers are pools of the same cache.
-        self._salt = prefix.salt(model, cache.windows, cache.kv_heads, cache.head_dim, cache.dtype,
-                                 getattr(drafter, "cfg", None)) if config.prefix_cache else None
+        self._evictions_seen = 0
         self.drafter = drafter
+        self.set_prefix_cache(config.prefix_cache)
         self._drafts_on_device = isinstance(drafter, spec.DFlashDrafter)
         self.scheduler = Scheduler(config, self.control, propose=None if drafter is None else self._propose)
         self.runner = Runner(programs)
@@ -234,6 +233,13 @@ class Engine:
         if warmup:
             engine.warmup()
         return engine
+
+    def set_prefix_cache(self, enabled: bool) -> None:
+        """Turn prefix caching on or off for requests added from now on (what is cached stays, evictable)."""
+        # Keys chain from what else the K/V depend on; a DFlash draft's layers are pools of the same cache.
+        cache = self.cache
+        self._salt = prefix.salt(self.model, cache.windows, cache.kv_heads, cache.head_dim, cache.dtype,
+                                 getattr(self.drafter, "cfg", None)) if enabled else None
 
     # ---- requests ----
 
@@ -453,8 +459,9 @@ class Engine:
     def _schedule(self) -> list[Entry]:
         entries = self.scheduler.schedule()
         stats, control = self.stats, self.control
-        stats.prefix_lookup_tokens = self.scheduler.num_lookup_tokens
-        stats.prefix_hit_tokens = self.scheduler.num_hit_tokens
+        for req in self.scheduler.admitted:
+            stats.prefix_lookup_tokens += len(req.prompt) + len(req.generated)
+            stats.prefix_hit_tokens += req.num_cached
         while entries and not self.control.declare_step([e.req.seq for e in entries for _ in range(e.count)]):
             if any(e.draft for e in entries):  # pages run out: drop the drafts before preempting anyone
                 for e in entries:
@@ -466,7 +473,8 @@ class Engine:
             self.stats.preemptions += 1
         if entries and not self.control.has_pending_step:
             raise RuntimeError("a single sequence does not fit in the KV pool")
-        stats.prefix_evictions = control.evictions
+        stats.prefix_evictions += control.evictions - self._evictions_seen
+        self._evictions_seen = control.evictions
         stats.prefix_cached_pages = sum(control.num_cached_pages(g) for g in range(self.cache.num_groups))
         return entries
 

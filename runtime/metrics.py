@@ -16,10 +16,19 @@ class ServerMetrics:
         self.generated = Counter("glint_generated_tokens", "tokens sampled", registry=r)
         self.preemptions = Counter("glint_preemptions", "requests preempted for recompute", registry=r)
         self.requests = Counter("glint_requests", "requests received, by outcome", ["outcome"], registry=r)
-        self.aborted = Counter("glint_aborted_requests", "requests cancelled before they finished: the client left (or the engine failed)", registry=r)
+        self.aborted = Counter("glint_aborted_requests",
+                               "requests cancelled before they finished: the client left (or the engine failed)",
+                               registry=r)
+        self.prefix_lookup = Counter("glint_prefix_cache_lookup_tokens", "prompt tokens of admitted requests",
+                                     registry=r)
+        self.prefix_hits = Counter("glint_prefix_cache_hit_tokens", "of them, found in the prefix cache", registry=r)
+        self.prefix_evictions = Counter("glint_prefix_cache_evictions", "cached pages reused for new data",
+                                        registry=r)
+        self.prefix_pages = Gauge("glint_prefix_cache_pages", "pages in the prefix cache, all layer groups",
+                                  registry=r)
         self.step_seconds = Histogram("glint_step_seconds", "engine.step() wall time", buckets=STEP_BUCKETS,
                                       registry=r)
-        self._seen = {"generated": 0, "preemptions": 0}
+        self._seen = {"generated": 0, "preemptions": 0, "lookup": 0, "hits": 0, "evictions": 0}
 
     def observe(self, engine, step_s: float | None) -> None:
         """Called by the engine thread after each step (step_s) and when idle (None)."""
@@ -30,8 +39,13 @@ class ServerMetrics:
         groups = range(engine.cache.num_groups)
         self.pages_in_use.set(sum(engine.control.pages_in_use(g) for g in groups))
         self.pages_total.set(engine.cache.num_groups * (engine.cache.num_pages - 1))
-        for name, counter, now in (("generated", self.generated, engine.stats.generated_tokens),
-                                   ("preemptions", self.preemptions, engine.stats.preemptions)):
+        stats = engine.stats
+        self.prefix_pages.set(stats.prefix_cached_pages)
+        for name, counter, now in (("generated", self.generated, stats.generated_tokens),
+                                   ("preemptions", self.preemptions, stats.preemptions),
+                                   ("lookup", self.prefix_lookup, stats.prefix_lookup_tokens),
+                                   ("hits", self.prefix_hits, stats.prefix_hit_tokens),
+                                   ("evictions", self.prefix_evictions, stats.prefix_evictions)):
             counter.inc(now - self._seen[name])
             self._seen[name] = now
 

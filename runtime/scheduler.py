@@ -39,8 +39,7 @@ class Scheduler:
         self.config, self.control, self.propose = config, control, propose
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_lookup_tokens = 0  # prompt (and recomputed) tokens of admitted requests
-        self.num_hit_tokens = 0  # of them, found in the prefix cache
+        self.admitted: list[Request] = []  # by the last schedule(), in order
 
     def add(self, req: Request, front: bool = False) -> None:
         req.status = Status.WAITING
@@ -52,6 +51,7 @@ class Scheduler:
     def schedule(self) -> list[Entry]:
         budget, rows = self.config.max_step_tokens, self.config.max_sample_rows
         entries: list[Entry] = []
+        self.admitted = []
         for i, req in enumerate(self.running):
             # drafts never take the token every later running request needs to go on
             entry = self._entry(req, budget, rows, reserve=len(self.running) - i - 1)
@@ -75,8 +75,7 @@ class Scheduler:
             self.running.append(req)
             entries.append(entry)
             budget, rows = budget - entry.count, rows - entry.samples
-            self.num_lookup_tokens += num_tokens
-            self.num_hit_tokens += req.num_cached
+            self.admitted.append(req)
         return entries
 
     def _entry(self, req: Request, budget: int, rows: int, reserve: int = 0) -> Entry | None:

@@ -281,9 +281,17 @@ def test_models_health_and_metrics(server, client):
     assert httpx.get(server + "/health").json() == {"status": "ok"}
     text = httpx.get(server + "/metrics").text
     for name in ("glint_requests_running", "glint_requests_waiting", "glint_generated_tokens_total",
-                 "glint_kv_pages_in_use", "glint_step_seconds_bucket", "glint_preemptions_total"):
+                 "glint_kv_pages_in_use", "glint_step_seconds_bucket", "glint_preemptions_total",
+                 "glint_prefix_cache_lookup_tokens_total", "glint_prefix_cache_evictions_total",
+                 "glint_prefix_cache_pages"):
         assert name in text, name
     assert metric(server, "glint_generated_tokens_total") >= before + GREEDY["max_tokens"]
+    # the same prompt ids again: all of its full pages but the one holding its last token come from the cache
+    ids = list(range(3, 3 + 3 * CONFIG["page_size"] + 1))
+    client.completions.create(model="llama", prompt=ids, **openai_args(GREEDY))
+    hits = metric(server, "glint_prefix_cache_hit_tokens_total")
+    client.completions.create(model="llama", prompt=ids, **openai_args(GREEDY))
+    assert metric(server, "glint_prefix_cache_hit_tokens_total") == hits + 3 * CONFIG["page_size"]
 
 
 def test_a_checkpoint_without_chat_template_or_tokenizer():
