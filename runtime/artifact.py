@@ -187,12 +187,13 @@ def load_compiled(folder: pathlib.Path, meta: dict, name: str) -> jax.stages.Com
         return None
 
 
-def load_params(folder: pathlib.Path, like: dict) -> dict:
-    """The flat weights from `params/`, shaped and typed as the forward programs take them, on the device."""
+def load_params(folder: pathlib.Path, like: dict, device=None) -> dict:
+    """The flat weights from `params/`, shaped and typed as the forward programs take them, on the device (or
+    on `weights.start_device()`'s once it has started)."""
     path = folder / PARAMS_DIR
     if not path.is_dir():
         raise ValueError(f"{path} is missing; the artifact has no weights")
-    return weights.read_params(path, like, jax.devices()[0])
+    return weights.read_params(path, like, device)
 
 
 def _timed(fn, *args):
@@ -205,6 +206,7 @@ def load_artifact(folder, dtype: str | None = None, compiled: bool = True, **ove
     folder = pathlib.Path(folder)
     meta = read_metadata(folder)
     check_compatible(meta, folder)
+    device = weights.start_device()  # the GPU client starts while the programs and weights are read
     if dtype is not None and dtype != meta["model"]["dtype"]:
         raise ValueError(f"{folder} was exported with dtype {meta['model']['dtype']}; asked {dtype}")
     config = engine_config(meta, folder, overrides)
@@ -228,7 +230,7 @@ def load_artifact(folder, dtype: str | None = None, compiled: bool = True, **ove
                                                              config.max_sample_rows, model.vocab_size))
     t1 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(len(programs) + 1) as pool:
-        params_future = pool.submit(_timed, load_params, folder, params_like)  # the weights stream in meanwhile
+        params_future = pool.submit(_timed, load_params, folder, params_like, device)  # streams in meanwhile
         executables = pool.map(lambda name: (name, load_compiled(folder, meta, name)), programs if compiled else [])
         loaded = {name: executable for name, executable in executables if executable is not None}
         t2 = time.perf_counter()

@@ -310,7 +310,7 @@ def prefix_workload(args, console: Console) -> dict:
     for name, prompts in workloads.items():
         for on in (False, True):
             engine.set_prefix_cache(on)
-            warm = rng.integers(0, vocab, 64).tolist()  # a pass through the loop that shares nothing with the run
+            warm = rng.integers(0, vocab, own).tolist()  # a pass through the loop that shares nothing with the run
             engine.generate([warm], dataclasses.replace(params, max_tokens=4))
             engine.stats = type(engine.stats)()
             t0 = time.perf_counter()
@@ -331,8 +331,7 @@ def prefix_workload(args, console: Console) -> dict:
                              fed_tokens=s.fed_tokens, evictions=s.prefix_evictions, preemptions=s.preemptions))
     t = Table(title=f"prefix cache: {n} requests x ({shared} shared or not + {own} own prompt tokens -> "
               f"{args.gen_len}), greedy")
-    for col in ("workload", "prefix cache", "tok/s", "on / off", "TTFT p50 / p90 s", "hit rate", "fed tokens",
-                "same tokens"):
+    for col in ("prompts", "cache", "tok/s", "x off", "TTFT p50/p90 s", "hits", "fed", "same"):
         t.add_column(col, justify="right")
     for r in rows:
         off = next(o for o in rows if o["workload"] == r["workload"] and not o["prefix_cache"])

@@ -53,11 +53,26 @@ def ts_context(num_threads: int):
                        "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000}})  # orbax's B-tree node cache
 
 
-def read_params(folder, like: dict, device: jax.Device | None = None, *,
+def start_device() -> concurrent.futures.Future:
+    """The first device, started in a thread of its own: the client up and its memory pool allocated, which a
+    process's first device_put otherwise waits for (reading weights from disk meanwhile hides it)."""
+    def start() -> jax.Device:
+        device = jax.devices()[0]
+        jax.device_put(np.zeros((), np.float32), device).block_until_ready()
+        return device
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(start)
+    pool.shutdown(wait=False)
+    return future
+
+
+def read_params(folder, like: dict, device: jax.Device | concurrent.futures.Future | None = None, *,
                 num_threads: int = NUM_THREADS) -> dict[str, jax.Array]:
     """{name: array on `device`} for every name of `like` ({name: ShapeDtypeStruct or array}) from the orbax
     folder `folder`; arrays stored in another dtype are cast to `like`'s. ValueError naming the folder and the
-    array for a missing, unexpected, mis-shaped or unreadable array."""
+    array for a missing, unexpected, mis-shaped or unreadable array. `device` may be `start_device()`'s future:
+    the reads begin while it starts."""
     import tensorstore as ts
 
     folder = pathlib.Path(folder).absolute()
@@ -66,7 +81,8 @@ def read_params(folder, like: dict, device: jax.Device | None = None, *,
     if missing or unexpected:
         raise ValueError(f"{folder}: the stored weights do not match the model: missing {missing[:8]}, "
                          f"unexpected {unexpected[:8]}")
-    device = device or jax.devices()[0]
+    if device is None:
+        device = jax.devices()[0]
     context = ts_context(num_threads)
     opening = {name: ts.open(_spec(folder, name, meta), open=True, context=context) for name in like}
     stores = {}
@@ -88,7 +104,7 @@ def read_params(folder, like: dict, device: jax.Device | None = None, *,
                              f"{e})") from None
         if host.dtype != np.dtype(like[name].dtype):
             host = host.astype(like[name].dtype)
-        return name, jax.device_put(host, device)
+        return name, jax.device_put(host, device.result() if isinstance(device, concurrent.futures.Future) else device)
 
     largest_first = sorted(like, key=lambda n: -int(np.prod(like[n].shape)) * np.dtype(like[n].dtype).itemsize)
     pool = concurrent.futures.ThreadPoolExecutor(num_threads)

@@ -16,3 +16,17 @@ def test_bench_demo_runs(tmp_path, capsys):
     assert e2e["requests"] == 8 and e2e["length_spread"] == 0.5 and e2e["output_tokens_per_s"] > 0 and 0 < e2e["fraction_of_ceiling"]
     assert set(result["compile_s"]) == {str(w) for w in [1, 2, 4, 8, 16, 32, 64, 128]}
     assert "decode (one token per sequence)" in capsys.readouterr().out
+
+
+def test_bench_shared_prefix_runs(tmp_path):
+    """`--shared-prefix`: the cache on and off on one engine; on, the shared prompts are mostly found in the
+    cache and fewer tokens are fed; unshared prompts find nothing; every run gives the same tokens."""
+    out = tmp_path / "prefix.json"
+    assert main(["bench", "demo", "--shared-prefix", "40", "--prompt-len", "8", "--gen-len", "4", "--requests", "6",
+                 "--batch", "4", "--dtype", "float32", "--max-step-tokens", "64", "--json", str(out)]) == 0
+    rows = {(r["workload"], r["prefix_cache"]): r for r in json.loads(out.read_text())["prefix_cache"]["rows"]}
+    assert set(rows) == {("shared", False), ("shared", True), ("unique", False), ("unique", True)}
+    assert rows["shared", True]["hit_rate"] > 0.4 and rows["shared", False]["hit_rate"] == 0
+    assert rows["shared", True]["fed_tokens"] < rows["shared", False]["fed_tokens"]
+    assert rows["unique", True]["hit_rate"] == 0
+    assert all(r["same_as_off"] == 6 and r["output_tokens_per_s"] > 0 and r["ttft_p90_s"] > 0 for r in rows.values())

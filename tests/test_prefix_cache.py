@@ -44,21 +44,24 @@ def run_twice(engine, prompts, params):
 def test_prefix_cache_on_equals_off_with_ring_layers_and_preemption(hf_fixture):
     """Shared prefixes of every shape, greedy and seeded, over every HF fixture (gemma2/3 and mistral have
     sliding-window rings), in a pool so small that requests are preempted and cached pages evicted: the
-    tokens of an engine with the cache off (the same programs, so they compile once)."""
+    tokens of the same engine with the cache off."""
     probe = Engine.from_pretrained(str(hf_fixture), dtype="float32", num_pages=200, **BASE).cache
     num_pages = max(probe.group_pages_per_seq(g) for g in range(probe.num_groups)) + 12
-    off = Engine.from_pretrained(str(hf_fixture), dtype="float32", prefix_cache=False, num_pages=num_pages, **BASE)
-    on = Engine.from_pretrained(str(hf_fixture), dtype="float32", num_pages=num_pages, **BASE)
-    prompts = shared_prompts(off.model.vocab_size, seed=0)
+    engine = Engine.from_pretrained(str(hf_fixture), dtype="float32", prefix_cache=False, num_pages=num_pages,
+                                    **BASE)
+    prompts = shared_prompts(engine.model.vocab_size, seed=0)
     params = params_for(prompts, max_tokens=12)
-    want = run_twice(off, prompts, params)
-    assert run_twice(on, prompts, params) == want
-    stats = on.stats
+    want = run_twice(engine, prompts, params)
+    off = engine.stats
+    assert off.prefix_hit_tokens == 0 and off.prefix_cached_pages == 0 and off.preemptions > 0
+    engine.stats = type(off)()
+    engine.set_prefix_cache(True)
+    assert run_twice(engine, prompts, params) == want
+    stats = engine.stats
     assert stats.prefix_hit_tokens >= 4 * PAGE, "the shared prefixes were not found"
     assert stats.preemptions > 0 and stats.prefix_evictions > 0
-    assert stats.fed_tokens < off.stats.fed_tokens
-    assert off.stats.prefix_hit_tokens == 0 and off.stats.prefix_cached_pages == 0
-    assert all(on.control.pages_in_use(g) == 0 for g in range(on.cache.num_groups))
+    assert stats.fed_tokens < off.fed_tokens
+    assert all(engine.control.pages_in_use(g) == 0 for g in range(engine.cache.num_groups))
 
 
 def tiny(draft: str | None = None, **overrides) -> Engine:
@@ -90,6 +93,24 @@ def test_prefix_hits_skip_prefill_and_count_in_stats():
     assert engine.stats.prefix_cached_pages > 0
 
 
+def test_a_preempted_request_finds_its_own_pages_again():
+    """Prompts that share nothing, in a pool too small for all of them to decode: the only hits are the
+    preempted requests' own pages (prompt and generated), found again when they are readmitted."""
+    rng = np.random.default_rng(3)
+    vocab = preset("tiny").vocab_size
+    prompts = [rng.integers(0, vocab, 3 * PAGE + 3).tolist() for _ in range(4)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    outs = {}
+    engine = tiny(num_pages=2 * (BASE["capacity"] // PAGE) + 1)  # room for 32 pages; each request ends holding 9
+    for cache in (False, True):
+        engine.set_prefix_cache(cache)
+        engine.stats = type(engine.stats)()
+        outs[cache] = [o.token_ids for o in engine.generate(prompts, params)]
+        assert engine.stats.preemptions > 0
+        assert (engine.stats.prefix_hit_tokens > 0) == cache
+    assert outs[True] == outs[False]
+
+
 def test_prefix_cache_with_n_samples_aborts_and_speculative_rewinds():
     """n > 1 clones share mapped pages; an abort leaves its pages cached for the next request; an n-gram
     drafter's rejected tokens are rewound inside pages other sequences share: all as with the cache off."""
@@ -101,9 +122,11 @@ def test_prefix_cache_with_n_samples_aborts_and_speculative_rewinds():
     params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
               SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)] * 2
     outs = {}
-    for cache in (False, True):
-        for draft in (None, "ngram"):
-            engine = tiny(draft, prefix_cache=cache)
+    for draft in (None, "ngram"):
+        engine = tiny(draft)
+        for cache in (False, True):
+            engine.set_prefix_cache(cache)
+            engine.stats = type(engine.stats)()
             rid = engine.add_request(base + [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
             engine.step()
             engine.step()

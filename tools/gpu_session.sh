@@ -53,6 +53,19 @@ case "${1:-all}" in
     tail -20 "$out/serve_bench.log"
     kill $server; wait $server
     ;;&
+  prefix)  # prefix cache on and off: 256 requests sharing a 2,048-token system prompt, and sharing nothing (~4 min)
+    timeout 330 python3 -m glint.runtime.cli bench llama3-8b --shared-prefix 2048 --prompt-len 128 --gen-len 128 \
+      --requests 256 --batch 256 --json "$out/prefix.json" > "$out/prefix.log" 2>&1
+    tail -12 "$out/prefix.log"
+    ;;&
+  prefix-check)  # prefix cache on == off through the kernels: fixtures and stories260K in float32, stories in bf16
+    timeout 240 python3 tools/gpu_prefix.py .gpu/fixtures .gpu/stories260K > "$out/prefix_check.log" 2>&1
+    sed -n '/^check |/,$p' "$out/prefix_check.log"; grep -E "Error|Traceback" "$out/prefix_check.log" | tail -3
+    ;;&
+  prefix|artifact-load|prefix-check)  # where an artifact's load time goes, at the cold-start bench's geometry (~4 min)
+    timeout 260 python3 tools/gpu_artifact_load.py --bench-geometry > "$out/artifact_load.log" 2>&1
+    cat "$out/artifact_load.log"
+    ;;
   spec)  # speculative decoding through the Pallas kernels == the references (~2 min; cp -r ../shared/fixtures/dflash .gpu/)
     timeout 300 python3 tools/gpu_spec.py .gpu/fixtures .gpu/stories260K .gpu/dflash ${SPEC_CHECK_ARGS:-} \
       > "$out/spec_check.log" 2>&1
