@@ -43,6 +43,21 @@ def test_every_storage_reads_back_exactly(tmp_path, ocdbt, compression):
         np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want), err_msg=name)
 
 
+@pytest.mark.parametrize("read_ahead", [1, 200, None])  # one array at a time, a few, the default (all of them)
+def test_reads_ahead_of_a_device_still_starting(tmp_path, read_ahead):
+    """The device as start_device()'s future, the reads bounded by a host-memory budget smaller than the
+    arrays: the same arrays, on that device."""
+    from glint.runtime.weights import start_device
+
+    params = random_params(seed=9)
+    folder = save(tmp_path / "params", params, ocdbt=False, compression=False)
+    got = read_params(folder, like(params), start_device(), num_threads=3, read_ahead_bytes=read_ahead)
+    assert list(got) == list(params)
+    for name, want in params.items():
+        assert got[name].devices() == {jax.devices()[0]}
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want), err_msg=name)
+
+
 def test_arrays_stored_in_another_dtype_are_cast(tmp_path):
     stored = {"w": jnp.asarray(np.random.default_rng(5).standard_normal((7, 5)), jnp.float32)}
     folder = save(tmp_path / "params", stored, ocdbt=True, compression=True)

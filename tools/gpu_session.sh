@@ -35,6 +35,12 @@ case "${1:-all}" in
       --gen-len 256 --workdir /tmp --json "$out/cold_llama3.json" > "$out/cold_llama3.log" 2>&1
     tail -14 "$out/cold_llama3.log"
     ;;
+  cold-artifact)  # llama3-8b from its exported artifact only, twice (~4 min: the export compiles everything)
+    timeout 500 python3 -m glint.runtime.cli bench llama3-8b --cold-start --ways artifact,artifact-again \
+      --batch 1,256 --prompt-len 512 --gen-len 256 --workdir /tmp --json "$out/cold_artifact.json" \
+      > "$out/cold_artifact.log" 2>&1
+    tail -14 "$out/cold_artifact.log"
+    ;;
   cold-glimmer)  # muse-glimmer-30b: no cache, then warm (its artifact's 60 GB of weights would not fit the disk)
     timeout 560 python3 -m glint.runtime.cli bench muse-glimmer-30b --cold-start --ways no-cache,warm \
       --batch 1,64 --prompt-len 512 --gen-len 256 --workdir /tmp --json "$out/cold_glimmer.json" \
