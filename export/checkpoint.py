@@ -11,7 +11,7 @@ import orbax.checkpoint as ocp
 from rich.progress import Progress
 
 from glint.export.hf import name_table, read_hf
-from glint.model import transformer
+from glint.model import quant, transformer
 from glint.model.config import ModelConfig
 from glint.runtime import weights
 
@@ -53,16 +53,26 @@ def read_hf_params(hf_dir: pathlib.Path, cfg: ModelConfig, *, show_progress: boo
     return flat
 
 
+def quantized(cfg: ModelConfig, flat: dict, quantize: str | None) -> tuple[ModelConfig, dict]:
+    """(cfg, flat full-precision parameters) in the weight format `quantize` (None or "none": as they are)."""
+    if quantize in (None, "none"):
+        return cfg, flat
+    cfg = cfg.replace(quantize=quantize)
+    return cfg, quant.quantize_params(flat, flatten(abstract_params(cfg)))
+
+
 def convert(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str | None = None,
-            show_progress: bool = True) -> ModelConfig:
+            show_progress: bool = True, quantize: str | None = None) -> ModelConfig:
     """Convert an HF checkpoint folder to an orbax folder (params/ + glint.json + side files).
 
-    `dtype` defaults to the checkpoint's own."""
+    `dtype` defaults to the checkpoint's own; `quantize` ("int8") stores the layers' linears quantized (the
+    format is recorded in glint.json)."""
     hf_dir, out_dir = pathlib.Path(hf_dir), pathlib.Path(out_dir).absolute()
     if (out_dir / PARAMS_DIR).exists():  # before reading any weight
         raise ValueError(f"{out_dir / PARAMS_DIR} already exists; remove it or choose another output folder")
     cfg = ModelConfig.from_hf(hf_dir, dtype=dtype)
-    flat = read_hf_params(hf_dir, cfg, show_progress=show_progress)
+    cfg, flat = quantized(cfg, read_hf_params(hf_dir, cfg, show_progress=show_progress), quantize)
+    flat = {k: np.asarray(v) for k, v in flat.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(out_dir / PARAMS_DIR, flat)
@@ -73,10 +83,12 @@ def convert(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str 
     return cfg
 
 
-def load_checkpoint(path: str | pathlib.Path, dtype: str | None = None, *, show_progress: bool = False):
+def load_checkpoint(path: str | pathlib.Path, dtype: str | None = None, *, show_progress: bool = False,
+                    quantize: str | None = None):
     """(ModelConfig, params) from an orbax folder written by `convert` or from an HF folder.
 
-    `dtype` overrides the stored dtype (norm weights stay float32).
+    `dtype` overrides the stored dtype (norm weights stay float32). `quantize` quantizes an HF folder's
+    weights as they load; an orbax folder keeps the format it was converted to (ValueError if another is asked).
     """
     path = pathlib.Path(path)
     if (path / GLINT_CONFIG).exists():
@@ -87,12 +99,15 @@ def load_checkpoint(path: str | pathlib.Path, dtype: str | None = None, *, show_
         stored = flatten(abstract_params(cfg))
         if not (path / PARAMS_DIR).is_dir():
             raise ValueError(f"{path / PARAMS_DIR} is missing: the orbax checkpoint has no weights")
+        if quantize not in (None, cfg.quantize):
+            raise ValueError(f"{path} holds weights quantized as {cfg.quantize!r}, asked quantize={quantize!r}: "
+                             f"convert the HF checkpoint again with --quantize {quantize}")
         flat = weights.read_params(path / PARAMS_DIR, stored)  # onto the device, ValueErrors naming the array
         if dtype is not None and dtype != cfg.dtype:
             cfg = cfg.replace(dtype=dtype)
     elif (path / "config.json").exists():
         cfg = ModelConfig.from_hf(path, dtype=dtype)
-        flat = read_hf_params(path, cfg, show_progress=show_progress)
+        cfg, flat = quantized(cfg, read_hf_params(path, cfg, show_progress=show_progress), quantize)
     elif (path / PARAMS_DIR).is_dir():
         raise ValueError(f"{path} has params/ but no {GLINT_CONFIG}: the orbax checkpoint is incomplete")
     else:

@@ -10,6 +10,7 @@ from typing import Any
 ROPE_KINDS = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "gelu_tanh")
 QK_NORMS = ("none", "rms", "rms_scaleless")
+QUANT_FORMATS = ("none", "int8")  # as model/quant.FORMATS (config imports no jax)
 DTYPES = ("bfloat16", "float32", "float16")
 
 
@@ -86,6 +87,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "bfloat16"
+    quantize: str = "none"  # the linears' weight format (model/quant.py); embedding, head and norms keep dtype
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -115,6 +117,8 @@ class ModelConfig:
             raise ValueError(f"qk_norm {self.qk_norm!r} is not supported (supported: {QK_NORMS})")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported (supported: {DTYPES})")
+        if self.quantize not in QUANT_FORMATS:
+            raise ValueError(f"quantize {self.quantize!r} is not supported (supported: {QUANT_FORMATS})")
         for name in ("attn_softcap", "final_softcap", "query_scale", "norm_eps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -15,6 +15,7 @@ from flax import nnx
 
 from glint.model.attention import AttentionBackend, DenseMeta, LayerAttention, dense_attention
 from glint.model.config import ModelConfig, RopeConfig
+from glint.model.quant import Int8Linear
 
 
 def _precision(dtype):
@@ -48,6 +49,11 @@ class Linear(nnx.Module):
 
     def __call__(self, x):
         return matmul(x, self.kernel[...])
+
+
+def linear(cfg: ModelConfig, d_in: int, d_out: int, *, dtype, rngs: nnx.Rngs):
+    """A layer's linear in the weight format of `cfg.quantize`."""
+    return (Int8Linear if cfg.quantize == "int8" else Linear)(d_in, d_out, dtype=dtype, rngs=rngs)
 
 
 class RMSNorm(nnx.Module):
@@ -109,9 +115,9 @@ class Attention(nnx.Module):
         self.spec = LayerAttention(index, cfg.layer_windows[index], cfg.attn_softcap, cfg.scale)
         self.rope = cfg.layer_rope[index]
         # q, k and v in one matmul: one wide weight read instead of three narrow ones (decode is bound by it)
-        self.wqkv = Linear(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, dtype=dtype, rngs=rngs)
-        self.wo = Linear(cfg.num_heads * hd, d, dtype=dtype, rngs=rngs)
-        self.wg = Linear(d, cfg.num_heads * hd, dtype=dtype, rngs=rngs) if cfg.attn_output_gate else None
+        self.wqkv = linear(cfg, d, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, dtype=dtype, rngs=rngs)
+        self.wo = linear(cfg, cfg.num_heads * hd, d, dtype=dtype, rngs=rngs)
+        self.wg = linear(cfg, d, cfg.num_heads * hd, dtype=dtype, rngs=rngs) if cfg.attn_output_gate else None
         has_qk_norm, scaled = cfg.qk_norm != "none", cfg.qk_norm == "rms"
         self.q_norm = RMSNorm(hd, cfg.norm_eps, scaled=scaled) if has_qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps, scaled=scaled) if has_qk_norm else None
@@ -134,8 +140,8 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.activation = cfg.activation
-        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, dtype=dtype, rngs=rngs)
-        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.gate_up = linear(cfg, cfg.hidden_size, 2 * cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        self.down = linear(cfg, cfg.intermediate_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
         g, u = jnp.split(self.gate_up(x), 2, axis=-1)

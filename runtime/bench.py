@@ -195,7 +195,7 @@ def engine_settings(args) -> dict:
     batches = [int(b) for b in args.batch.split(",")]
     return dict(max_seqs=max(batches), page_size=args.page_size, max_step_tokens=args.max_step_tokens,
                 capacity=args.prompt_len + args.gen_len + args.max_step_tokens, attention=args.attention,
-                compile_cache=args.compile_cache,
+                compile_cache=args.compile_cache, **({"quantize": args.quantize} if args.quantize else {}),
                 allow_long_context=True)  # a speed test: the synthetic context may pass the model's
 
 
@@ -250,7 +250,8 @@ def speculative(args, console: Console, oracle_passes: int = 10) -> dict:
     for b in batches:
         drafter = dflash_random(plain.model) if args.draft == "dflash-random" else host_drafter(args.draft, k)
         fast = Engine(plain.model, plain.graphdef, plain.params,
-                      EngineConfig(**dict(settings, max_seqs=b, num_pages=b * per_seq + 16), num_speculative_tokens=k),
+                      EngineConfig(**{k: v for k, v in settings.items() if k != "quantize"}, max_seqs=b,
+                                   num_pages=b * per_seq + 16, num_speculative_tokens=k),
                       drafter=drafter)
         t0 = time.perf_counter()
         fast.warmup(progress=False)

@@ -8,9 +8,9 @@ import sys
 def _cmd_convert(args) -> int:
     from glint.export.checkpoint import convert
 
-    cfg = convert(args.hf_dir, args.out_dir, dtype=args.dtype)
+    cfg = convert(args.hf_dir, args.out_dir, dtype=args.dtype, quantize=args.quantize)
     print(f"wrote {args.out_dir}: {cfg.model_type}, {cfg.num_layers} layers, {cfg.num_params:,} parameters, "
-          f"{cfg.dtype}")
+          f"{cfg.dtype}" + (f", linears {cfg.quantize}" if cfg.quantize != "none" else ""))
     return 0
 
 
@@ -34,7 +34,8 @@ def _cmd_info(args) -> int:
               cfg.sandwich_norm), ("embedding norm", cfg.embed_norm), ("attention output gate", cfg.attn_output_gate),
               (f"attention soft-cap {cfg.attn_softcap:g}", cfg.attn_softcap), (f"logit soft-cap {cfg.final_softcap:g}",
               cfg.final_softcap), ("tied embeddings", cfg.tie_embeddings)) if on]
-    print(f"{cfg.model_type}: {cfg.num_params:,} parameters, {cfg.dtype}")
+    print(f"{cfg.model_type}: {cfg.num_params:,} parameters, {cfg.dtype}"
+          + (f", linears {cfg.quantize} (weight-only)" if cfg.quantize != "none" else ""))
     print(f"  {cfg.num_layers} layers, hidden {cfg.hidden_size}, MLP {cfg.intermediate_size} ({cfg.activation})")
     print(f"  attention: {cfg.num_heads} query / {cfg.num_kv_heads} KV heads of {cfg.head_dim}; {windows}")
     print(f"  RoPE: {ropes}")
@@ -57,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                    help="stored dtype (default: the checkpoint's torch_dtype)")
+    p.add_argument("--quantize", choices=["none", "int8"], default="none",
+                   help="store the layers' linears quantized: int8 weight-only, per output channel (embedding, head "
+                        "and norms keep --dtype)")
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("info", help="summarise the model config of a checkpoint or preset",
