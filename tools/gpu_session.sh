@@ -41,6 +41,13 @@ case "${1:-all}" in
       > "$out/cold_artifact.log" 2>&1
     tail -14 "$out/cold_artifact.log"
     ;;
+  quant)  # llama3-8b decode with bf16 and int8 weight-only linears, one process each (~5 min)
+    for q in none int8; do
+      timeout 250 python3 -m glint.runtime.cli bench llama3-8b --quantize $q --batch 1,8,64 --contexts 512 \
+        --requests 0 --max-step-tokens 256 --repeats 5 --json "$out/quant_$q.json" > "$out/quant_$q.log" 2>&1
+      grep -E "roofline|Error" "$out/quant_$q.log" | head -2; sed -n '/decode (one token/,$p' "$out/quant_$q.log"
+    done
+    ;;
   cold-glimmer-artifact)  # muse-glimmer-30b from its artifact: 60 GB of weights need the x2 kind's 128 GB disk
     timeout 580 python3 -m glint.runtime.cli bench muse-glimmer-30b --cold-start --ways artifact --batch 1,64 \
       --prompt-len 512 --gen-len 256 --workdir /tmp --json "$out/cold_glimmer_artifact.json" \
