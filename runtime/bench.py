@@ -293,6 +293,20 @@ def speculative(args, console: Console, oracle_passes: int = 10) -> dict:
                 rows=rows)
 
 
+def shared_prefix_prompts(vocab: int, page_size: int, seed: int) -> list[list[int]]:
+    """Prompts over one base prompt, sharing with it a prefix inside a page, of exactly a page, of several pages
+    plus a few tokens, all of it (twice), all but its last token, four pages, and nothing: what the prefix
+    cache's on == off checks run (tests/test_prefix_cache.py, tools/gpu_prefix.py)."""
+    rng = np.random.default_rng(seed)
+
+    def fresh(n):
+        return rng.integers(0, vocab, n).tolist()
+
+    base = fresh(5 * page_size + 3)
+    return [base, base[:3] + fresh(20), base[:page_size] + fresh(11), base[:3 * page_size + 2] + fresh(6),
+            list(base), base[:-1], base[:4 * page_size] + fresh(1), fresh(30)]
+
+
 def prefix_workload(args, console: Console) -> dict:
     """The prefix cache on and off on one engine: `args.requests` greedy requests of a shared
     `args.shared_prefix`-token system prompt + `args.prompt_len` tokens of their own -> `args.gen_len`, then
@@ -384,13 +398,16 @@ def run_bench(args) -> dict:
     flops = measure_matmul(8192 if on_gpu else 512, jnp.bfloat16 if on_gpu else jnp.float32)
     batches = [int(b) for b in args.batch.split(",")]
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, **engine_settings(args))
-    result = dict(model=args.model, dtype=args.dtype, device=str(jax.devices()[0].device_kind),
+    result = dict(model=args.model, dtype=args.dtype, quantize=engine.model.quantize,
+                  device=str(jax.devices()[0].device_kind),
                   jax=jax.__version__, attention=engine.attention, bandwidth_GBps=bandwidth / 1e9,
                   measured_GBps={k: v / 1e9 for k, v in rates.items()},
                   matmul_TFLOPs=flops / 1e12, num_params=engine.model.num_params,
                   kv_pages=engine.cache.num_pages, date=time.strftime("%Y-%m-%d"))
     measured = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in rates.items())
-    console.print(f"[bold]{args.model}[/] {args.dtype} on {result['device']}: roofline {bandwidth / 1e9:.0f} GB/s "
+    linears = f" (linears {engine.model.quantize})" if engine.model.quantize != "none" else ""
+    console.print(f"[bold]{args.model}[/] {args.dtype}{linears} on {result['device']}: roofline "
+                  f"{bandwidth / 1e9:.0f} GB/s "
                   f"(measured GB/s: {measured}), "
                   f"matmul {flops / 1e12:.2f} TFLOP/s, {engine.cache.num_pages} KV pages")
     t0 = time.perf_counter()

@@ -7,6 +7,7 @@ import pytest
 from glint.model import transformer
 from glint.model.presets import preset
 from glint.runtime import spec
+from glint.runtime.bench import shared_prefix_prompts
 from glint.runtime.config import EngineConfig
 from glint.runtime.engine import Engine
 from glint.runtime.params import SamplingParams
@@ -17,16 +18,7 @@ BASE = dict(max_seqs=8, page_size=PAGE, max_step_tokens=64, forward_sizes=(1, 4,
 
 
 def shared_prompts(vocab: int, seed: int) -> list[list[int]]:
-    """Prompts over one base prompt, sharing prefixes inside a page, of exactly a page, of several pages plus a
-    few tokens, all of it (twice), all but the last token, and one sharing nothing."""
-    rng = np.random.default_rng(seed)
-
-    def fresh(n):
-        return rng.integers(0, vocab, n).tolist()
-
-    base = fresh(5 * PAGE + 3)
-    return [base, base[:3] + fresh(20), base[:PAGE] + fresh(11), base[:3 * PAGE + 2] + fresh(6), list(base),
-            base[:-1], base[:4 * PAGE] + fresh(1), fresh(30)]
+    return shared_prefix_prompts(vocab, PAGE, seed)
 
 
 def params_for(prompts, max_tokens):

@@ -105,8 +105,9 @@ def test_convert_int8_is_smaller_and_loads_as_it_was_quantized(tmp_path):
 
 
 def test_fixture_int8_top1_against_full_precision(hf_fixture):
-    """Full-sequence logits of every reference prompt, full precision against int8 (float32 activations)."""
+    """Full-sequence logits of the longest reference prompt, full precision against int8 (float32 activations)."""
     cases = json.loads((hf_fixture / "reference.json").read_text())["cases"]
+    cases = [max(cases, key=lambda c: len(c["prompt"]))]
     cfg, params = load_checkpoint(hf_fixture, dtype="float32")
     qcfg, qparams = load_checkpoint(hf_fixture, dtype="float32", quantize="int8")
     graphdef = transformer.split(transformer.abstract_model(cfg))[0]
@@ -122,3 +123,29 @@ def test_fixture_int8_top1_against_full_precision(hf_fixture):
     print(f"{hf_fixture.name} int8: top-1 {agree}/{total}, mean relative logit error {np.mean(errors):.4f}")
     assert agree >= 0.8 * total  # random tiny fixtures have near-ties (docs/perf.md reports each rate)
     assert np.mean(errors) < 0.05
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 5, 1), (7, 130, 3), (33, 300, 257), (64, 17, 40)])
+def test_pallas_int8_matmul_matches_the_reference_in_interpret_mode(m, k, n):
+    from glint.pallas_kernels.int8_matmul import Int8Blocks, int8_matmul
+
+    rng = np.random.default_rng(m + k + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    q, scale = reference_int8(rng.standard_normal((k, n)).astype(np.float32))
+    want = x.astype(np.float64) @ (q.astype(np.float64) * scale)
+    # small tiles: several N tiles, K split across programs, ragged edges in both
+    blocks = Int8Blocks(block_n=32, block_k=16, min_programs=8)
+    got = int8_matmul(jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale), blocks=blocks, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_pallas_int8_matmul_rejects_what_it_does_not_serve():
+    from glint.pallas_kernels.int8_matmul import int8_matmul
+
+    q, scale = jnp.zeros((8, 4), jnp.int8), jnp.ones((4,), jnp.float32)
+    with pytest.raises(ValueError, match="65 rows; the kernel serves decode widths of 1..64 rows"):
+        int8_matmul(jnp.zeros((65, 8)), q, scale, interpret=True)
+    with pytest.raises(ValueError, match=r"got x \(2, 7\), q \(8, 4\)"):
+        int8_matmul(jnp.zeros((2, 7)), q, scale, interpret=True)
+    with pytest.raises(ValueError, match="q must be int8 and scale float32, got float32"):
+        int8_matmul(jnp.zeros((2, 8)), q.astype(jnp.float32), scale, interpret=True)

@@ -1,6 +1,5 @@
 """Interrupts and exceptions anywhere in a step lose nothing; a failed generate() leaves no orphan; prompts are
 taken only as integer ids, with messages that say what was wrong."""
-import os
 import signal
 import threading
 
@@ -53,6 +52,7 @@ class Interrupter:
         self.rng, self.lock, self.gaps = np.random.default_rng(seed), threading.Lock(), gaps
         self.caught, self.armed, self.stop = threading.Event(), threading.Event(), False
         self.thread = threading.Thread(target=self.run, daemon=True)
+        self.main = threading.main_thread().ident
 
     def run(self):
         self.armed.wait()  # the main thread is inside its try
@@ -62,7 +62,9 @@ class Interrupter:
                 if self.stop:
                     return
                 if not self.caught.is_set():
-                    os.kill(os.getpid(), signal.SIGINT)
+                    # To the main thread itself: a process-directed SIGINT handled on another thread (this one,
+                    # or one of XLA's) would not wake a main thread blocked on `self.lock`, and both would wait.
+                    signal.pthread_kill(self.main, signal.SIGINT)
                     self.caught.wait()
                 self.caught.clear()
 

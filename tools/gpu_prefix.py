@@ -7,8 +7,7 @@ of several shapes, greedy and seeded, in a pool small enough to preempt and evic
 import pathlib
 import sys
 
-import numpy as np
-
+from glint.runtime.bench import shared_prefix_prompts
 from glint.runtime.engine import Engine
 from glint.runtime.params import SamplingParams
 
@@ -17,21 +16,10 @@ GEOMETRY = dict(max_seqs=8, page_size=PAGE, forward_sizes=(1, 8), max_step_token
                 min_prefill_chunk=4)
 
 
-def prompts(vocab: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-
-    def fresh(n):
-        return rng.integers(0, vocab, n).tolist()
-
-    base = fresh(5 * PAGE + 3)
-    return [base, base[:3] + fresh(20), base[:PAGE] + fresh(11), base[:3 * PAGE + 2] + fresh(6), list(base),
-            base[:-1], base[:4 * PAGE] + fresh(1), fresh(30)]
-
-
 def run(folder: str, dtype: str, cache: bool) -> tuple[list, object]:
     pages = GEOMETRY["capacity"] // PAGE + 12  # room for about three of the sequences: preemption, eviction
     engine = Engine.from_pretrained(folder, dtype=dtype, prefix_cache=cache, num_pages=pages, **GEOMETRY)
-    ps = prompts(engine.model.vocab_size, 0)
+    ps = shared_prefix_prompts(engine.model.vocab_size, PAGE, 0)
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) if i % 2 == 0 else
               SamplingParams(max_tokens=24, temperature=0.9, top_k=40, top_p=0.95, seed=i, ignore_eos=True)
               for i in range(len(ps))]

@@ -48,6 +48,10 @@ case "${1:-all}" in
       grep -E "roofline|Error" "$out/quant_$q.log" | head -2; sed -n '/decode (one token/,$p' "$out/quant_$q.log"
     done
     ;;
+  quant-kernels)  # int8 matmul at llama3-8b's shapes, M = 1, 8, 64: Pallas configs vs XLA vs bf16 (~5 min)
+    timeout 560 python3 tools/gpu_quant_kernels.py ${QUANT_ARGS:-} > "$out/quant_kernels.log" 2>&1
+    sed -n '/^linear |/,$p' "$out/quant_kernels.log"; grep -E "^FAIL|Traceback" "$out/quant_kernels.log" | head -5
+    ;;
   cold-glimmer-artifact)  # muse-glimmer-30b from its artifact: 60 GB of weights need the x2 kind's 128 GB disk
     timeout 580 python3 -m glint.runtime.cli bench muse-glimmer-30b --cold-start --ways artifact --batch 1,64 \
       --prompt-len 512 --gen-len 256 --workdir /tmp --json "$out/cold_glimmer_artifact.json" \

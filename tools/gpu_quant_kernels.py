@@ -1,0 +1,108 @@
+"""Weight-only int8 matmul at llama3-8b's linear shapes and decode widths on the GPU: the Pallas kernel (a few
+block sizes), XLA's dequantize-then-dot (glint.model.quant) and the plain bf16 dot. Each is checked against the
+reference, then timed as % of 4.3 TB/s of the bytes it must read (weights + scales), two ways: chained inside
+one jit (a loop over enough distinct weight copies that they do not fit in L2) and as separate calls.
+
+  python tools/gpu_quant_kernels.py [--quick]
+"""
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from glint.model import quant
+from glint.pallas_kernels.int8_matmul import Int8Blocks, int8_matmul, int8_matmul_reference
+
+PEAK = 4.3e12
+SHAPES = [(4096, 6144, "wqkv"), (4096, 4096, "wo"), (4096, 28672, "gate_up"), (14336, 4096, "down")]
+ROWS = [1, 8, 64]
+CONFIGS = [Int8Blocks(64, 256, 4), Int8Blocks(128, 128, 4), Int8Blocks(128, 256, 4), Int8Blocks(128, 256, 8),
+           Int8Blocks(256, 128, 8), Int8Blocks(256, 256, 8)]
+REPS = 20
+
+
+def timed(fn, *args, repeats=3) -> float:
+    jax.block_until_ready(fn(*args))
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def chained(fn):
+    """REPS rounds over every weight copy inside one jit; each call feeds the next (nothing is hoisted)."""
+    @jax.jit
+    def run(x, ws, ss):
+        def body(i, x):
+            for w, s in zip(ws, ss):
+                y = fn(x, w, s)
+                x = x + (y[:, :1] * 0).astype(x.dtype)
+            return x
+        return lax.fori_loop(0, REPS, body, x)
+    return run
+
+
+def separate(fn):
+    jitted = jax.jit(fn)
+
+    def run(x, ws, ss):
+        y = None
+        for _ in range(REPS):
+            for w, s in zip(ws, ss):
+                y = jitted(x, w, s)
+        return y
+    return run
+
+
+def main(quick: bool) -> None:
+    rng = np.random.default_rng(0)
+    configs = CONFIGS[1:3] if quick else CONFIGS
+    rows = []
+    for k, n, name in SHAPES:
+        copies = max(2, -(-200_000_000 // (k * n)))  # > 200 MB of int8 per round: past the 50 MB L2
+        w = jnp.asarray(rng.standard_normal((k, n)) * k ** -0.5, jnp.bfloat16)
+        q, s = quant.quantize_int8(w)
+        qs = [q] + [jnp.roll(q, i, axis=0) for i in range(1, copies)]
+        ss = [s] * copies
+        bf = [w] + [jnp.roll(w, i, axis=0) for i in range(1, min(copies, 4))]
+        for m in ROWS:
+            x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+            want = np.asarray(int8_matmul_reference(x, q, s), np.float32)
+            ways = {"xla int8": (quant.int8_matmul, qs, ss, k * n + 4 * n),
+                    "bf16 dot": (lambda x, w, s: jnp.dot(x, w), bf, [s] * len(bf), 2 * k * n)}
+            for c in configs:
+                ways[f"pallas n{c.block_n} k{c.block_k} w{c.num_warps}"] = (
+                    lambda x, q, s, c=c: int8_matmul(x, q, s, blocks=c), qs, ss, k * n + 4 * n)
+            for way, (fn, ws, scales, nbytes) in ways.items():
+                try:
+                    got = np.asarray(fn(x, ws[0], scales[0]), np.float32)
+                    if way != "bf16 dot":
+                        err = float(np.abs(got - want).max() / (np.abs(want).max() + 1e-9))
+                        assert err < 2e-2, f"{way}: relative error {err}"
+                    calls = REPS * len(ws)
+                    t_chain = timed(chained(fn), x, ws, scales) / calls
+                    t_sep = timed(separate(fn), x, ws, scales) / calls
+                    rows.append((name, k, n, m, way, 1e6 * t_chain, 100 * nbytes / t_chain / PEAK, 1e6 * t_sep,
+                                 100 * nbytes / t_sep / PEAK))
+                except Exception as e:  # report and go on: one config failing to compile is data too
+                    rows.append((name, k, n, m, way, float("nan"), 0.0, float("nan"), 0.0))
+                    print(f"FAIL {name} m={m} {way}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                print(rows[-1], flush=True)
+    print("linear | K x N | M | way | chained us | chained % of 4.3 TB/s | separate us | separate %")
+    for name, k, n, m, way, tc, pc, ts, ps in rows:
+        print(f"{name} | {k} x {n} | {m} | {way} | {tc:.1f} | {pc:.0f} | {ts:.1f} | {ps:.0f}")
+    best = {}
+    for name, k, n, m, way, tc, pc, ts, ps in rows:
+        if way.startswith("pallas") and pc > best.get((name, m), ("", 0))[1]:
+            best[name, m] = (way, pc)
+    print("best pallas config per shape and M (chained):", best)
+
+
+if __name__ == "__main__":
+    main("--quick" in sys.argv)
