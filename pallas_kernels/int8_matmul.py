@@ -4,6 +4,8 @@ x [M, K] (few rows: a decode step's tokens) against q i8[K, N] with per-output-c
 is bound by reading q, so the kernel streams int8 tiles [block_k, block_n] and widens them in registers; XLA's
 own dequantize-then-dot reads int8 at 30-41 % of the bandwidth on the H200 (docs/perf.md). Programs tile N
 and split K (so that a narrow N still fills the GPU); the splits' float32 partial sums are added after.
+Two ways to load the tiles: "gather" (index arrays and masks, any shape) and "block" (BlockSpecs over the
+program's K range and N tile, contiguous loads; pads shapes that are not multiples of the tiles).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Int8Blocks:
     num_warps: int = 4
     num_stages: int = 3
     min_programs: int = 264  # split K until the grid has this many programs (2 per H200 SM)
+    loads: str = "gather"  # or "block"
 
 
 def _int8_matmul_kernel(
@@ -58,6 +61,53 @@ def _int8_matmul_kernel(
     plgpu.store(out_ref.at[split, m[:, None], n[None, :]], acc * scale[None, :], mask=n_ok[None, :])
 
 
+def _int8_matmul_block_kernel(
+    x_ref,  # [block_m, steps * block_k]: this program's K range
+    q_ref,  # i8[steps * block_k, block_n]
+    scale_ref,  # f32[block_n]
+    out_ref,  # f32[1, block_m, block_n]
+    *,
+    block_k: int,
+    steps: int,
+):
+    def body(i, acc):
+        x = x_ref[:, pl.ds(i * block_k, block_k)]  # [bm, bk]
+        w = q_ref[pl.ds(i * block_k, block_k), :]  # i8[bk, bn]
+        return acc + jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+
+    acc = lax.fori_loop(0, steps, body, jnp.zeros(out_ref.shape[1:], jnp.float32))
+    out_ref[0] = acc * scale_ref[...][None, :]
+
+
+def _int8_matmul_block_call(x_pad, q, scale, *, blocks: Int8Blocks, interpret: bool):
+    """The "block" way: K split into `splits` ranges of `steps` tiles dividing it exactly (padded otherwise)."""
+    block_m, num_k = x_pad.shape
+    num_n = q.shape[1]
+    bn, bk = blocks.block_n, blocks.block_k
+    tiles, k_blocks = pl.cdiv(num_n, bn), pl.cdiv(num_k, bk)
+    want = max(1, min(k_blocks, pl.cdiv(blocks.min_programs, tiles)))
+    splits = max(d for d in range(1, want + 1) if k_blocks % d == 0)
+    steps = k_blocks // splits
+    pad_k, pad_n = k_blocks * bk - num_k, tiles * bn - num_n
+    if pad_k or pad_n:  # the model's shapes are multiples of the tiles; this copies q
+        x_pad = jnp.pad(x_pad, ((0, 0), (0, pad_k)))
+        q, scale = jnp.pad(q, ((0, pad_k), (0, pad_n))), jnp.pad(scale, (0, pad_n))
+    span = steps * bk
+    partial = pl.pallas_call(
+        functools.partial(_int8_matmul_block_kernel, block_k=bk, steps=steps),
+        grid=(tiles, splits),
+        in_specs=[pl.BlockSpec((block_m, span), lambda t, s: (0, s)),
+                  pl.BlockSpec((span, bn), lambda t, s: (s, t)),
+                  pl.BlockSpec((bn,), lambda t, s: (t,))],
+        out_specs=pl.BlockSpec((1, block_m, bn), lambda t, s: (s, 0, t)),
+        out_shape=jax.ShapeDtypeStruct((splits, block_m, tiles * bn), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+        interpret=interpret,
+        name=f"int8_matmul_block_m{block_m}_n{bn}_k{bk}_s{splits}",
+    )(x_pad, q, scale)
+    return partial[:, :, :num_n]
+
+
 def _int8_matmul_call(x, q, scale, *, blocks: Int8Blocks, interpret: bool):
     num_rows, num_k = x.shape
     num_n = q.shape[1]
@@ -68,6 +118,9 @@ def _int8_matmul_call(x, q, scale, *, blocks: Int8Blocks, interpret: bool):
     steps = pl.cdiv(k_blocks, splits)
     splits = pl.cdiv(k_blocks, steps)
     x_pad = jnp.zeros((block_m, num_k), x.dtype).at[:num_rows].set(x)
+    if blocks.loads == "block":
+        partial = _int8_matmul_block_call(x_pad, q, scale, blocks=blocks, interpret=interpret)
+        return partial.sum(axis=0)[:num_rows].astype(x.dtype)
     partial = pl.pallas_call(
         functools.partial(_int8_matmul_kernel, block_m=block_m, block_n=blocks.block_n, block_k=blocks.block_k,
                           steps=steps),
@@ -91,6 +144,8 @@ def int8_matmul(x, q, scale, *, blocks: Int8Blocks = Int8Blocks(), interpret: bo
                          f"scale {scale.shape}")
     if q.dtype != jnp.int8 or scale.dtype != jnp.float32:
         raise ValueError(f"int8_matmul: q must be int8 and scale float32, got {q.dtype} and {scale.dtype}")
+    if blocks.loads not in ("gather", "block"):
+        raise ValueError(f"int8_matmul: loads={blocks.loads!r} must be 'gather' or 'block'")
     if not 1 <= x.shape[0] <= 64:
         raise ValueError(f"int8_matmul: {x.shape[0]} rows; the kernel serves decode widths of 1..64 rows")
     return _int8_matmul_call(x, q, scale, blocks=blocks, interpret=interpret)

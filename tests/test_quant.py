@@ -125,8 +125,9 @@ def test_fixture_int8_top1_against_full_precision(hf_fixture):
     assert np.mean(errors) < 0.05
 
 
+@pytest.mark.parametrize("loads", ["gather", "block"])
 @pytest.mark.parametrize("m,k,n", [(1, 5, 1), (7, 130, 3), (33, 300, 257), (64, 17, 40)])
-def test_pallas_int8_matmul_matches_the_reference_in_interpret_mode(m, k, n):
+def test_pallas_int8_matmul_matches_the_reference_in_interpret_mode(m, k, n, loads):
     from glint.pallas_kernels.int8_matmul import Int8Blocks, int8_matmul
 
     rng = np.random.default_rng(m + k + n)
@@ -134,7 +135,7 @@ def test_pallas_int8_matmul_matches_the_reference_in_interpret_mode(m, k, n):
     q, scale = reference_int8(rng.standard_normal((k, n)).astype(np.float32))
     want = x.astype(np.float64) @ (q.astype(np.float64) * scale)
     # small tiles: several N tiles, K split across programs, ragged edges in both
-    blocks = Int8Blocks(block_n=32, block_k=16, min_programs=8)
+    blocks = Int8Blocks(block_n=32, block_k=16, min_programs=8, loads=loads)
     got = int8_matmul(jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale), blocks=blocks, interpret=True)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 

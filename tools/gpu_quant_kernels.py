@@ -20,8 +20,8 @@ from glint.pallas_kernels.int8_matmul import Int8Blocks, int8_matmul, int8_matmu
 PEAK = 4.3e12
 SHAPES = [(4096, 6144, "wqkv"), (4096, 4096, "wo"), (4096, 28672, "gate_up"), (14336, 4096, "down")]
 ROWS = [1, 8, 64]
-CONFIGS = [Int8Blocks(64, 256, 4), Int8Blocks(128, 128, 4), Int8Blocks(128, 256, 4), Int8Blocks(128, 256, 8),
-           Int8Blocks(256, 128, 8), Int8Blocks(256, 256, 8)]
+CONFIGS = [Int8Blocks(128, 128, 4), Int8Blocks(256, 128, 8)] + [
+    Int8Blocks(n, k, w, loads="block") for n, k, w in ((64, 256, 4), (128, 128, 4), (128, 256, 4), (256, 128, 8))]
 REPS = 20
 
 
@@ -77,7 +77,7 @@ def main(quick: bool) -> None:
             ways = {"xla int8": (quant.int8_matmul, qs, ss, k * n + 4 * n),
                     "bf16 dot": (lambda x, w, s: jnp.dot(x, w), bf, [s] * len(bf), 2 * k * n)}
             for c in configs:
-                ways[f"pallas n{c.block_n} k{c.block_k} w{c.num_warps}"] = (
+                ways[f"pallas {c.loads} n{c.block_n} k{c.block_k} w{c.num_warps}"] = (
                     lambda x, q, s, c=c: int8_matmul(x, q, s, blocks=c), qs, ss, k * n + 4 * n)
             for way, (fn, ws, scales, nbytes) in ways.items():
                 try:
