@@ -78,6 +78,8 @@ def step_through_interrupts(eng: Engine, seed: int, gaps: tuple[float, float] = 
     """Step `eng` until it has nothing left while SIGINTs arrive at random moments (`gaps` seconds apart);
     returns how many it caught."""
     interrupter, caught = Interrupter(seed, gaps), 0
+    # Python's own handler, whatever the process started with: a background job starts with SIGINT ignored.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     interrupter.thread.start()
     while True:
         try:
@@ -91,6 +93,7 @@ def step_through_interrupts(eng: Engine, seed: int, gaps: tuple[float, float] = 
             caught += 1
             interrupter.caught.set()
     interrupter.thread.join()
+    signal.signal(signal.SIGINT, previous)
     if interrupter.lost:
         print(f"interrupts lost (raised where Python ignores exceptions): {interrupter.lost}")
     return caught
