@@ -208,6 +208,7 @@ class BatchControl:
         """Enter `seq_id`'s full pages into the prefix cache: page i under keys[i], for the pages below
         pos() that `keys` covers (keys[i]: the key of the sequence's own tokens of page i)."""
         seq = self._check_id(seq_id)
+        self._check_not_pending(seq, "cache_pages")  # a pending step may be about to overwrite its pages
         start = int(self._num_cached[seq])
         end = min(len(keys), int(self._pos[seq]) // self._page_size)
         if end <= start:

@@ -464,9 +464,6 @@ class Engine:
     def _schedule(self) -> list[Entry]:
         entries = self.scheduler.schedule()
         stats, control = self.stats, self.control
-        for req in self.scheduler.admitted:
-            stats.prefix_lookup_tokens += len(req.prompt) + len(req.generated)
-            stats.prefix_hit_tokens += req.num_cached
         while entries and not self.control.declare_step([e.req.seq for e in entries for _ in range(e.count)]):
             if any(e.draft for e in entries):  # pages run out: drop the drafts before preempting anyone
                 for e in entries:
@@ -478,6 +475,10 @@ class Engine:
             self.stats.preemptions += 1
         if entries and not self.control.has_pending_step:
             raise RuntimeError("a single sequence does not fit in the KV pool")
+        for req in self.scheduler.admitted:
+            if req.seq is not None:  # not preempted again before it ran
+                stats.prefix_lookup_tokens += len(req.prompt) + len(req.generated)
+                stats.prefix_hit_tokens += req.num_cached
         stats.prefix_evictions += control.evictions - self._evictions_seen
         self._evictions_seen = control.evictions
         stats.prefix_cached_pages = sum(control.num_cached_pages(g) for g in range(self.cache.num_groups))
