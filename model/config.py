@@ -10,7 +10,7 @@ from typing import Any
 ROPE_KINDS = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "gelu_tanh")
 QK_NORMS = ("none", "rms", "rms_scaleless")
-QUANT_FORMATS = ("none", "int8")  # as model/quant.FORMATS (config imports no jax)
+QUANT_FORMATS = ("none", "int8")  # weight formats of the linears (model/quant.py)
 DTYPES = ("bfloat16", "float32", "float16")
 
 

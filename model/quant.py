@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-FORMATS = ("none", "int8")
 INT8_MAX = 127
 
 

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 NUM_THREADS = 16
+_METADATA = "_METADATA"
 
 
 def default_read_ahead() -> int:
@@ -45,7 +46,6 @@ class _Budget:
         with self.cond:
             self.free += n
             self.cond.notify_all()
-_METADATA = "_METADATA"
 
 
 def stored_names(folder: pathlib.Path) -> tuple[list[str], dict]:
