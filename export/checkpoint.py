@@ -53,25 +53,27 @@ def read_hf_params(hf_dir: pathlib.Path, cfg: ModelConfig, *, show_progress: boo
     return flat
 
 
-def quantized(cfg: ModelConfig, flat: dict, quantize: str | None) -> tuple[ModelConfig, dict]:
-    """(cfg, flat full-precision parameters) in the weight format `quantize` (None or "none": as they are)."""
+def quantized(cfg: ModelConfig, flat: dict, quantize: str | None, group: int | None = None
+              ) -> tuple[ModelConfig, dict]:
+    """(cfg, flat full-precision parameters) in the weight format `quantize` (None or "none": as they are);
+    `group`: int4's input rows per scale (default the config's)."""
     if quantize in (None, "none"):
         return cfg, flat
-    cfg = cfg.replace(quantize=quantize)
-    return cfg, quant.quantize_params(flat, flatten(abstract_params(cfg)))
+    cfg = cfg.replace(quantize=quantize, quant_group=group or cfg.quant_group)
+    return cfg, quant.quantize_params(flat, flatten(abstract_params(cfg)), cfg.quantize, cfg.quant_group)
 
 
 def convert(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str | None = None,
-            show_progress: bool = True, quantize: str | None = None) -> ModelConfig:
+            show_progress: bool = True, quantize: str | None = None, group: int | None = None) -> ModelConfig:
     """Convert an HF checkpoint folder to an orbax folder (params/ + glint.json + side files).
 
-    `dtype` defaults to the checkpoint's own; `quantize` ("int8") stores the layers' linears quantized (the
-    format is recorded in glint.json)."""
+    `dtype` defaults to the checkpoint's own; `quantize` ("int8", "int4", "fp8") stores the layers' linears
+    quantized (the format and int4's `group` are recorded in glint.json)."""
     hf_dir, out_dir = pathlib.Path(hf_dir), pathlib.Path(out_dir).absolute()
     if (out_dir / PARAMS_DIR).exists():  # before reading any weight
         raise ValueError(f"{out_dir / PARAMS_DIR} already exists; remove it or choose another output folder")
     cfg = ModelConfig.from_hf(hf_dir, dtype=dtype)
-    cfg, flat = quantized(cfg, read_hf_params(hf_dir, cfg, show_progress=show_progress), quantize)
+    cfg, flat = quantized(cfg, read_hf_params(hf_dir, cfg, show_progress=show_progress), quantize, group)
     flat = {k: np.asarray(v) for k, v in flat.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckpt:

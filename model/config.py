@@ -10,8 +10,10 @@ from typing import Any
 ROPE_KINDS = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "gelu_tanh")
 QK_NORMS = ("none", "rms", "rms_scaleless")
-QUANT_FORMATS = ("none", "int8")  # weight formats of the linears (model/quant.py)
+QUANT_FORMATS = ("none", "int8", "int4", "fp8")  # weight formats of the linears (model/quant.py)
 DTYPES = ("bfloat16", "float32", "float16")
+QUANTIZE_HELP = ("int8: weight-only, per output channel; int4: weight-only, per group of input rows and output "
+                 "channel; fp8: float8_e4m3fn weights per output channel and activations per token (W8A8)")
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "bfloat16"
     quantize: str = "none"  # the linears' weight format (model/quant.py); embedding, head and norms keep dtype
+    quant_group: int = 128  # int4: input rows per scale
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -119,9 +122,17 @@ class ModelConfig:
             raise ValueError(f"dtype {self.dtype!r} is not supported (supported: {DTYPES})")
         if self.quantize not in QUANT_FORMATS:
             raise ValueError(f"quantize {self.quantize!r} is not supported (supported: {QUANT_FORMATS})")
+        if not isinstance(self.quant_group, int) or self.quant_group < 1:
+            raise ValueError(f"quant_group must be a positive int, got {self.quant_group!r}")
         for name in ("attn_softcap", "final_softcap", "query_scale", "norm_eps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def linears_label(self) -> str:
+        """The linears' weight format in words ("bfloat16", "int4 weight-only, group 128", ...)."""
+        return {"none": self.dtype, "int8": "int8 weight-only", "int4": f"int4 weight-only, group {self.quant_group}",
+                "fp8": "fp8 weights and activations"}[self.quantize]
 
     @property
     def scale(self) -> float:

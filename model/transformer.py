@@ -15,7 +15,7 @@ from flax import nnx
 
 from glint.model.attention import AttentionBackend, DenseMeta, LayerAttention, dense_attention
 from glint.model.config import ModelConfig, RopeConfig
-from glint.model.quant import Int8Linear
+from glint.model.quant import LINEARS
 
 
 def _precision(dtype):
@@ -53,7 +53,9 @@ class Linear(nnx.Module):
 
 def linear(cfg: ModelConfig, d_in: int, d_out: int, *, dtype, rngs: nnx.Rngs):
     """A layer's linear in the weight format of `cfg.quantize`."""
-    return (Int8Linear if cfg.quantize == "int8" else Linear)(d_in, d_out, dtype=dtype, rngs=rngs)
+    if cfg.quantize == "none":
+        return Linear(d_in, d_out, dtype=dtype, rngs=rngs)
+    return LINEARS[cfg.quantize](d_in, d_out, dtype=dtype, rngs=rngs, group=cfg.quant_group)
 
 
 class RMSNorm(nnx.Module):
@@ -256,6 +258,15 @@ def full_sequence_logits(graphdef, params, tokens):
     hidden, _ = forward(graphdef, params, jnp.asarray(tokens, jnp.int32), positions, dense_attention, None,
                         DenseMeta.single(n))
     return compute_logits(graphdef, params, hidden)
+
+
+def decode_weight_bytes(cfg: ModelConfig, params=None) -> int:
+    """Bytes of weights one decode step reads (of `params`, default the config's abstract ones): every weight once,
+    except the embedding table (one row per token) unless it is tied to the head."""
+    params = split(abstract_model(cfg))[1] if params is None else params
+    total = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+    embed = params["embed"]
+    return total - (0 if cfg.tie_embeddings else int(np.prod(embed.shape)) * jnp.dtype(embed.dtype).itemsize)
 
 
 def count_params(params) -> int:

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
+from glint.model import transformer
 from glint.runtime.commands import fill_defaults
 from glint.runtime.engine import Engine
 from glint.runtime.params import SamplingParams
@@ -73,10 +74,7 @@ class StepBench:
 
     def __init__(self, engine: Engine, bandwidth: float):
         self.engine, self.bandwidth = engine, bandwidth
-        params = jax.tree.leaves(engine.params)
-        embed = engine.params["embed"]
-        # A decode step reads every weight once, except the embedding table (one row per token) unless tied.
-        self.weight_bytes = sum(x.nbytes for x in params) - (0 if engine.model.tie_embeddings else embed.nbytes)
+        self.weight_bytes = transformer.decode_weight_bytes(engine.model, engine.params)
 
     def kv_bytes(self, batch: int, context: int) -> int:
         cache, total = self.engine.cache, 0

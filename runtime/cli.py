@@ -8,9 +8,9 @@ import sys
 def _cmd_convert(args) -> int:
     from glint.export.checkpoint import convert
 
-    cfg = convert(args.hf_dir, args.out_dir, dtype=args.dtype, quantize=args.quantize)
+    cfg = convert(args.hf_dir, args.out_dir, dtype=args.dtype, quantize=args.quantize, group=args.group_size)
     print(f"wrote {args.out_dir}: {cfg.model_type}, {cfg.num_layers} layers, {cfg.num_params:,} parameters, "
-          f"{cfg.dtype}" + (f", linears {cfg.quantize}" if cfg.quantize != "none" else ""))
+          f"{cfg.dtype}" + (f", linears {cfg.linears_label}" if cfg.quantize != "none" else ""))
     return 0
 
 
@@ -19,7 +19,7 @@ def _cmd_info(args) -> int:
 
     from glint.runtime.loading import resolve_config
 
-    cfg = resolve_config(args.checkpoint)
+    cfg = resolve_config(args.checkpoint, quantize=args.quantize)
     if args.json:
         print(cfg.to_json())
         return 0
@@ -35,7 +35,7 @@ def _cmd_info(args) -> int:
               (f"attention soft-cap {cfg.attn_softcap:g}", cfg.attn_softcap), (f"logit soft-cap {cfg.final_softcap:g}",
               cfg.final_softcap), ("tied embeddings", cfg.tie_embeddings)) if on]
     print(f"{cfg.model_type}: {cfg.num_params:,} parameters, {cfg.dtype}"
-          + (f", linears {cfg.quantize} (weight-only)" if cfg.quantize != "none" else ""))
+          + (f", linears {cfg.linears_label}" if cfg.quantize != "none" else ""))
     print(f"  {cfg.num_layers} layers, hidden {cfg.hidden_size}, MLP {cfg.intermediate_size} ({cfg.activation})")
     print(f"  attention: {cfg.num_heads} query / {cfg.num_kv_heads} KV heads of {cfg.head_dim}; {windows}")
     print(f"  RoPE: {ropes}")
@@ -43,6 +43,12 @@ def _cmd_info(args) -> int:
           f"EOS {list(cfg.eos_token_ids)}")
     if extras:
         print(f"  {', '.join(extras)}")
+    from glint.model.transformer import decode_weight_bytes
+
+    weights = decode_weight_bytes(cfg)
+    size = f"{weights / 1e9:.3f} GB" if weights >= 1e8 else f"{weights / 1e6:.3f} MB"
+    print(f"  a decode step reads {size} of weights: at {args.bandwidth / 1e12:g} TB/s at most "
+          f"{args.bandwidth / weights:,.0f} steps/s ({weights / args.bandwidth * 1e3:.4g} ms each, before the KV)")
     return 0
 
 
@@ -58,14 +64,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                    help="stored dtype (default: the checkpoint's torch_dtype)")
-    p.add_argument("--quantize", choices=["none", "int8"], default="none",
-                   help="store the layers' linears quantized: int8 weight-only, per output channel (embedding, head "
-                        "and norms keep --dtype)")
+    p.add_argument("--quantize", choices=commands.QUANT_FORMATS, default="none",
+                   help=f"store the layers' linears quantized ({commands.QUANTIZE_HELP}); embedding, head and norms "
+                        "keep --dtype")
+    p.add_argument("--group-size", type=int, default=128, help="--quantize int4: input rows per scale")
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("info", help="summarise the model config of a checkpoint or preset",
                        formatter_class=commands.Help)
     p.add_argument("checkpoint", help="HF folder, orbax folder or preset name")
+    p.add_argument("--bandwidth", type=float, default=4.3e12,
+                   help="memory bandwidth in bytes/s for the decode roofline (default: the H200's measured copy rate)")
+    p.add_argument("--quantize", choices=commands.QUANT_FORMATS,
+                   help="a preset's or HF folder's linears in this format (a converted checkpoint shows its own)")
     p.add_argument("--json", action="store_true", help="print the whole config as JSON")
     p.set_defaults(func=_cmd_info)
 

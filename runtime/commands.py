@@ -6,6 +6,8 @@ import json
 import sys
 import time
 
+from glint.model.config import QUANT_FORMATS, QUANTIZE_HELP
+
 
 class Help(argparse.ArgumentDefaultsHelpFormatter):
     """Shows an option's default where it has a value (flags and None defaults say theirs in the text)."""
@@ -37,9 +39,9 @@ def _engine_args(p) -> None:
                    help="attention implementation (default auto: Pallas on GPU, the jnp reference elsewhere)")
     p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
                    help="do not use the persistent compilation cache ($GLINT_CACHE_DIR, default ~/.cache/glint)")
-    p.add_argument("--quantize", choices=["none", "int8"],
-                   help="quantize the linears of an HF folder or preset as they load (int8: weight-only, per output "
-                   "channel); a converted checkpoint keeps the format it was converted to")
+    p.add_argument("--quantize", choices=QUANT_FORMATS,
+                   help=f"quantize the linears of an HF folder or preset as they load ({QUANTIZE_HELP}); a converted "
+                   "checkpoint keeps the format it was converted to")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="do not share the KV pages of prompt prefixes between requests (automatic prefix caching)")
     p.add_argument("--allow-long-context", action="store_true",
@@ -298,8 +300,8 @@ def _register_bench(sub) -> None:
                    help="--cold-start: which ways to time (also artifact-again: a second process on the artifact)")
     p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
                    help="do not use the persistent compilation cache ($GLINT_CACHE_DIR, default ~/.cache/glint)")
-    p.add_argument("--quantize", choices=["none", "int8"], default=None,
-                   help="the model's linears in this weight format (weight-only int8, per output channel)")
+    p.add_argument("--quantize", choices=QUANT_FORMATS, default=None,
+                   help=f"the model's linears in this weight format ({QUANTIZE_HELP})")
     p.add_argument("--shared-prefix", type=int, default=0,
                    help="instead: the prefix cache on and off, --requests prompts of this many shared tokens + "
                         "--prompt-len of their own -> --gen-len (and the same lengths sharing nothing)")

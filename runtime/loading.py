@@ -23,7 +23,8 @@ def resolve_config(name_or_path: str, dtype: str | None = None, quantize: str | 
         cfg = ModelConfig.from_json((path / GLINT_CONFIG).read_text())
         return cfg.replace(dtype=dtype) if dtype else cfg
     if (path / "config.json").exists():
-        return ModelConfig.from_hf(path, dtype=dtype)
+        cfg = ModelConfig.from_hf(path, dtype=dtype)
+        return cfg.replace(quantize=quantize) if quantize else cfg
     raise ValueError(f"{name_or_path!r} is not a preset ({sorted(PRESETS)}) nor a checkpoint folder")
 
 

@@ -21,6 +21,16 @@ def fixture_dirs() -> list[pathlib.Path]:
     return sorted(p for p in HF_FIXTURES.iterdir() if (p / "config.json").exists())
 
 
+def covering_fixtures() -> list[pathlib.Path]:
+    """For machinery that does not depend on the architecture (export, serving): the first fixture with
+    sliding-window (ring) layers and the first without, which is what changes the cache geometry."""
+    from glint.model.config import ModelConfig
+
+    dirs = fixture_dirs()
+    ring = {p: any(ModelConfig.from_hf(p).layer_windows) for p in dirs}
+    return [p for p in dirs if ring[p]][:1] + [p for p in dirs if not ring[p]][:1]
+
+
 def pytest_generate_tests(metafunc):
     if "hf_fixture" in metafunc.fixturenames:
         dirs = fixture_dirs()

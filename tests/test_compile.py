@@ -105,9 +105,9 @@ def test_warmup_compiles_each_program_once_and_a_second_engine_loads_them(tmp_pa
 def test_a_damaged_cache_falls_back_to_compiling(tmp_path, monkeypatch):
     monkeypatch.setenv("GLINT_CACHE_DIR", str(tmp_path / "cache"))
     llama = str(HF_FIXTURES / "llama")
-    prompts, params = mixed_workload(320, 0)
     jax.clear_caches()
     first = Engine.from_pretrained(llama, dtype="float32", **TIGHT)
+    prompts, params = mixed_workload(first.model.vocab_size, 0)
     want = [o.token_ids for o in first.generate(prompts, params)]
     entries = list((tmp_path / "cache").glob("*-cache"))
     assert entries
@@ -162,8 +162,8 @@ def test_page_copies_in_chunks_give_the_same_tokens(monkeypatch):
     from glint.runtime import programs
 
     llama = str(HF_FIXTURES / "llama")
-    prompts, params = mixed_workload(320, 0)
     want = Engine.from_pretrained(llama, dtype="float32", **TIGHT)
+    prompts, params = mixed_workload(want.model.vocab_size, 0)
     expected = [[c.token_ids for c in o.outputs] for o in want.generate(prompts, params)]
     monkeypatch.setattr(programs, "COPY_ROWS", 1)
     chunked = Engine.from_pretrained(llama, dtype="float32", **TIGHT)

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import HF_FIXTURES, STORIES, fixture_dirs
+from conftest import HF_FIXTURES, STORIES, covering_fixtures
 
 from glint.export import export_engine
 from glint.runtime.cli import main
@@ -42,8 +42,10 @@ def llama_artifact(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("source", fixture_dirs() + [STORIES], ids=lambda p: p.name)
+@pytest.mark.parametrize("source", covering_fixtures() + [STORIES], ids=lambda p: p.name)
 def test_exported_artifact_gives_the_live_engines_tokens(source, tmp_path):
+    """On a fixture with ring layers, one without and trained weights (the programs are the live engine's own, so
+    the architectures' differences are tested on the live engine)."""
     out = tmp_path / "artifact"
     meta = export_engine(str(source), out, dtype="float32", show_progress=False, **SMALL)
     live = Engine.from_pretrained(str(source), dtype="float32", **SMALL)

@@ -1,5 +1,6 @@
 """Interrupts and exceptions anywhere in a step lose nothing; a failed generate() leaves no orphan; prompts are
 taken only as integer ids, with messages that say what was wrong."""
+import json
 import signal
 import threading
 
@@ -18,9 +19,13 @@ def engine() -> Engine:
     return Engine.from_pretrained(str(HF_FIXTURES / "llama"), dtype="float32", **TIGHT)
 
 
+def vocab_size() -> int:
+    return json.loads((HF_FIXTURES / "llama" / "config.json").read_text())["vocab_size"]
+
+
 def requests(sampled: bool, seed: int = 0):
     rng = np.random.default_rng(seed)
-    prompts = [rng.integers(0, 320, int(n)).tolist() for n in rng.integers(3, 20, 14)]
+    prompts = [rng.integers(0, vocab_size(), int(n)).tolist() for n in rng.integers(3, 20, 14)]
     lengths = rng.integers(16, 44, 14)
     if sampled:
         params = [SamplingParams(max_tokens=int(m), temperature=0.9, top_p=0.9, top_k=int(k), seed=100 + i,

@@ -1,10 +1,12 @@
-"""Weight-only int8 matmul at llama3-8b's linear shapes and decode widths on the GPU: the Pallas kernel (a few
-block sizes), XLA's dequantize-then-dot (glint.model.quant) and the plain bf16 dot. Each is checked against the
-reference, then timed as % of 4.3 TB/s of the bytes it must read (weights + scales), two ways: chained inside
-one jit (a loop over enough distinct weight copies that they do not fit in L2) and as separate calls.
+"""Quantized matmuls at llama3-8b's linear shapes and decode widths on the GPU: the Pallas int8 kernel (a few
+block sizes and ways to load), XLA's int8 and int4 dequantize-then-dot and fp8 x fp8 dot (glint.model.quant) and
+the plain bf16 dot. Each is checked against its reference, then timed as % of 4.3 TB/s of the bytes it must read
+(weights + scales), two ways: chained inside one jit (a loop over enough distinct weight copies that they do not
+fit in L2) and as separate calls.
 
   python tools/gpu_quant_kernels.py [--quick]
 """
+import functools
 import statistics
 import sys
 import time
@@ -20,8 +22,9 @@ from glint.pallas_kernels.int8_matmul import Int8Blocks, int8_matmul, int8_matmu
 PEAK = 4.3e12
 SHAPES = [(4096, 6144, "wqkv"), (4096, 4096, "wo"), (4096, 28672, "gate_up"), (14336, 4096, "down")]
 ROWS = [1, 8, 64]
-CONFIGS = [Int8Blocks(128, 128, 4), Int8Blocks(256, 128, 8)] + [
-    Int8Blocks(n, k, w, loads="block") for n, k, w in ((64, 256, 4), (128, 128, 4), (128, 256, 4), (256, 128, 8))]
+CONFIGS = [Int8Blocks(128, 128, 4), Int8Blocks(128, 128, 4, loads="block")] + [
+    Int8Blocks(n, k, w, loads="block") for n, k, w in ((512, 64, 8), (1024, 32, 8))] + [
+    Int8Blocks(n, k, w, loads="gemv") for n, k, w in ((256, 64, 4), (512, 32, 4), (1024, 16, 8), (512, 64, 8))]
 REPS = 20
 
 
@@ -62,29 +65,39 @@ def separate(fn):
 
 def main(quick: bool) -> None:
     rng = np.random.default_rng(0)
-    configs = CONFIGS[1:3] if quick else CONFIGS
+    configs = CONFIGS[1::2] if quick else CONFIGS
     rows = []
     for k, n, name in SHAPES:
-        copies = max(2, -(-200_000_000 // (k * n)))  # > 200 MB of int8 per round: past the 50 MB L2
         w = jnp.asarray(rng.standard_normal((k, n)) * k ** -0.5, jnp.bfloat16)
         q, s = quant.quantize_int8(w)
-        qs = [q] + [jnp.roll(q, i, axis=0) for i in range(1, copies)]
-        ss = [s] * copies
-        bf = [w] + [jnp.roll(w, i, axis=0) for i in range(1, min(copies, 4))]
+        q4, s4 = quant.quantize_int4(w, quant.DEFAULT_GROUP)
+        q8, s8 = quant.quantize_fp8(w)
+
+        def copies(a, nbytes):  # > 200 MB per round: past the 50 MB L2
+            return [a] + [jnp.roll(a, i, axis=0) for i in range(1, max(2, -(-200_000_000 // nbytes)))]
+
+        int8_bytes, int4_bytes = k * n + 4 * n, k * n // 2 + 2 * n * -(-k // quant.DEFAULT_GROUP)
+        qs, q4s, q8s = copies(q, int8_bytes), copies(q4, int4_bytes), copies(q8, int8_bytes)
+        bf = copies(w, 2 * k * n)[:4]
         for m in ROWS:
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
             want = np.asarray(int8_matmul_reference(x, q, s), np.float32)
-            ways = {"xla int8": (quant.int8_matmul, qs, ss, k * n + 4 * n),
-                    "bf16 dot": (lambda x, w, s: jnp.dot(x, w), bf, [s] * len(bf), 2 * k * n)}
+            want4 = np.asarray(quant.int4_matmul(x.astype(jnp.float32), q4, s4, quant.DEFAULT_GROUP))
+            want8 = np.asarray(x.astype(jnp.float32) @ quant.dequantize_fp8(q8, s8))
+            int4 = functools.partial(quant.int4_matmul, group=quant.DEFAULT_GROUP)
+            ways = {"xla int8": (quant.int8_matmul, qs, [s] * len(qs), int8_bytes, want),
+                    "xla int4": (int4, q4s, [s4] * len(q4s), int4_bytes, want4),
+                    "xla fp8": (quant.fp8_matmul, q8s, [s8] * len(q8s), int8_bytes, want8),
+                    "bf16 dot": (lambda x, w, s: jnp.dot(x, w), bf, [s] * len(bf), 2 * k * n, None)}
             for c in configs:
                 ways[f"pallas {c.loads} n{c.block_n} k{c.block_k} w{c.num_warps}"] = (
-                    lambda x, q, s, c=c: int8_matmul(x, q, s, blocks=c), qs, ss, k * n + 4 * n)
-            for way, (fn, ws, scales, nbytes) in ways.items():
+                    lambda x, q, s, c=c: int8_matmul(x, q, s, blocks=c), qs, [s] * len(qs), int8_bytes, want)
+            for way, (fn, ws, scales, nbytes, ref) in ways.items():
                 try:
                     got = np.asarray(fn(x, ws[0], scales[0]), np.float32)
-                    if way != "bf16 dot":
-                        err = float(np.abs(got - want).max() / (np.abs(want).max() + 1e-9))
-                        assert err < 2e-2, f"{way}: relative error {err}"
+                    if ref is not None:  # fp8 also rounds the activations: a looser bound
+                        err = float(np.abs(got - ref).max() / (np.abs(ref).max() + 1e-9))
+                        assert err < (0.1 if way == "xla fp8" else 2e-2), f"{way}: relative error {err}"
                     calls = REPS * len(ws)
                     t_chain = timed(chained(fn), x, ws, scales) / calls
                     t_sep = timed(separate(fn), x, ws, scales) / calls

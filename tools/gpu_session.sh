@@ -41,14 +41,27 @@ case "${1:-all}" in
       > "$out/cold_artifact.log" 2>&1
     tail -14 "$out/cold_artifact.log"
     ;;
-  quant)  # llama3-8b decode with bf16 and int8 weight-only linears, one process each (~5 min)
-    for q in none int8; do
+  quant)  # llama3-8b decode per weight format (QUANT_FORMATS, default "none int8 int4 fp8"), one process each
+    for q in ${QUANT_FORMATS:-none int8 int4 fp8}; do  # ~2.5 min each
+      start=$(date +%s)
       timeout 250 python3 -m glint.runtime.cli bench llama3-8b --quantize $q --batch 1,8,64 --contexts 512 \
         --requests 0 --max-step-tokens 256 --repeats 5 --json "$out/quant_$q.json" > "$out/quant_$q.log" 2>&1
+      echo "== $q: $(( $(date +%s) - start )) s"
       grep -E "roofline|Error" "$out/quant_$q.log" | head -2; sed -n '/decode (one token/,$p' "$out/quant_$q.log"
     done
     ;;
-  quant-kernels)  # int8 matmul at llama3-8b's shapes, M = 1, 8, 64: Pallas configs vs XLA vs bf16 (~5 min)
+  quant-e2e)  # llama3-8b end to end 256 x 512 -> 128 per weight format (QUANT_FORMATS, default "none fp8")
+    for q in ${QUANT_FORMATS:-none fp8}; do
+      start=$(date +%s)
+      timeout 280 python3 -m glint.runtime.cli bench llama3-8b --quantize $q --batch 1 --prompt-len 512 \
+        --gen-len 128 --requests 256 --e2e-gen-len 128 --repeats 2 --max-step-tokens 2048 \
+        --json "$out/quant_e2e_$q.json" > "$out/quant_e2e_$q.log" 2>&1
+      echo "== $q: $(( $(date +%s) - start )) s"
+      grep -E "roofline|Error" "$out/quant_e2e_$q.log" | head -2; tail -12 "$out/quant_e2e_$q.log"
+    done
+    ;;
+  quant-kernels)  # quantized matmuls at llama3-8b's shapes, M = 1, 8, 64: Pallas int8 configs, XLA int8 / int4 /
+                 # fp8, bf16 (~6 min)
     timeout 560 python3 tools/gpu_quant_kernels.py ${QUANT_ARGS:-} > "$out/quant_kernels.log" 2>&1
     sed -n '/^linear |/,$p' "$out/quant_kernels.log"; grep -E "^FAIL|Traceback" "$out/quant_kernels.log" | head -5
     ;;
