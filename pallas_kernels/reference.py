@@ -26,6 +26,16 @@ from jax import lax
 __all__ = ["ring_write_reference", "varlen_attention_reference"]
 
 
+FP8_MAX = 448.0
+
+
+def to_pool_dtype(x, dtype):
+    """x in a pool's dtype; into float8_e4m3fn saturating at +-448 (a plain cast would give NaN), unscaled."""
+    if jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn):
+        x = jnp.clip(x.astype(jnp.float32), -FP8_MAX, FP8_MAX)
+    return x.astype(dtype)
+
+
 @jax.jit
 def ring_write_reference(k_pages, v_pages, k_new, v_new, slots):
     """Writes `k_new[t], v_new[t]` ([T, Hkv, D]) to flat pool row `slots[t]`.
@@ -36,8 +46,8 @@ def ring_write_reference(k_pages, v_pages, k_new, v_new, slots):
     """
     num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
     flat_shape = (num_pages * page_size, num_kv_heads, head_dim)
-    k_flat = k_pages.reshape(flat_shape).at[slots].set(k_new.astype(k_pages.dtype))
-    v_flat = v_pages.reshape(flat_shape).at[slots].set(v_new.astype(v_pages.dtype))
+    k_flat = k_pages.reshape(flat_shape).at[slots].set(to_pool_dtype(k_new, k_pages.dtype))
+    v_flat = v_pages.reshape(flat_shape).at[slots].set(to_pool_dtype(v_new, v_pages.dtype))
     return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
 
 

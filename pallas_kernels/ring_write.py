@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from glint.pallas_kernels import tuning
-from glint.pallas_kernels.reference import ring_write_reference
+from glint.pallas_kernels.reference import ring_write_reference, to_pool_dtype
 
 __all__ = ["ring_write", "ring_write_reference"]
 
@@ -85,7 +85,7 @@ def ring_write(k_pages, v_pages, k_new, v_new, slots, *, interpret=False):
 
     Args:
       k_pages, v_pages: [num_pages, page_size, Hkv, D] pools.
-      k_new, v_new: [T, Hkv, D], cast to the pools' dtype.
+      k_new, v_new: [T, Hkv, D], cast to the pools' dtype (to_pool_dtype: fp8 saturates at +-448).
       slots: i32[T], flat row `page * page_size + offset` for each new row;
         padding rows point at the scratch page 0. Slots outside the pool are
         dropped; rows sharing a slot leave one of their values, unspecified which.
@@ -103,8 +103,8 @@ def ring_write(k_pages, v_pages, k_new, v_new, slots, *, interpret=False):
     k_out, v_out = _ring_write_call(
         k_pages.reshape(flat),
         v_pages.reshape(flat),
-        k_new.astype(k_pages.dtype).reshape(num_rows, row_width),
-        v_new.astype(v_pages.dtype).reshape(num_rows, row_width),
+        to_pool_dtype(k_new, k_pages.dtype).reshape(num_rows, row_width),
+        to_pool_dtype(v_new, v_pages.dtype).reshape(num_rows, row_width),
         slots,
         block_c=1 << (row_width - 1).bit_length(),
         interpret=interpret,

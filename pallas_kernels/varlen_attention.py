@@ -31,6 +31,8 @@ __all__ = ["BlockSizes", "varlen_attention", "varlen_attention_reference", "defa
 
 _LOG2E = math.log2(math.e)
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# A pool may also hold float8_e4m3fn (half the bytes a decode step reads); the kernel widens its tiles to q's dtype.
+_FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +153,7 @@ def _attention_kernel(
                 kv_mask = None if kv_mask is True else kv_mask
                 kv_other = None if kv_mask is None else 0
                 k = plgpu.load(k_ref.at[kv_row[:, None], kv_head, d[None, :]], mask=kv_mask, other=kv_other)  # [bk, Dp]
+                k = k.astype(q.dtype)  # an fp8 pool: widened in registers
                 s = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * logit_scale
                 if softcap > 0:
                     s = (softcap * _LOG2E) * jnp.tanh(s / softcap)  # f32[M, bk]
@@ -168,6 +171,7 @@ def _attention_kernel(
                 p = jnp.exp2(s - m_base[:, None])
                 l = l * alpha + jnp.sum(p, axis=1)
                 v = plgpu.load(v_ref.at[kv_row[:, None], kv_head, d[None, :]], mask=kv_mask, other=kv_other)  # [bk, Dp]
+                v = v.astype(q.dtype)
                 acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, allow_tf32=False)
                 return acc, m_new, l
 
@@ -311,6 +315,7 @@ def _use_mosaic(backend, *, q, k_pages, seq_info, ring_rows, window, softcap, nu
             window=window,
             softcap=softcap,
         )
+        and k_pages.dtype == q.dtype
         and num_splits in (None, 1)
         and block_sizes is None
         and not interpret
@@ -319,8 +324,9 @@ def _use_mosaic(backend, *, q, k_pages, seq_info, ring_rows, window, softcap, nu
     if backend == "mosaic":
         if not runnable:
             raise ValueError(
-                f"varlen_attention: backend='mosaic' needs a Hopper GPU, bf16/f16, head_dim % 64 == 0, page_size % 16"
-                f" == 0, no ring/window/softcap, num_splits and block_sizes unset (q {q.shape} {q.dtype}, page_size "
+                f"varlen_attention: backend='mosaic' needs a Hopper GPU, bf16/f16 (pools too), head_dim % 64 == 0, "
+                f"page_size % 16 == 0, no ring/window/softcap, num_splits and block_sizes unset (q {q.shape} "
+                f"{q.dtype}, pools {k_pages.dtype}, page_size "
                 f"{k_pages.shape[1]}, ring_rows={ring_rows}, window={window}, softcap={softcap}, "
                 f"num_splits={num_splits}, interpret={interpret})"
             )
@@ -342,8 +348,8 @@ def _check_args(q, k_pages, v_pages, page_table, seq_info, ring_rows, window, so
         fail("q must be [T, Hq, D]")
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         fail("k_pages and v_pages must both be [num_pages, page_size, Hkv, D]")
-    if k_pages.dtype != v_pages.dtype or q.dtype != k_pages.dtype:
-        fail("q, k_pages and v_pages must share one dtype")
+    if k_pages.dtype != v_pages.dtype or k_pages.dtype not in (q.dtype, _FP8):
+        fail("k_pages and v_pages must share q's dtype or be float8_e4m3fn")
     if q.dtype not in _SUPPORTED_DTYPES:
         fail(f"dtype must be one of {[str(t) for t in _SUPPORTED_DTYPES]}")
     _, page_size, num_kv_heads, head_dim = k_pages.shape
@@ -397,7 +403,8 @@ def varlen_attention(
     Args:
       q: [T, Hq, D] bfloat16, float16 or float32; query head h reads kv head
         h // (Hq // Hkv).
-      k_pages, v_pages: [num_pages, page_size, Hkv, D], q's dtype.
+      k_pages, v_pages: [num_pages, page_size, Hkv, D], q's dtype or float8_e4m3fn (an fp8 KV cache, read
+        at half the bytes and widened to q's dtype in the kernel; the Triton kernel serves it).
       page_table: i32[R, P]; row seq_slot lists that sequence's pages.
       seq_info: i32[S, 4] = (q_start, q_len, seq_slot, kv_end) per segment; rows
         q_start .. q_start + q_len - 1 sit at positions kv_end - q_len + i.

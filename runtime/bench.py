@@ -194,6 +194,7 @@ def engine_settings(args) -> dict:
     return dict(max_seqs=max(batches), page_size=args.page_size, max_step_tokens=args.max_step_tokens,
                 capacity=args.prompt_len + args.gen_len + args.max_step_tokens, attention=args.attention,
                 compile_cache=args.compile_cache, **({"quantize": args.quantize} if args.quantize else {}),
+                kv_cache_dtype=args.kv_cache_dtype,
                 allow_long_context=True)  # a speed test: the synthetic context may pass the model's
 
 
@@ -396,14 +397,15 @@ def run_bench(args) -> dict:
     flops = measure_matmul(8192 if on_gpu else 512, jnp.bfloat16 if on_gpu else jnp.float32)
     batches = [int(b) for b in args.batch.split(",")]
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, **engine_settings(args))
-    result = dict(model=args.model, dtype=args.dtype, quantize=engine.model.quantize,
+    result = dict(model=args.model, dtype=args.dtype, quantize=engine.model.quantize, kv_dtype=engine.cache.dtype,
                   device=str(jax.devices()[0].device_kind),
                   jax=jax.__version__, attention=engine.attention, bandwidth_GBps=bandwidth / 1e9,
                   measured_GBps={k: v / 1e9 for k, v in rates.items()},
                   matmul_TFLOPs=flops / 1e12, num_params=engine.model.num_params,
                   kv_pages=engine.cache.num_pages, date=time.strftime("%Y-%m-%d"))
     measured = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in rates.items())
-    linears = f" (linears {engine.model.quantize})" if engine.model.quantize != "none" else ""
+    linears = f" (linears {engine.model.linears_label})" if engine.model.quantize != "none" else ""
+    linears += f" (KV {engine.cache.dtype})" if engine.cache.dtype != engine.model.dtype else ""
     console.print(f"[bold]{args.model}[/] {args.dtype}{linears} on {result['device']}: roofline "
                   f"{bandwidth / 1e9:.0f} GB/s "
                   f"(measured GB/s: {measured}), "

@@ -7,6 +7,9 @@ import sys
 import time
 
 from glint.model.config import QUANT_FORMATS, QUANTIZE_HELP
+from glint.runtime.config import KV_CACHE_DTYPES
+
+KV_CACHE_CHOICES = tuple(KV_CACHE_DTYPES)
 
 
 class Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -42,6 +45,9 @@ def _engine_args(p) -> None:
     p.add_argument("--quantize", choices=QUANT_FORMATS,
                    help=f"quantize the linears of an HF folder or preset as they load ({QUANTIZE_HELP}); a converted "
                    "checkpoint keeps the format it was converted to")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_CHOICES,
+                   help="the KV cache's element type (default auto: the model's dtype; fp8: float8_e4m3fn, half a "
+                   "bf16 cache's bytes, unscaled and saturating at +-448)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="do not share the KV pages of prompt prefixes between requests (automatic prefix caching)")
     p.add_argument("--allow-long-context", action="store_true",
@@ -58,7 +64,7 @@ def _engine_args(p) -> None:
 def _engine_config(args) -> dict:
     """The engine settings given on the command line (the rest keep EngineConfig's or the artifact's)."""
     names = ("max_seqs", "page_size", "max_step_tokens", "max_prefill_chunk", "max_sample_rows", "num_pages",
-             "capacity", "attention", "num_speculative_tokens")
+             "capacity", "attention", "num_speculative_tokens", "kv_cache_dtype")
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     for flag in ("allow_long_context", "deterministic"):
         if getattr(args, flag):
@@ -302,6 +308,8 @@ def _register_bench(sub) -> None:
                    help="do not use the persistent compilation cache ($GLINT_CACHE_DIR, default ~/.cache/glint)")
     p.add_argument("--quantize", choices=QUANT_FORMATS, default=None,
                    help=f"the model's linears in this weight format ({QUANTIZE_HELP})")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_CHOICES, default="auto",
+                   help="the KV cache's element type (auto: the model's dtype; fp8: float8_e4m3fn)")
     p.add_argument("--shared-prefix", type=int, default=0,
                    help="instead: the prefix cache on and off, --requests prompts of this many shared tokens + "
                         "--prompt-len of their own -> --gen-len (and the same lengths sharing nothing)")

@@ -5,6 +5,10 @@ import dataclasses
 from dataclasses import dataclass
 
 ATTENTION_IMPLS = ("auto", "pallas", "reference", "interpret")
+# The KV pools' element type: "auto" is the model's dtype; "fp8" (float8_e4m3fn, unscaled, saturating at +-448 as
+# vLLM's fp8 cache without calibrated scales) halves a bf16 cache's bytes.
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn", "bfloat16": "bfloat16",
+                   "float16": "float16", "float32": "float32"}
 WINDOWED_PREFILL_CHUNK = 512  # the default max_prefill_chunk of models with sliding-window layers
 
 
@@ -41,6 +45,7 @@ class EngineConfig:
     prefix_cache: bool = True
     # Speculative decoding: draft tokens a decoding sequence verifies per step (0: none; needs a drafter).
     num_speculative_tokens: int = 0
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
     def __post_init__(self):
         k = self.num_speculative_tokens
@@ -87,6 +92,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention {self.attention!r} is not one of {ATTENTION_IMPLS}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {tuple(KV_CACHE_DTYPES)}")
+
+    def kv_dtype(self, model_dtype: str) -> str:
+        """The KV pools' dtype for a model computing in `model_dtype`."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
 
     def for_model(self, windows, capacity: int | None = None) -> EngineConfig:
         """This config with max_prefill_chunk resolved for a model whose layers have these windows, serving

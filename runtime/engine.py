@@ -44,7 +44,7 @@ def cache_config_for(model, config: EngineConfig, draft=None) -> CacheConfig:
     windows, kv_heads, head_dim = (tuple(column) for column in zip(*layers))
     fields = dict(page_size=config.page_size, max_seqs=config.max_seqs, max_write=config.buckets[-1],
                   max_seq_write=chunk, capacity=capacity, windows=windows, kv_heads=kv_heads, head_dim=head_dim,
-                  dtype=model.dtype)
+                  dtype=config.kv_dtype(model.dtype))
     num_pages = config.num_pages or default_num_pages(CacheConfig(num_pages=2, **fields), config.memory_fraction)
     return CacheConfig(num_pages=num_pages, **fields)
 

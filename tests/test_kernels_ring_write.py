@@ -164,3 +164,27 @@ def _valid_args():
 def test_ring_write_validation_errors(change, match):
     with pytest.raises(ValueError, match=match):
         ring_write(**(_valid_args() | change), interpret=True)
+
+
+def test_ring_write_into_fp8_pools_saturates_and_matches_reference(request):
+    """float8_e4m3fn pools: rows are rounded to e4m3 and values beyond +-448 saturate (a plain cast gives NaN)."""
+    rng = _rng(request)
+    page_size, num_kv_heads, head_dim, num_pages = 8, 2, 64, 6
+    k_pages, v_pages = (p.astype(jnp.float8_e4m3fn) for p in _pools(rng, num_pages, page_size, num_kv_heads,
+                                                                      head_dim, "float32"))
+    slots = jnp.asarray(rng.choice(np.arange(page_size, num_pages * page_size), 9, replace=False), jnp.int32)
+    k_new = rng.standard_normal((9, num_kv_heads, head_dim)).astype(np.float32) * 3
+    k_new[0, 0, :4] = [1e4, -1e4, 448.0, 500.0]
+    v_new = rng.standard_normal((9, num_kv_heads, head_dim)).astype(np.float32)
+    new = (jnp.asarray(k_new, jnp.bfloat16), jnp.asarray(v_new, jnp.bfloat16))
+    k_ref, v_ref = ring_write_reference(k_pages, v_pages, *new, slots)
+    k_out, v_out = ring_write(k_pages, v_pages, *new, slots, interpret=True)
+    assert k_out.dtype == jnp.float8_e4m3fn
+    for got, want, rows in ((k_out, k_ref, new[0]), (v_out, v_ref, new[1])):
+        got = np.asarray(got, np.float32).reshape(-1, num_kv_heads, head_dim)
+        np.testing.assert_array_equal(got, np.asarray(want, np.float32).reshape(got.shape))
+        written, rows = got[np.asarray(slots)], np.asarray(rows, np.float32)
+        assert np.isfinite(written).all()
+        np.testing.assert_allclose(written, np.clip(rows, -448, 448), rtol=2 ** -4, atol=2 ** -10)  # e4m3 steps
+    assert list(np.asarray(k_out, np.float32).reshape(-1, num_kv_heads, head_dim)[int(slots[0]), 0, :4]) == [
+        448.0, -448.0, 448.0, 448.0]

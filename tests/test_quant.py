@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import STORIES
+from conftest import STORIES, covering_fixtures
 
 from glint.export.checkpoint import convert, load_checkpoint
 from glint.model import quant, transformer
@@ -312,3 +312,21 @@ def test_engine_greedy_with_fp8_equals_the_full_sequence_path():
         logits = np.asarray(transformer.full_sequence_logits(graphdef, engine.params, tokens[:-1]))[len(prompt) - 1:]
         chosen = logits[np.arange(len(out.token_ids)), out.token_ids]
         assert np.all(chosen >= logits.max(-1) - 1e-4), (fmt, prompt, out.token_ids, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("source", covering_fixtures(), ids=lambda p: p.name)
+def test_fp8_kv_cache_serves_batched_as_alone_and_close_to_full_precision(source):
+    """kv_cache_dtype="fp8": the pools hold float8_e4m3fn; a batch gives each request the tokens it gets alone;
+    greedy tokens against the full-precision cache are reported (random tiny fixtures have near-ties)."""
+    cases = json.loads((source / "reference.json").read_text())["cases"]
+    prompts = [c["prompt"] for c in cases]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    fp8 = Engine.from_pretrained(str(source), dtype="float32", kv_cache_dtype="fp8", **SMALL)
+    assert fp8.cache.dtype == "float8_e4m3fn" and all(k.dtype == jnp.float8_e4m3fn for k in fp8.kv.k)
+    batched = [o.token_ids for o in fp8.generate(prompts, greedy)]
+    assert batched == [fp8.generate([p], greedy)[0].token_ids for p in prompts]
+    full = Engine.from_pretrained(str(source), dtype="float32", **SMALL)
+    want = [o.token_ids for o in full.generate(prompts, greedy)]
+    agree = [agreeing_prefix(a, b) for a, b in zip(batched, want)]
+    print(f"{source.name} fp8 KV: greedy agrees with the float32 cache for {agree} of 12 tokens")
+    assert sum(agree) >= len(prompts)  # a broken cache would diverge at the first token
