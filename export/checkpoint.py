@@ -53,27 +53,30 @@ def read_hf_params(hf_dir: pathlib.Path, cfg: ModelConfig, *, show_progress: boo
     return flat
 
 
-def quantized(cfg: ModelConfig, flat: dict, quantize: str | None, group: int | None = None
+def quantized(cfg: ModelConfig, flat: dict, quantize: str | None, group: int | None = None, head: bool = False
               ) -> tuple[ModelConfig, dict]:
     """(cfg, flat full-precision parameters) in the weight format `quantize` (None or "none": as they are);
-    `group`: int4's input rows per scale (default the config's)."""
-    if quantize in (None, "none"):
+    `group`: int4's input rows per scale (default the config's); `head`: the LM head in int8 too."""
+    if quantize in (None, "none") and not head:
         return cfg, flat
-    cfg = cfg.replace(quantize=quantize, quant_group=group or cfg.quant_group)
+    cfg = cfg.replace(quantize=quantize or "none", quant_group=group or cfg.quant_group, quantize_head=head)
     return cfg, quant.quantize_params(flat, flatten(abstract_params(cfg)), cfg.quantize, cfg.quant_group)
 
 
 def convert(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str | None = None,
-            show_progress: bool = True, quantize: str | None = None, group: int | None = None) -> ModelConfig:
+            show_progress: bool = True, quantize: str | None = None, group: int | None = None,
+            quantize_head: bool = False) -> ModelConfig:
     """Convert an HF checkpoint folder to an orbax folder (params/ + glint.json + side files).
 
     `dtype` defaults to the checkpoint's own; `quantize` ("int8", "int4", "fp8") stores the layers' linears
-    quantized (the format and int4's `group` are recorded in glint.json)."""
+    quantized (the format and int4's `group` are recorded in glint.json); `quantize_head` the LM head (the tied
+    embedding table too) as int8 per vocab entry."""
     hf_dir, out_dir = pathlib.Path(hf_dir), pathlib.Path(out_dir).absolute()
     if (out_dir / PARAMS_DIR).exists():  # before reading any weight
         raise ValueError(f"{out_dir / PARAMS_DIR} already exists; remove it or choose another output folder")
     cfg = ModelConfig.from_hf(hf_dir, dtype=dtype)
-    cfg, flat = quantized(cfg, read_hf_params(hf_dir, cfg, show_progress=show_progress), quantize, group)
+    cfg, flat = quantized(cfg, read_hf_params(hf_dir, cfg, show_progress=show_progress), quantize, group,
+                          quantize_head)
     flat = {k: np.asarray(v) for k, v in flat.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckpt:
@@ -86,7 +89,7 @@ def convert(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str 
 
 
 def load_checkpoint(path: str | pathlib.Path, dtype: str | None = None, *, show_progress: bool = False,
-                    quantize: str | None = None):
+                    quantize: str | None = None, quantize_head: bool = False):
     """(ModelConfig, params) from an orbax folder written by `convert` or from an HF folder.
 
     `dtype` overrides the stored dtype (norm weights stay float32). `quantize` quantizes an HF folder's
@@ -104,12 +107,16 @@ def load_checkpoint(path: str | pathlib.Path, dtype: str | None = None, *, show_
         if quantize not in (None, cfg.quantize):
             raise ValueError(f"{path} holds weights quantized as {cfg.quantize!r}, asked quantize={quantize!r}: "
                              f"convert the HF checkpoint again with --quantize {quantize}")
+        if quantize_head and not cfg.quantize_head:
+            raise ValueError(f"{path} holds a full-precision head, asked quantize_head=True: convert the HF "
+                             "checkpoint again with --quantize-head")
         flat = weights.read_params(path / PARAMS_DIR, stored)  # onto the device, ValueErrors naming the array
         if dtype is not None and dtype != cfg.dtype:
             cfg = cfg.replace(dtype=dtype)
     elif (path / "config.json").exists():
         cfg = ModelConfig.from_hf(path, dtype=dtype)
-        cfg, flat = quantized(cfg, read_hf_params(path, cfg, show_progress=show_progress), quantize)
+        cfg, flat = quantized(cfg, read_hf_params(path, cfg, show_progress=show_progress), quantize,
+                              head=quantize_head)
     elif (path / PARAMS_DIR).is_dir():
         raise ValueError(f"{path} has params/ but no {GLINT_CONFIG}: the orbax checkpoint is incomplete")
     else:

@@ -91,6 +91,7 @@ class ModelConfig:
     dtype: str = "bfloat16"
     quantize: str = "none"  # the linears' weight format (model/quant.py); embedding, head and norms keep dtype
     quant_group: int = 128  # int4: input rows per scale
+    quantize_head: bool = False  # the LM head (the embedding table too when tied) as int8 per vocab entry
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -131,8 +132,9 @@ class ModelConfig:
     @property
     def linears_label(self) -> str:
         """The linears' weight format in words ("bfloat16", "int4 weight-only, group 128", ...)."""
-        return {"none": self.dtype, "int8": "int8 weight-only", "int4": f"int4 weight-only, group {self.quant_group}",
-                "fp8": "fp8 weights and activations"}[self.quantize]
+        label = {"none": self.dtype, "int8": "int8 weight-only", "int4": f"int4 weight-only, group {self.quant_group}",
+                 "fp8": "fp8 weights and activations"}[self.quantize]
+        return label + (", head int8" if self.quantize_head else "")
 
     @property
     def scale(self) -> float:

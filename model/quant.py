@@ -97,6 +97,20 @@ def int4_matmul(x, packed, scale, group: int):
     return jnp.dot(x, w, preferred_element_type=jnp.float32, precision=_highest(x.dtype)).astype(x.dtype)
 
 
+def int4_matmul_grouped(x, packed, scale, group: int):
+    """The same product, formulated per group: x [T, G, group] against the widened nibbles [G, group, out] in a
+    batched dot, then the group scales and the sum over groups in float32 (no per-element scale multiply on the
+    weights; an alternative for XLA to fuse, measured in tools/gpu_quant_kernels.py)."""
+    k, n = packed.shape[0], scale.shape[1]
+    groups = scale.shape[0]
+    q = unpack_int4(packed, n).astype(x.dtype)
+    pad = groups * group - k
+    xg = jnp.pad(x, ((0, 0), (0, pad))).reshape(x.shape[0], groups, group)
+    qg = jnp.pad(q, ((0, pad), (0, 0))).reshape(groups, group, n)
+    y = jnp.einsum("tgk,gkn->tgn", xg, qg, preferred_element_type=jnp.float32, precision=_highest(x.dtype))
+    return jnp.einsum("tgn,gn->tn", y, scale.astype(jnp.float32)).astype(x.dtype)
+
+
 # fp8 (W8A8) -------------------------------------------------------------------------------------------------------
 
 def _to_fp8(x, scale):
@@ -184,13 +198,19 @@ def quantize_kernel(fmt: str, w, group: int = DEFAULT_GROUP) -> tuple[jax.Array,
 
 def quantize_params(flat: dict, like: dict, fmt: str, group: int = DEFAULT_GROUP) -> dict:
     """Flat full-precision parameters ({"...wqkv.kernel": w}) -> those of the quantized tree `like` (flat):
-    each "<linear>.qweight" / "<linear>.scale" pair from "<linear>.kernel"; every other array as it is."""
+    each "<linear>.qweight" / "<linear>.scale" pair from "<linear>.kernel" (the head in int8 whatever `fmt`),
+    "embed_q" / "embed_scale" (a tied int8 head) from "embed"; every other array as it is."""
     out = {}
     for name in like:
         base = name.rsplit(".", 1)[0]
-        if base + ".qweight" in like and name in (base + ".qweight", base + ".scale"):
+        if name in ("embed_q", "embed_scale"):
+            if "embed_q" not in out:
+                q, out["embed_scale"] = quantize_int8(jnp.asarray(flat["embed"]).T)
+                out["embed_q"] = q.T
+        elif base + ".qweight" in like and name in (base + ".qweight", base + ".scale"):
             if base + ".qweight" not in out:
-                out[base + ".qweight"], out[base + ".scale"] = quantize_kernel(fmt, flat[base + ".kernel"], group)
+                out[base + ".qweight"], out[base + ".scale"] = quantize_kernel(
+                    "int8" if base == "head" else fmt, flat[base + ".kernel"], group)
         else:
             out[name] = flat[name]
     return out

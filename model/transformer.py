@@ -15,6 +15,7 @@ from flax import nnx
 
 from glint.model.attention import AttentionBackend, DenseMeta, LayerAttention, dense_attention
 from glint.model.config import ModelConfig, RopeConfig
+from glint.model import quant
 from glint.model.quant import LINEARS
 
 
@@ -178,11 +179,24 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         self.cfg = cfg
-        self.embed = nnx.Param((jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size))).astype(dtype))
+        table = jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size)).astype(dtype)
+        if cfg.quantize_head and cfg.tie_embeddings:  # the table is the head: int8 per vocab entry (row)
+            q, scale = quant.quantize_int8(table.T)
+            self.embed, self.embed_q, self.embed_scale = None, nnx.Param(q.T), nnx.Param(scale)
+        else:
+            self.embed = nnx.Param(table)
         self.embed_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.embed_norm else None
         self.layers = nnx.List([Block(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.head = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+        head = quant.Int8Linear if cfg.quantize_head else Linear
+        self.head = None if cfg.tie_embeddings else head(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+
+    def embed_tokens(self, tokens):
+        """Rows of the embedding table (dequantized from int8 with an int8 tied head)."""
+        if self.embed is not None:
+            return self.embed[...][tokens]
+        rows = self.embed_q[...][tokens].astype(jnp.float32) * self.embed_scale[...][tokens][:, None]
+        return rows.astype(jnp.dtype(self.cfg.dtype))
 
     def __call__(self, tokens, positions, attend: AttentionBackend, cache, meta, taps: tuple[int, ...] = ()):
         """tokens, positions i32[T]; cache: a per-layer sequence handed to the backend (or None).
@@ -194,7 +208,7 @@ class Transformer(nnx.Module):
         bad = [i for i in taps if not 0 <= i < self.cfg.num_layers]
         if bad:
             raise ValueError(f"taps {bad} are not layer ids of a {self.cfg.num_layers}-layer model")
-        x = self.embed[...][tokens]
+        x = self.embed_tokens(tokens)
         if self.cfg.embed_scale:  # Gemma rounds the normaliser to the activation dtype
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
         if self.embed_norm is not None:
@@ -212,9 +226,16 @@ class Transformer(nnx.Module):
 
     def logits(self, hidden):
         """hidden [R, hidden_size] -> float32 logits [R, vocab]."""
-        w = self.embed[...].T if self.head is None else self.head.kernel[...]
-        out = jnp.dot(hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32,
-                      precision=_precision(hidden.dtype))
+        if self.cfg.quantize_head:  # int8 q [V, H] (tied) or [H, V], widened inside the dot; scale per vocab entry
+            q, scale = (self.embed_q, self.embed_scale) if self.head is None else (self.head.qweight, self.head.scale)
+            contract = 1 if self.head is None else 0
+            out = jax.lax.dot_general(hidden, q[...].astype(hidden.dtype), (((1,), (contract,)), ((), ())),
+                                      preferred_element_type=jnp.float32, precision=_precision(hidden.dtype))
+            out = out * scale[...]
+        else:
+            w = self.embed[...].T if self.head is None else self.head.kernel[...]
+            out = jnp.dot(hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32,
+                          precision=_precision(hidden.dtype))
         if self.cfg.final_softcap:
             out = self.cfg.final_softcap * jnp.tanh(out / self.cfg.final_softcap)
         return out
@@ -265,8 +286,10 @@ def decode_weight_bytes(cfg: ModelConfig, params=None) -> int:
     except the embedding table (one row per token) unless it is tied to the head."""
     params = split(abstract_model(cfg))[1] if params is None else params
     total = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+    if cfg.tie_embeddings:
+        return total
     embed = params["embed"]
-    return total - (0 if cfg.tie_embeddings else int(np.prod(embed.shape)) * jnp.dtype(embed.dtype).itemsize)
+    return total - int(np.prod(embed.shape)) * jnp.dtype(embed.dtype).itemsize
 
 
 def count_params(params) -> int:

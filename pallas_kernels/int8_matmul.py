@@ -5,9 +5,7 @@ is bound by reading q, so the kernel streams int8 tiles [block_k, block_n] and w
 own dequantize-then-dot reads int8 at 30-41 % of the bandwidth on the H200 (docs/perf.md). Programs tile N
 and split K (so that a narrow N still fills the GPU); the splits' float32 partial sums are added after.
 Two ways to load the tiles: "gather" (index arrays and masks, any shape) and "block" (BlockSpecs over the
-program's K range and N tile, contiguous loads; pads shapes that are not multiples of the tiles). "gemv" loads as
-"block" does but multiplies and reduces along K in float32 registers instead of a tensor-core dot, so a 1..8-row
-step is not padded to the dot's 16 rows and the int8 tile needs no re-layout for the MMA.
+program's K range and N tile, contiguous loads; pads shapes that are not multiples of the tiles).
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ class Int8Blocks:
     num_warps: int = 4
     num_stages: int = 3
     min_programs: int = 264  # split K until the grid has this many programs (2 per H200 SM)
-    loads: str = "gather"  # or "block", "gemv"
+    loads: str = "gather"  # or "block"
 
 
 def _int8_matmul_kernel(
@@ -81,17 +79,6 @@ def _int8_matmul_block_kernel(
     out_ref[0] = acc * scale_ref[...][None, :]
 
 
-def _int8_gemv_block_kernel(x_ref, q_ref, scale_ref, out_ref, *, block_k: int, steps: int):
-    """As _int8_matmul_block_kernel, with the products summed along K in registers (no dot)."""
-    def body(i, acc):
-        x = x_ref[:, pl.ds(i * block_k, block_k)].astype(jnp.float32)  # [bm, bk]
-        w = q_ref[pl.ds(i * block_k, block_k), :].astype(jnp.float32)  # [bk, bn]
-        return acc + jnp.sum(x[:, :, None] * w[None, :, :], axis=1)
-
-    acc = lax.fori_loop(0, steps, body, jnp.zeros(out_ref.shape[1:], jnp.float32))
-    out_ref[0] = acc * scale_ref[...][None, :]
-
-
 def _int8_matmul_block_call(x_pad, q, scale, *, blocks: Int8Blocks, interpret: bool):
     """The "block" way: K split into `splits` ranges of `steps` tiles dividing it exactly (padded otherwise)."""
     block_m, num_k = x_pad.shape
@@ -107,8 +94,7 @@ def _int8_matmul_block_call(x_pad, q, scale, *, blocks: Int8Blocks, interpret: b
         q, scale = jnp.pad(q, ((0, pad_k), (0, pad_n))), jnp.pad(scale, (0, pad_n))
     span = steps * bk
     partial = pl.pallas_call(
-        functools.partial(_int8_gemv_block_kernel if blocks.loads == "gemv" else _int8_matmul_block_kernel,
-                          block_k=bk, steps=steps),
+        functools.partial(_int8_matmul_block_kernel, block_k=bk, steps=steps),
         grid=(tiles, splits),
         in_specs=[pl.BlockSpec((block_m, span), lambda t, s: (0, s)),
                   pl.BlockSpec((span, bn), lambda t, s: (s, t)),
@@ -117,7 +103,7 @@ def _int8_matmul_block_call(x_pad, q, scale, *, blocks: Int8Blocks, interpret: b
         out_shape=jax.ShapeDtypeStruct((splits, block_m, tiles * bn), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
-        name=f"int8_matmul_{blocks.loads}_m{block_m}_n{bn}_k{bk}_s{splits}",
+        name=f"int8_matmul_block_m{block_m}_n{bn}_k{bk}_s{splits}",
     )(x_pad, q, scale)
     return partial[:, :, :num_n]
 
@@ -125,16 +111,14 @@ def _int8_matmul_block_call(x_pad, q, scale, *, blocks: Int8Blocks, interpret: b
 def _int8_matmul_call(x, q, scale, *, blocks: Int8Blocks, interpret: bool):
     num_rows, num_k = x.shape
     num_n = q.shape[1]
-    block_m = 1 << (num_rows - 1).bit_length()
-    if blocks.loads != "gemv":
-        block_m = max(16, block_m)  # tl.dot needs 16 rows
+    block_m = max(16, 1 << (num_rows - 1).bit_length())  # tl.dot needs 16 rows
     tiles = pl.cdiv(num_n, blocks.block_n)
     k_blocks = pl.cdiv(num_k, blocks.block_k)
     splits = max(1, min(k_blocks, pl.cdiv(blocks.min_programs, tiles)))
     steps = pl.cdiv(k_blocks, splits)
     splits = pl.cdiv(k_blocks, steps)
     x_pad = jnp.zeros((block_m, num_k), x.dtype).at[:num_rows].set(x)
-    if blocks.loads in ("block", "gemv"):
+    if blocks.loads == "block":
         partial = _int8_matmul_block_call(x_pad, q, scale, blocks=blocks, interpret=interpret)
         return partial.sum(axis=0)[:num_rows].astype(x.dtype)
     partial = pl.pallas_call(
@@ -160,8 +144,8 @@ def int8_matmul(x, q, scale, *, blocks: Int8Blocks = Int8Blocks(), interpret: bo
                          f"scale {scale.shape}")
     if q.dtype != jnp.int8 or scale.dtype != jnp.float32:
         raise ValueError(f"int8_matmul: q must be int8 and scale float32, got {q.dtype} and {scale.dtype}")
-    if blocks.loads not in ("gather", "block", "gemv"):
-        raise ValueError(f"int8_matmul: loads={blocks.loads!r} must be 'gather', 'block' or 'gemv'")
+    if blocks.loads not in ("gather", "block"):
+        raise ValueError(f"int8_matmul: loads={blocks.loads!r} must be 'gather' or 'block'")
     if not 1 <= x.shape[0] <= 64:
         raise ValueError(f"int8_matmul: {x.shape[0]} rows; the kernel serves decode widths of 1..64 rows")
     return _int8_matmul_call(x, q, scale, blocks=blocks, interpret=interpret)

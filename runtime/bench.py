@@ -194,7 +194,7 @@ def engine_settings(args) -> dict:
     return dict(max_seqs=max(batches), page_size=args.page_size, max_step_tokens=args.max_step_tokens,
                 capacity=args.prompt_len + args.gen_len + args.max_step_tokens, attention=args.attention,
                 compile_cache=args.compile_cache, **({"quantize": args.quantize} if args.quantize else {}),
-                kv_cache_dtype=args.kv_cache_dtype,
+                **({"quantize_head": True} if args.quantize_head else {}), kv_cache_dtype=args.kv_cache_dtype,
                 allow_long_context=True)  # a speed test: the synthetic context may pass the model's
 
 
@@ -248,9 +248,9 @@ def speculative(args, console: Console, oracle_passes: int = 10) -> dict:
     rows = []
     for b in batches:
         drafter = dflash_random(plain.model) if args.draft == "dflash-random" else host_drafter(args.draft, k)
+        engine_fields = {k: v for k, v in settings.items() if k not in ("quantize", "quantize_head")}
         fast = Engine(plain.model, plain.graphdef, plain.params,
-                      EngineConfig(**{k: v for k, v in settings.items() if k != "quantize"}, max_seqs=b,
-                                   num_pages=b * per_seq + 16, num_speculative_tokens=k),
+                      EngineConfig(**engine_fields, max_seqs=b, num_pages=b * per_seq + 16, num_speculative_tokens=k),
                       drafter=drafter)
         t0 = time.perf_counter()
         fast.warmup(progress=False)
@@ -404,7 +404,8 @@ def run_bench(args) -> dict:
                   matmul_TFLOPs=flops / 1e12, num_params=engine.model.num_params,
                   kv_pages=engine.cache.num_pages, date=time.strftime("%Y-%m-%d"))
     measured = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in rates.items())
-    linears = f" (linears {engine.model.linears_label})" if engine.model.quantize != "none" else ""
+    quantized = engine.model.quantize != "none" or engine.model.quantize_head
+    linears = f" (linears {engine.model.linears_label})" if quantized else ""
     linears += f" (KV {engine.cache.dtype})" if engine.cache.dtype != engine.model.dtype else ""
     console.print(f"[bold]{args.model}[/] {args.dtype}{linears} on {result['device']}: roofline "
                   f"{bandwidth / 1e9:.0f} GB/s "

@@ -8,9 +8,10 @@ import sys
 def _cmd_convert(args) -> int:
     from glint.export.checkpoint import convert
 
-    cfg = convert(args.hf_dir, args.out_dir, dtype=args.dtype, quantize=args.quantize, group=args.group_size)
+    cfg = convert(args.hf_dir, args.out_dir, dtype=args.dtype, quantize=args.quantize, group=args.group_size,
+                  quantize_head=args.quantize_head)
     print(f"wrote {args.out_dir}: {cfg.model_type}, {cfg.num_layers} layers, {cfg.num_params:,} parameters, "
-          f"{cfg.dtype}" + (f", linears {cfg.linears_label}" if cfg.quantize != "none" else ""))
+          f"{cfg.dtype}" + (f", linears {cfg.linears_label}" if cfg.quantize != "none" or cfg.quantize_head else ""))
     return 0
 
 
@@ -19,7 +20,7 @@ def _cmd_info(args) -> int:
 
     from glint.runtime.loading import resolve_config
 
-    cfg = resolve_config(args.checkpoint, quantize=args.quantize)
+    cfg = resolve_config(args.checkpoint, quantize=args.quantize, quantize_head=args.quantize_head)
     if args.json:
         print(cfg.to_json())
         return 0
@@ -35,7 +36,7 @@ def _cmd_info(args) -> int:
               (f"attention soft-cap {cfg.attn_softcap:g}", cfg.attn_softcap), (f"logit soft-cap {cfg.final_softcap:g}",
               cfg.final_softcap), ("tied embeddings", cfg.tie_embeddings)) if on]
     print(f"{cfg.model_type}: {cfg.num_params:,} parameters, {cfg.dtype}"
-          + (f", linears {cfg.linears_label}" if cfg.quantize != "none" else ""))
+          + (f", linears {cfg.linears_label}" if cfg.quantize != "none" or cfg.quantize_head else ""))
     print(f"  {cfg.num_layers} layers, hidden {cfg.hidden_size}, MLP {cfg.intermediate_size} ({cfg.activation})")
     print(f"  attention: {cfg.num_heads} query / {cfg.num_kv_heads} KV heads of {cfg.head_dim}; {windows}")
     print(f"  RoPE: {ropes}")
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"store the layers' linears quantized ({commands.QUANTIZE_HELP}); embedding, head and norms "
                         "keep --dtype")
     p.add_argument("--group-size", type=int, default=128, help="--quantize int4: input rows per scale")
+    p.add_argument("--quantize-head", action="store_true", help=commands.QUANTIZE_HEAD_HELP)
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("info", help="summarise the model config of a checkpoint or preset",
@@ -77,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory bandwidth in bytes/s for the decode roofline (default: the H200's measured copy rate)")
     p.add_argument("--quantize", choices=commands.QUANT_FORMATS,
                    help="a preset's or HF folder's linears in this format (a converted checkpoint shows its own)")
+    p.add_argument("--quantize-head", action="store_true", help=commands.QUANTIZE_HEAD_HELP)
     p.add_argument("--json", action="store_true", help="print the whole config as JSON")
     p.set_defaults(func=_cmd_info)
 

@@ -10,6 +10,7 @@ from glint.model.config import QUANT_FORMATS, QUANTIZE_HELP
 from glint.runtime.config import KV_CACHE_DTYPES
 
 KV_CACHE_CHOICES = tuple(KV_CACHE_DTYPES)
+QUANTIZE_HEAD_HELP = "the LM head (the embedding table too when tied) as int8 per vocab entry"
 
 
 class Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -45,6 +46,7 @@ def _engine_args(p) -> None:
     p.add_argument("--quantize", choices=QUANT_FORMATS,
                    help=f"quantize the linears of an HF folder or preset as they load ({QUANTIZE_HELP}); a converted "
                    "checkpoint keeps the format it was converted to")
+    p.add_argument("--quantize-head", action="store_true", help=QUANTIZE_HEAD_HELP + " (HF folders and presets)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_CHOICES,
                    help="the KV cache's element type (default auto: the model's dtype; fp8: float8_e4m3fn, half a "
                    "bf16 cache's bytes, unscaled and saturating at +-448)")
@@ -71,6 +73,8 @@ def _engine_config(args) -> dict:
             given[flag] = True
     if args.quantize:
         given["quantize"] = args.quantize
+    if args.quantize_head:
+        given["quantize_head"] = True
     return given | {"compile_cache": args.compile_cache, "prefix_cache": args.prefix_cache, "draft": args.draft}
 
 
@@ -308,6 +312,7 @@ def _register_bench(sub) -> None:
                    help="do not use the persistent compilation cache ($GLINT_CACHE_DIR, default ~/.cache/glint)")
     p.add_argument("--quantize", choices=QUANT_FORMATS, default=None,
                    help=f"the model's linears in this weight format ({QUANTIZE_HELP})")
+    p.add_argument("--quantize-head", action="store_true", help=QUANTIZE_HEAD_HELP)
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_CHOICES, default="auto",
                    help="the KV cache's element type (auto: the model's dtype; fp8: float8_e4m3fn)")
     p.add_argument("--shared-prefix", type=int, default=0,

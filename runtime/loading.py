@@ -14,30 +14,34 @@ from glint.model.presets import PRESETS, preset
 from glint.runtime.tokenizer import load_tokenizer
 
 
-def resolve_config(name_or_path: str, dtype: str | None = None, quantize: str | None = None) -> ModelConfig:
+def resolve_config(name_or_path: str, dtype: str | None = None, quantize: str | None = None,
+                   quantize_head: bool = False) -> ModelConfig:
+    def quantized(cfg):
+        cfg = cfg.replace(quantize=quantize) if quantize else cfg
+        return cfg.replace(quantize_head=True) if quantize_head else cfg
+
     if name_or_path in PRESETS:
-        cfg = preset(name_or_path, dtype=dtype or "bfloat16")
-        return cfg.replace(quantize=quantize) if quantize else cfg
+        return quantized(preset(name_or_path, dtype=dtype or "bfloat16"))
     path = pathlib.Path(name_or_path)
     if (path / GLINT_CONFIG).exists():
         cfg = ModelConfig.from_json((path / GLINT_CONFIG).read_text())
         return cfg.replace(dtype=dtype) if dtype else cfg
     if (path / "config.json").exists():
-        cfg = ModelConfig.from_hf(path, dtype=dtype)
-        return cfg.replace(quantize=quantize) if quantize else cfg
+        return quantized(ModelConfig.from_hf(path, dtype=dtype))
     raise ValueError(f"{name_or_path!r} is not a preset ({sorted(PRESETS)}) nor a checkpoint folder")
 
 
-def load_model(name_or_path: str, dtype: str | None = None, seed: int = 0, quantize: str | None = None):
+def load_model(name_or_path: str, dtype: str | None = None, seed: int = 0, quantize: str | None = None,
+               quantize_head: bool = False):
     """(cfg, graphdef, params, tokenizer or None). Presets get random weights built on the device.
 
-    `dtype` defaults to the checkpoint's own (bfloat16 for presets); `quantize` ("int8") the linears' format
-    (a converted checkpoint keeps its own)."""
+    `dtype` defaults to the checkpoint's own (bfloat16 for presets); `quantize` ("int8", "int4", "fp8") the
+    linears' format and `quantize_head` an int8 head (a converted checkpoint keeps its own)."""
     if name_or_path in PRESETS:
-        cfg = resolve_config(name_or_path, dtype, quantize)
+        cfg = resolve_config(name_or_path, dtype, quantize, quantize_head)
         graphdef, shapes = transformer.split(transformer.abstract_model(cfg))
         return cfg, graphdef, random_params(shapes, seed), None
-    cfg, params = load_checkpoint(name_or_path, dtype=dtype, quantize=quantize)
+    cfg, params = load_checkpoint(name_or_path, dtype=dtype, quantize=quantize, quantize_head=quantize_head)
     graphdef = transformer.split(transformer.abstract_model(cfg))[0]
     return cfg, graphdef, params, load_tokenizer(pathlib.Path(name_or_path))
 

@@ -105,7 +105,7 @@ def make_draft_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: Draf
             out, (k[n + i], v[n + i]) = backend(spec, q, k_block, v_block, (k[n + i], v[n + i]), meta)
             return out
 
-        block = target.embed[...][jnp.where(token_src >= 0, draft.mask_token_id, tokens)]
+        block = target.embed_tokens(jnp.where(token_src >= 0, draft.mask_token_id, tokens))
         hidden = dflash.draft_block(dflash.unflatten_params(params, draft), draft, block, meta.positions, attend)
         return sample_argmax(target.logits(hidden[rows])), (tuple(k), tuple(v))
 
