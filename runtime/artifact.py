@@ -23,7 +23,7 @@ import numpy as np
 
 from glint.kvcache import CacheConfig
 from glint.runtime import executables, weights
-from glint.runtime.config import EngineConfig
+from glint.runtime.config import KV_CACHE_DTYPES, EngineConfig
 from glint.runtime.programs import (RUNTIME_PROGRAMS, START_PROGRAMS, Program, ProgramSet, abstract_args,
                                     donate_argnums, forward_name)
 from glint.runtime.tokenizer import load_tokenizer
@@ -128,7 +128,12 @@ def engine_config(meta: dict, folder: pathlib.Path, overrides: dict) -> EngineCo
     attention = overrides.get("attention", "auto")
     if attention not in ("auto", exported["attention"]):
         raise ValueError(f"{folder} was exported with attention={exported['attention']}; asked {attention}")
-    fields = {k: v for k, v in overrides.items() if k not in GEOMETRY_FIELDS and k != "attention"}
+    exported.setdefault("kv_cache_dtype", "auto")  # artifacts from before fp8 caches
+    kv = overrides.get("kv_cache_dtype")
+    if kv is not None and kv != "auto" and KV_CACHE_DTYPES.get(kv, kv) != meta["cache"]["dtype"]:
+        raise ValueError(f"{folder} was exported with a {meta['cache']['dtype']} KV cache; asked kv_cache_dtype="
+                         f"{kv!r}. Export again with the cache you need")
+    fields = {k: v for k, v in overrides.items() if k not in (*GEOMETRY_FIELDS, "attention", "kv_cache_dtype")}
     return EngineConfig(**{**exported, **fields})
 
 

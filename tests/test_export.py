@@ -64,6 +64,11 @@ def test_exported_artifact_gives_the_live_engines_tokens(source, tmp_path):
                                      "kv_init", "logprobs", "copy"}
 
 
+def test_an_artifact_keeps_its_kv_cache_dtype(llama_artifact):
+    with pytest.raises(ValueError, match=r"exported with a float32 KV cache; asked kv_cache_dtype='fp8'"):
+        Engine.from_export(str(llama_artifact), kv_cache_dtype="fp8")
+
+
 def test_metadata_describes_the_build(llama_artifact):
     meta = json.loads((llama_artifact / "metadata.json").read_text())
     hf = json.loads((HF_FIXTURES / "llama" / "config.json").read_text())
