@@ -151,7 +151,7 @@ def _attention_kernel(
                 # Rows outside [lo, hi) are never read: they may hold anything (NaN).
                 kv_mask = key_ok[:, None] & d_ok if masked else d_ok
                 kv_mask = None if kv_mask is True else kv_mask
-                kv_other = None if kv_mask is None else 0
+                kv_other = None if kv_mask is None else 0.0  # a float: Triton casts it to an fp8 pool too
                 k = plgpu.load(k_ref.at[kv_row[:, None], kv_head, d[None, :]], mask=kv_mask, other=kv_other)  # [bk, Dp]
                 k = k.astype(q.dtype)  # an fp8 pool: widened in registers
                 s = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * logit_scale

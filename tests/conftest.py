@@ -4,8 +4,14 @@ import pathlib
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Each test process compiles into a fresh persistent cache of its own (never the user's ~/.cache/glint).
-os.environ["GLINT_CACHE_DIR"] = tempfile.mkdtemp(prefix="glint-test-cache-")
+# Each test run compiles into a fresh persistent cache of its own (never the user's ~/.cache/glint), one that its
+# xdist workers share: a program one worker compiled, the other loads (JAX locks the cache's files).
+_run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+if _run:
+    os.environ["GLINT_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"glint-test-cache-{_run}")
+    os.makedirs(os.environ["GLINT_CACHE_DIR"], exist_ok=True)
+else:
+    os.environ["GLINT_CACHE_DIR"] = tempfile.mkdtemp(prefix="glint-test-cache-")
 
 import pytest  # noqa: E402
 

@@ -50,15 +50,20 @@ case "${1:-all}" in
       grep -E "roofline|Error" "$out/quant_$q.log" | head -2; sed -n '/decode (one token/,$p' "$out/quant_$q.log"
     done
     ;;
-  quant-e2e)  # llama3-8b end to end 256 x 512 -> 128 per weight format (QUANT_FORMATS, default "none fp8")
+  quant-e2e)  # llama3-8b end to end 256 x 512 -> 128 per weight format (QUANT_FORMATS, default "none fp8");
+             # --batch sets max_seqs: it must be 256 (--batch 1 served the 256 requests one at a time)
     for q in ${QUANT_FORMATS:-none fp8}; do
       start=$(date +%s)
-      timeout 280 python3 -m glint.runtime.cli bench llama3-8b --quantize $q --batch 1 --prompt-len 512 \
-        --gen-len 128 --requests 256 --e2e-gen-len 128 --repeats 2 --max-step-tokens 2048 \
+      timeout 280 python3 -m glint.runtime.cli bench llama3-8b --quantize $q --batch 256 --prompt-len 512 \
+        --gen-len 128 --requests 256 --e2e-gen-len 128 --repeats 2 \
         --json "$out/quant_e2e_$q.json" > "$out/quant_e2e_$q.log" 2>&1
       echo "== $q: $(( $(date +%s) - start )) s"
       grep -E "roofline|Error" "$out/quant_e2e_$q.log" | head -2; tail -12 "$out/quant_e2e_$q.log"
     done
+    ;;
+  fp8-kv)  # decode attention over bf16 and fp8 KV pools, 64 x 4096 (~1 min)
+    timeout 200 python3 tools/gpu_fp8_kv.py 64 4096 > "$out/fp8_kv.log" 2>&1
+    grep -v cuda_timer "$out/fp8_kv.log" | tail -6
     ;;
   quant-kernels)  # quantized matmuls at llama3-8b's shapes, M = 1, 8, 64: Pallas int8 configs, XLA int8 / int4 /
                  # fp8, bf16 (~6 min)
