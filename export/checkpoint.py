@@ -59,7 +59,8 @@ def quantized(cfg: ModelConfig, flat: dict, quantize: str | None, group: int | N
     `group`: int4's input rows per scale (default the config's); `head`: the LM head in int8 too."""
     if quantize in (None, "none") and not head:
         return cfg, flat
-    cfg = cfg.replace(quantize=quantize or "none", quant_group=group or cfg.quant_group, quantize_head=head)
+    cfg = cfg.replace(quantize=quantize or "none", quant_group=cfg.quant_group if group is None else group,
+                      quantize_head=head)
     return cfg, quant.quantize_params(flat, flatten(abstract_params(cfg)), cfg.quantize, cfg.quant_group)
 
 

@@ -52,22 +52,41 @@ def _normal(key, shape, dtype):
     return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
 
 
+# Spread (std) of a random quantized value: int8 uniform in [-127, 127], an int4 nibble uniform in [-8, 7], fp8
+# normal with std 64; its scale divides it out, so a dequantized kernel has the fan-in scaling of a full one.
+_SPREAD = {jnp.dtype(jnp.int8): 73.3, jnp.dtype(jnp.uint8): 4.61, jnp.dtype(jnp.float8_e4m3fn): 64.0}
+
+
+def _random_quantized(key, x):
+    if x.dtype == jnp.int8:
+        return jax.random.randint(key, x.shape, -127, 128, jnp.int32).astype(jnp.int8)
+    if x.dtype == jnp.uint8:  # int4, two nibbles per byte
+        return jax.random.randint(key, x.shape, 0, 256, jnp.int32).astype(jnp.uint8)
+    return jnp.clip(jax.random.normal(key, x.shape) * 64.0, -448, 448).astype(x.dtype)
+
+
 def random_params(shapes, seed: int = 0):
     """Random weights built on the device leaf by leaf (one small compile per distinct shape, not one
-    giant program); float32 1-D leaves are norm weights and start at one; an int8 kernel is uniform in
-    [-127, 127], and its per-channel scale gives it the fan-in scaling of a full-precision one."""
-    leaves, treedef = jax.tree.flatten(shapes)
+    giant program); float32 1-D leaves are norm weights and start at one; quantized weights (model/quant.py:
+    "<linear>.qweight", a tied int8 head's "embed_q") are uniform or normal in their format's range, and their
+    scales give the dequantized kernel the fan-in scaling of a full-precision one."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    leaves = {".".join(str(getattr(k, "key", k)) for k in path): x for path, x in paths}
     key = jax.random.key(seed)
-    out, prev = [], None
-    for i, x in enumerate(leaves):
+    out = []
+    for i, (name, x) in enumerate(leaves.items()):
         k = jax.random.fold_in(key, i)
-        if x.dtype == jnp.int8:
-            value = jax.random.randint(k, x.shape, -127, 128, jnp.int32).astype(jnp.int8)
+        base, _, field = name.rpartition(".")
+        quantized = "embed_q" if name == "embed_scale" else f"{base}.qweight" if field == "scale" else None
+        if name == "embed_q" or field == "qweight":
+            value = _random_quantized(k, x)
+        elif quantized in leaves:
+            q = leaves[quantized]
+            fan_in = q.shape[1] if q.dtype == jnp.float8_e4m3fn else q.shape[0]  # fp8 kernels are [out, in]
+            value = jnp.full(x.shape, fan_in ** -0.5 / _SPREAD[jnp.dtype(q.dtype)], x.dtype)
         elif x.ndim == 1 and x.dtype == jnp.float32:
-            is_scale = prev is not None and prev.dtype == jnp.int8 and prev.shape[1:] == x.shape  # its kernel's
-            value = jnp.full(x.shape, prev.shape[0] ** -0.5 / 73.0, x.dtype) if is_scale else jnp.ones(x.shape, x.dtype)
+            value = jnp.ones(x.shape, x.dtype)
         else:
             value = _normal(k, x.shape, x.dtype)
         out.append(value)
-        prev = x
     return jax.tree.unflatten(treedef, out)

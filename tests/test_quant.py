@@ -397,3 +397,36 @@ def test_convert_quantize_head_is_smaller_and_the_engine_serves_it(tmp_path):
     prompts = [ref["prompt"], ref["prompt"] + ref["greedy"][:5]]
     outs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     assert_greedy_is_the_full_sequence_argmax(engine, prompts, outs, tolerance=0.05)  # bfloat16 activations
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+def test_random_preset_weights_dequantize_to_the_full_precision_scaling(fmt):
+    """A preset's random quantized weights (what `glint bench PRESET --quantize` times): every dequantized layer
+    kernel and the int8 head spread like the full-precision init (std ~ fan_in ** -0.5), none all zero."""
+    from glint.export.checkpoint import flatten
+    from glint.runtime.loading import load_model
+
+    cfg, _, params, _ = load_model("tiny", dtype="float32", quantize=fmt, quantize_head=True)
+    flat = flatten(params)
+    kernels = [name.removesuffix(".qweight") for name in flat if name.endswith(".qweight")]
+    assert kernels
+    for base in kernels:
+        q, scale = flat[base + ".qweight"], flat[base + ".scale"]
+        fmt_of = "int8" if base == "head" else fmt
+        w = {"int8": lambda: quant.dequantize_int8(q, scale),
+             "int4": lambda: quant.dequantize_int4(q, scale, cfg.quant_group),
+             "fp8": lambda: quant.dequantize_fp8(q, scale)}[fmt_of]()
+        w = np.asarray(w)
+        assert 0.7 < w.std() * w.shape[0] ** 0.5 < 1.4, (base, w.std(), w.shape)
+    if cfg.tie_embeddings:
+        table = np.asarray(quant.dequantize_int8(flat["embed_q"].T, flat["embed_scale"])).T  # [V, H]
+        assert 0.7 < table.std() * table.shape[0] ** 0.5 < 1.4
+
+
+def test_kv_cache_dtype_choices():
+    from glint.runtime.config import EngineConfig
+
+    assert EngineConfig(kv_cache_dtype="fp8").kv_dtype("bfloat16") == "float8_e4m3fn"
+    assert EngineConfig().kv_dtype("float32") == "float32"
+    with pytest.raises(ValueError, match=r"kv_cache_dtype 'bfloat16' is not one of \('auto', 'fp8', 'float8_e4m3fn'\)"):
+        EngineConfig(kv_cache_dtype="bfloat16")
