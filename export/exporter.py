@@ -122,7 +122,7 @@ def metadata(engine, programs: dict) -> dict:
         "glint": importlib.metadata.version("glint"), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
         "platform": platform_name(), "device_kind": jax.devices()[0].device_kind,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": {**json.loads(model.to_json()), "num_params": model.num_params},
+        "model": {**json.loads(model.to_json()), "num_params": model.num_params, "linears_label": model.linears_label},
         "engine": {"max_seqs": config.max_seqs, "page_size": config.page_size,
                    "max_step_tokens": config.max_step_tokens, "forward_sizes": list(config.forward_sizes),
                    "max_sample_rows": config.max_sample_rows, "min_prefill_chunk": config.min_prefill_chunk,

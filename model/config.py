@@ -55,6 +55,13 @@ class RopeConfig:
                    original_max_position=int(params.get("original_max_position_embeddings", 8192)))
 
 
+def linears_label(model) -> str:
+    """A model's (ModelConfig or an artifact's ModelInfo) linears in words ("int4 weight-only, group 128", ...)."""
+    label = {"none": model.dtype, "int8": "int8 weight-only", "int4": f"int4 weight-only, group {model.quant_group}",
+             "fp8": "fp8 weights and activations"}[model.quantize]
+    return label + (", head int8" if model.quantize_head else "")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape and layout of a decoder-only transformer.
@@ -131,10 +138,7 @@ class ModelConfig:
 
     @property
     def linears_label(self) -> str:
-        """The linears' weight format in words ("bfloat16", "int4 weight-only, group 128", ...)."""
-        label = {"none": self.dtype, "int8": "int8 weight-only", "int4": f"int4 weight-only, group {self.quant_group}",
-                 "fp8": "fp8 weights and activations"}[self.quantize]
-        return label + (", head int8" if self.quantize_head else "")
+        return linears_label(self)
 
     @property
     def scale(self) -> float:

@@ -54,6 +54,9 @@ class ModelInfo:
     tie_embeddings: bool
     max_position_embeddings: int
     dtype: str
+    quantize: str = "none"  # older artifacts may record none of these three
+    quantize_head: bool = False
+    linears_label: str = ""  # ModelConfig.linears_label, recorded at export
 
     def replace(self, **changes) -> ModelInfo:
         return dataclasses.replace(self, **changes)
@@ -217,7 +220,8 @@ def load_artifact(folder, dtype: str | None = None, compiled: bool = True, **ove
     config = engine_config(meta, folder, overrides)
     cache = cache_config(meta)
     model = ModelInfo(**{f.name: meta["model"][f.name] for f in dataclasses.fields(ModelInfo)
-                         if f.name != "eos_token_ids"}, eos_token_ids=tuple(meta["model"]["eos_token_ids"]))
+                         if f.name != "eos_token_ids" and f.name in meta["model"]},
+                      eos_token_ids=tuple(meta["model"]["eos_token_ids"]))
     if any(MOSAIC_GPU_CALL in entry.get("custom_calls", ()) for entry in meta["programs"].values()):
         import jax.experimental.mosaic.gpu  # noqa: F401  (registers the Mosaic GPU runtime its kernels call)
     t0 = time.perf_counter()

@@ -405,7 +405,7 @@ def run_bench(args) -> dict:
                   kv_pages=engine.cache.num_pages, date=time.strftime("%Y-%m-%d"))
     measured = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in rates.items())
     quantized = engine.model.quantize != "none" or engine.model.quantize_head
-    linears = f" (linears {engine.model.linears_label})" if quantized else ""
+    linears = f" (linears {engine.model.linears_label or engine.model.quantize})" if quantized else ""
     linears += f" (KV {engine.cache.dtype})" if engine.cache.dtype != engine.model.dtype else ""
     console.print(f"[bold]{args.model}[/] {args.dtype}{linears} on {result['device']}: roofline "
                   f"{bandwidth / 1e9:.0f} GB/s "

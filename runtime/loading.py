@@ -1,7 +1,9 @@
 """Resolve what a user names (preset, HF folder, orbax folder) into a config, parameters and tokenizer."""
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import pathlib
 
 import jax
@@ -22,7 +24,14 @@ def resolve_config(name_or_path: str, dtype: str | None = None, quantize: str | 
 
     if name_or_path in PRESETS:
         return quantized(preset(name_or_path, dtype=dtype or "bfloat16"))
+    from glint.runtime.artifact import METADATA
+
     path = pathlib.Path(name_or_path)
+    if (path / METADATA).exists():  # an exported artifact: the config it was exported with
+        model = json.loads((path / METADATA).read_text())["model"]
+        known = {f.name for f in dataclasses.fields(ModelConfig)}
+        cfg = ModelConfig.from_json(json.dumps({k: v for k, v in model.items() if k in known}))
+        return cfg.replace(dtype=dtype) if dtype else cfg
     if (path / GLINT_CONFIG).exists():
         cfg = ModelConfig.from_json((path / GLINT_CONFIG).read_text())
         return cfg.replace(dtype=dtype) if dtype else cfg

@@ -64,6 +64,14 @@ def test_exported_artifact_gives_the_live_engines_tokens(source, tmp_path):
                                      "kv_init", "logprobs", "copy"}
 
 
+def test_info_reads_an_artifacts_config(llama_artifact, capsys):
+    assert main(["info", str(llama_artifact)]) == 0
+    hf = json.loads((HF_FIXTURES / "llama" / "config.json").read_text())
+    out = capsys.readouterr().out
+    assert out.startswith("llama: ") and "float32" in out and f"vocab {hf['vocab_size']}," in out
+    assert "a decode step reads" in out
+
+
 def test_an_artifact_keeps_its_kv_cache_dtype(llama_artifact):
     with pytest.raises(ValueError, match=r"exported with a float32 KV cache; asked kv_cache_dtype='fp8'"):
         Engine.from_export(str(llama_artifact), kv_cache_dtype="fp8")
