@@ -18,7 +18,9 @@ from jax.experimental.compilation_cache import compilation_cache
 log = logging.getLogger(__name__)
 
 
-MAX_BYTES = 16 << 30
+# Beyond this size the least recently used entries go (each new entry then scans the folder, under a lock);
+# $GLINT_CACHE_MAX_BYTES=-1 keeps everything and skips the scan (the test suite, which writes thousands).
+MAX_BYTES = int(os.environ.get("GLINT_CACHE_MAX_BYTES", 16 << 30))
 
 
 def cache_dir() -> pathlib.Path:

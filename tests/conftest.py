@@ -6,6 +6,8 @@ import tempfile
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Each test run compiles into a fresh persistent cache of its own (never the user's ~/.cache/glint), one that its
 # xdist workers share: a program one worker compiled, the other loads (JAX locks the cache's files).
+# No size limit: with one, JAX scans every entry under a lock for each one it adds (quadratic in a test run).
+os.environ["GLINT_CACHE_MAX_BYTES"] = "-1"
 _run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
 if _run:
     os.environ["GLINT_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"glint-test-cache-{_run}")
