@@ -97,20 +97,6 @@ def int4_matmul(x, packed, scale, group: int):
     return jnp.dot(x, w, preferred_element_type=jnp.float32, precision=_highest(x.dtype)).astype(x.dtype)
 
 
-def int4_matmul_grouped(x, packed, scale, group: int):
-    """The same product, formulated per group: x [T, G, group] against the widened nibbles [G, group, out] in a
-    batched dot, then the group scales and the sum over groups in float32 (no per-element scale multiply on the
-    weights; an alternative for XLA to fuse, measured in tools/gpu_quant_kernels.py)."""
-    k, n = packed.shape[0], scale.shape[1]
-    groups = scale.shape[0]
-    q = unpack_int4(packed, n).astype(x.dtype)
-    pad = groups * group - k
-    xg = jnp.pad(x, ((0, 0), (0, pad))).reshape(x.shape[0], groups, group)
-    qg = jnp.pad(q, ((0, pad), (0, 0))).reshape(groups, group, n)
-    y = jnp.einsum("tgk,gkn->tgn", xg, qg, preferred_element_type=jnp.float32, precision=_highest(x.dtype))
-    return jnp.einsum("tgn,gn->tn", y, scale.astype(jnp.float32)).astype(x.dtype)
-
-
 # fp8 (W8A8) -------------------------------------------------------------------------------------------------------
 
 def _to_fp8(x, scale):

@@ -263,8 +263,6 @@ def test_int4_matmul_matches_x_times_dequantized_w(m, k, n, group):
     got16 = np.asarray(quant.int4_matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(packed), jnp.asarray(scale),
                                          group), np.float32)
     np.testing.assert_allclose(got16, want, rtol=3e-2, atol=3e-2 * np.abs(want).max())
-    grouped = quant.int4_matmul_grouped(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scale), group)
-    np.testing.assert_allclose(np.asarray(grouped), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (5, 3), (130, 257), (64, 7)])

@@ -4,7 +4,7 @@ the plain bf16 dot. Each is checked against its reference, then timed as % of 4.
 (weights + scales), two ways: chained inside one jit (a loop over enough distinct weight copies that they do not
 fit in L2) and as separate calls.
 
-  python tools/gpu_quant_kernels.py [--quick]
+  python tools/gpu_quant_kernels.py [--quick] [--shapes gate_up,down] [--ways "xla int4,bf16 dot"]
 """
 import functools
 import statistics
@@ -62,11 +62,13 @@ def separate(fn):
     return run
 
 
-def main(quick: bool) -> None:
+def main(quick: bool, shapes: set[str] | None = None, only: set[str] | None = None) -> None:
     rng = np.random.default_rng(0)
     configs = CONFIGS[:1] if quick else CONFIGS
     rows = []
     for k, n, name in SHAPES:
+        if shapes and name not in shapes:
+            continue
         w = jnp.asarray(rng.standard_normal((k, n)) * k ** -0.5, jnp.bfloat16)
         q, s = quant.quantize_int8(w)
         q4, s4 = quant.quantize_int4(w, quant.DEFAULT_GROUP)
@@ -86,14 +88,14 @@ def main(quick: bool) -> None:
             int4 = functools.partial(quant.int4_matmul, group=quant.DEFAULT_GROUP)
             ways = {"xla int8": (quant.int8_matmul, qs, [s] * len(qs), int8_bytes, want),
                     "xla int4": (int4, q4s, [s4] * len(q4s), int4_bytes, want4),
-                    "xla int4 grouped": (functools.partial(quant.int4_matmul_grouped, group=quant.DEFAULT_GROUP), q4s,
-                                         [s4] * len(q4s), int4_bytes, want4),
                     "xla fp8": (quant.fp8_matmul, q8s, [s8] * len(q8s), int8_bytes, want8),
                     "bf16 dot": (lambda x, w, s: jnp.dot(x, w), bf, [s] * len(bf), 2 * k * n, None)}
             for c in configs:
                 ways[f"pallas {c.loads} n{c.block_n} k{c.block_k} w{c.num_warps}"] = (
                     lambda x, q, s, c=c: int8_matmul(x, q, s, blocks=c), qs, [s] * len(qs), int8_bytes, want)
             for way, (fn, ws, scales, nbytes, ref) in ways.items():
+                if only and way not in only:
+                    continue
                 try:
                     got = np.asarray(fn(x, ws[0], scales[0]), np.float32)
                     if ref is not None:  # fp8 also rounds the activations: a looser bound
@@ -118,5 +120,9 @@ def main(quick: bool) -> None:
     print("best pallas config per shape and M (chained):", best)
 
 
+def _option(name: str) -> set[str] | None:
+    return set(sys.argv[sys.argv.index(name) + 1].split(",")) if name in sys.argv else None
+
+
 if __name__ == "__main__":
-    main("--quick" in sys.argv)
+    main("--quick" in sys.argv, _option("--shapes"), _option("--ways"))
