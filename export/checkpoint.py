@@ -90,7 +90,7 @@ def convert(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str 
 
 
 def load_checkpoint(path: str | pathlib.Path, dtype: str | None = None, *, show_progress: bool = False,
-                    quantize: str | None = None, quantize_head: bool = False):
+                    quantize: str | None = None, quantize_head: bool = False, quant_group: int | None = None):
     """(ModelConfig, params) from an orbax folder written by `convert` or from an HF folder.
 
     `dtype` overrides the stored dtype (norm weights stay float32). `quantize` quantizes an HF folder's
@@ -108,6 +108,9 @@ def load_checkpoint(path: str | pathlib.Path, dtype: str | None = None, *, show_
         if quantize not in (None, cfg.quantize):
             raise ValueError(f"{path} holds weights quantized as {cfg.quantize!r}, asked quantize={quantize!r}: "
                              f"convert the HF checkpoint again with --quantize {quantize}")
+        if quant_group not in (None, cfg.quant_group) and cfg.quantize == "int4":
+            raise ValueError(f"{path} holds int4 weights in groups of {cfg.quant_group}, asked quant_group="
+                             f"{quant_group}: convert the HF checkpoint again with --group-size {quant_group}")
         if quantize_head and not cfg.quantize_head:
             raise ValueError(f"{path} holds a full-precision head, asked quantize_head=True: convert the HF "
                              "checkpoint again with --quantize-head")
@@ -116,7 +119,7 @@ def load_checkpoint(path: str | pathlib.Path, dtype: str | None = None, *, show_
             cfg = cfg.replace(dtype=dtype)
     elif (path / "config.json").exists():
         cfg = ModelConfig.from_hf(path, dtype=dtype)
-        cfg, flat = quantized(cfg, read_hf_params(path, cfg, show_progress=show_progress), quantize,
+        cfg, flat = quantized(cfg, read_hf_params(path, cfg, show_progress=show_progress), quantize, quant_group,
                               head=quantize_head)
     elif (path / PARAMS_DIR).is_dir():
         raise ValueError(f"{path} has params/ but no {GLINT_CONFIG}: the orbax checkpoint is incomplete")

@@ -47,6 +47,7 @@ def _engine_args(p) -> None:
                    help=f"quantize the linears of an HF folder or preset as they load ({QUANTIZE_HELP}); a converted "
                    "checkpoint keeps the format it was converted to")
     p.add_argument("--quantize-head", action="store_true", help=QUANTIZE_HEAD_HELP + " (HF folders and presets)")
+    p.add_argument("--group-size", type=int, help="--quantize int4: input rows per scale (default 128)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_CHOICES,
                    help="the KV cache's element type (default auto: the model's dtype; fp8: float8_e4m3fn, half a "
                    "bf16 cache's bytes, unscaled and saturating at +-448)")
@@ -75,6 +76,8 @@ def _engine_config(args) -> dict:
         given["quantize"] = args.quantize
     if args.quantize_head:
         given["quantize_head"] = True
+    if args.group_size is not None:
+        given["quant_group"] = args.group_size
     return given | {"compile_cache": args.compile_cache, "prefix_cache": args.prefix_cache, "draft": args.draft}
 
 

@@ -167,7 +167,7 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path: str, dtype: str | None = None, warmup: bool = False, weights_seed: int = 0,
                         draft: str | None = None, quantize: str | None = None, quantize_head: bool = False,
-                        **engine_config) -> Engine:
+                        quant_group: int | None = None, **engine_config) -> Engine:
         """An engine for an HF folder, an orbax folder, an exported artifact or a preset name (random weights).
 
         `dtype` defaults to the checkpoint's own (`torch_dtype` in config.json; bfloat16 for presets; an
@@ -176,15 +176,15 @@ class Engine:
         tokens per step), "ngram" (prompt lookup) or "oracle" (replays continuations given to
         `engine.drafter.record`), `num_speculative_tokens` draft tokens per step (default
         spec.DEFAULT_SPECULATIVE_TOKENS). `quantize` ("int8", "int4", "fp8"; model/quant.py) quantizes an HF
-        folder's or a preset's linears as they load, `quantize_head` its LM head as int8 (a converted checkpoint
-        keeps its own format). Keyword
+        folder's or a preset's linears as they load (`quant_group`: int4's input rows per scale, default 128),
+        `quantize_head` its LM head as int8 (a converted checkpoint keeps its own format). Keyword
         arguments are EngineConfig fields (max_seqs, page_size,
         max_step_tokens, seed, ...).
         """
         from glint.runtime.artifact import is_artifact
 
         if is_artifact(path):
-            if quantize is not None or quantize_head:
+            if quantize is not None or quantize_head or quant_group is not None:
                 raise ValueError(f"{path} is an exported artifact: it serves the weight format it was exported "
                                  f"with; quantize={quantize!r} applies when converting or exporting")
             return cls.from_export(path, dtype=dtype, warmup=warmup, draft=draft, **engine_config)
@@ -207,7 +207,7 @@ class Engine:
         config = EngineConfig(**engine_config)
         compile_cache.configure(config.compile_cache)  # before loading: random weights compile too
         cfg, graphdef, params, tokenizer = load_model(path, dtype=dtype, seed=weights_seed, quantize=quantize,
-                                                      quantize_head=quantize_head)
+                                                      quantize_head=quantize_head, quant_group=quant_group)
         if is_dflash:
             drafter = spec.DFlashDrafter(*dflash.load_draft(draft, cfg, dtype=cfg.dtype))
         return cls(cfg, graphdef, params, config, tokenizer=tokenizer, warmup=warmup, drafter=drafter)

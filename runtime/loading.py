@@ -17,9 +17,10 @@ from glint.runtime.tokenizer import load_tokenizer
 
 
 def resolve_config(name_or_path: str, dtype: str | None = None, quantize: str | None = None,
-                   quantize_head: bool = False) -> ModelConfig:
+                   quantize_head: bool = False, quant_group: int | None = None) -> ModelConfig:
     def quantized(cfg):
         cfg = cfg.replace(quantize=quantize) if quantize else cfg
+        cfg = cfg.replace(quant_group=quant_group) if quant_group is not None else cfg
         return cfg.replace(quantize_head=True) if quantize_head else cfg
 
     if name_or_path in PRESETS:
@@ -41,16 +42,17 @@ def resolve_config(name_or_path: str, dtype: str | None = None, quantize: str | 
 
 
 def load_model(name_or_path: str, dtype: str | None = None, seed: int = 0, quantize: str | None = None,
-               quantize_head: bool = False):
+               quantize_head: bool = False, quant_group: int | None = None):
     """(cfg, graphdef, params, tokenizer or None). Presets get random weights built on the device.
 
     `dtype` defaults to the checkpoint's own (bfloat16 for presets); `quantize` ("int8", "int4", "fp8") the
     linears' format and `quantize_head` an int8 head (a converted checkpoint keeps its own)."""
     if name_or_path in PRESETS:
-        cfg = resolve_config(name_or_path, dtype, quantize, quantize_head)
+        cfg = resolve_config(name_or_path, dtype, quantize, quantize_head, quant_group)
         graphdef, shapes = transformer.split(transformer.abstract_model(cfg))
         return cfg, graphdef, random_params(shapes, seed), None
-    cfg, params = load_checkpoint(name_or_path, dtype=dtype, quantize=quantize, quantize_head=quantize_head)
+    cfg, params = load_checkpoint(name_or_path, dtype=dtype, quantize=quantize, quantize_head=quantize_head,
+                                  quant_group=quant_group)
     graphdef = transformer.split(transformer.abstract_model(cfg))[0]
     return cfg, graphdef, params, load_tokenizer(pathlib.Path(name_or_path))
 

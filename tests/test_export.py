@@ -64,6 +64,19 @@ def test_exported_artifact_gives_the_live_engines_tokens(source, tmp_path):
                                      "kv_init", "logprobs", "copy"}
 
 
+def test_a_quantized_artifact_with_an_fp8_cache_gives_the_live_engines_tokens(tmp_path):
+    """int4 linears, an int8 tied head and an fp8 KV cache, exported and served without the model code."""
+    quant = dict(quantize="int4", quantize_head=True, kv_cache_dtype="fp8")
+    out = tmp_path / "artifact"
+    meta = export_engine(str(STORIES), out, dtype="float32", show_progress=False, **SMALL, **quant)
+    assert meta["cache"]["dtype"] == "float8_e4m3fn" and meta["model"]["quantize"] == "int4"
+    live = Engine.from_pretrained(str(STORIES), dtype="float32", **SMALL, **quant)
+    served = Engine.from_pretrained(str(out))
+    assert served.cache == live.cache and served.model.linears_label == "int4 weight-only, group 128, head int8"
+    prompts, params = workload(live.model.vocab_size, [[1], [1, 2, 3, 4, 5, 6, 7]])
+    assert outputs(served, prompts, params) == outputs(live, prompts, params)
+
+
 def test_info_reads_an_artifacts_config(llama_artifact, capsys):
     assert main(["info", str(llama_artifact)]) == 0
     hf = json.loads((HF_FIXTURES / "llama" / "config.json").read_text())

@@ -185,11 +185,12 @@ def test_convert_int4_and_fp8_store_what_loading_quantizes(tmp_path, fmt, dtypes
     cfg = convert(STORIES, out, dtype="bfloat16", quantize=fmt, group=32, show_progress=False)
     stored = ModelConfig.from_json((out / "glint.json").read_text())
     assert (stored.quantize, stored.quant_group) == (fmt, 32) == (cfg.quantize, cfg.quant_group)
-    _, params = load_checkpoint(out)
-    from glint.export.checkpoint import flatten, quantized, read_hf_params
+    from glint.export.checkpoint import flatten
 
-    hf_cfg = ModelConfig.from_hf(STORIES, dtype="bfloat16")
-    _, live = quantized(hf_cfg, read_hf_params(STORIES, hf_cfg), fmt, 32)
+    _, params = load_checkpoint(out)
+    live_cfg, live = load_checkpoint(STORIES, dtype="bfloat16", quantize=fmt, quant_group=32)  # as it loads
+    assert live_cfg.quant_group == 32
+    live = flatten(live)
     flat = flatten(params)
     assert sorted(flat) == sorted(live)
     for name, leaf in flat.items():
@@ -197,6 +198,8 @@ def test_convert_int4_and_fp8_store_what_loading_quantizes(tmp_path, fmt, dtypes
     kernels = [name for name in flat if name.endswith(".qweight")]
     assert kernels and all((flat[k].dtype, flat[k.removesuffix("qweight") + "scale"].dtype) == dtypes for k in kernels)
     if fmt == "int4":
+        with pytest.raises(ValueError, match="holds int4 weights in groups of 32, asked quant_group=64"):
+            load_checkpoint(out, quant_group=64)
         int8 = tmp_path / "int8"
         convert(STORIES, int8, dtype="bfloat16", quantize="int8", show_progress=False)
 
