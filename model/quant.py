@@ -10,8 +10,9 @@ A kernel w [in, out] is stored in one of three formats (each with the matmul tha
   GEMM), scale = max |w[:, j]| / 448 in float32 [out]; each step's activations are quantized per token the same
   way (dynamic scales), the dot runs fp8 x fp8 with float32 accumulation and both scales multiply its result.
 Decode is bound by reading the weights, so fewer bytes per weight is the lever; the weight-only formats widen
-q inside the dot, which XLA fuses into the GEMM on the GPU (the packed bytes are what is read). Embedding and LM
-head stay in the model dtype.
+q inside the dot and leave the fusion to XLA (on the H200 it fuses int8's widening into the GEMM, not int4's
+unpacking: docs/perf.md). Embedding and LM head stay in the model dtype unless `quantize_head` (int8 per vocab
+entry, model/transformer.py).
 """
 from __future__ import annotations
 
