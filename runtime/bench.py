@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from glint.model import transformer
+from glint.runtime import weights
 from glint.runtime.commands import fill_defaults
 from glint.runtime.engine import Engine
 from glint.runtime.params import SamplingParams
@@ -74,7 +74,7 @@ class StepBench:
 
     def __init__(self, engine: Engine, bandwidth: float):
         self.engine, self.bandwidth = engine, bandwidth
-        self.weight_bytes = transformer.decode_weight_bytes(engine.model, engine.params)
+        self.weight_bytes = weights.decode_weight_bytes(engine.params, engine.model.tie_embeddings)
 
     def kv_bytes(self, batch: int, context: int) -> int:
         cache, total = self.engine.cache, 0

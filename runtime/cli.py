@@ -44,9 +44,10 @@ def _cmd_info(args) -> int:
           f"EOS {list(cfg.eos_token_ids)}")
     if extras:
         print(f"  {', '.join(extras)}")
-    from glint.model.transformer import decode_weight_bytes
+    from glint.model import transformer
+    from glint.runtime.weights import decode_weight_bytes
 
-    weights = decode_weight_bytes(cfg)
+    weights = decode_weight_bytes(transformer.split(transformer.abstract_model(cfg))[1], cfg.tie_embeddings)
     size = f"{weights / 1e9:.3f} GB" if weights >= 1e8 else f"{weights / 1e6:.3f} MB"
     print(f"  a decode step reads {size} of weights: at {args.bandwidth / 1e12:g} TB/s at most "
           f"{args.bandwidth / weights:,.0f} steps/s ({weights / args.bandwidth * 1e3:.4g} ms each, before the KV)")

@@ -24,6 +24,16 @@ NUM_THREADS = 16
 _METADATA = "_METADATA"
 
 
+def decode_weight_bytes(params, tie_embeddings: bool) -> int:
+    """Bytes of weights one decode step reads from `params` (arrays or ShapeDtypeStructs): every weight once,
+    except the embedding table (one row per token) unless it is tied to the head."""
+    def nbytes(x) -> int:
+        return int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+
+    total = sum(nbytes(x) for x in jax.tree.leaves(params))
+    return total if tie_embeddings else total - nbytes(params["embed"])
+
+
 def default_read_ahead() -> int:
     """Host memory the reads may run ahead of the device copies: a quarter of RAM, at most 16 GiB."""
     return min(16 << 30, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4)
