@@ -47,6 +47,12 @@ def quantize_int8(w) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
+def quantize_int8_rows(table) -> tuple[jax.Array, jax.Array]:
+    """A table [V, H] used as a head (logits = x @ table.T) -> (q i8[V, H], scale f32[V]): one scale per row."""
+    q, scale = quantize_int8(jnp.asarray(table).T)
+    return q.T, scale
+
+
 def dequantize_int8(q, scale, dtype=jnp.float32) -> jax.Array:
     return (q.astype(jnp.float32) * scale).astype(dtype)
 
@@ -192,8 +198,7 @@ def quantize_params(flat: dict, like: dict, fmt: str, group: int = DEFAULT_GROUP
         base = name.rsplit(".", 1)[0]
         if name in ("embed_q", "embed_scale"):
             if "embed_q" not in out:
-                q, out["embed_scale"] = quantize_int8(jnp.asarray(flat["embed"]).T)
-                out["embed_q"] = q.T
+                out["embed_q"], out["embed_scale"] = quantize_int8_rows(flat["embed"])
         elif base + ".qweight" in like and name in (base + ".qweight", base + ".scale"):
             if base + ".qweight" not in out:
                 out[base + ".qweight"], out[base + ".scale"] = quantize_kernel(

@@ -181,8 +181,8 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         table = jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size)).astype(dtype)
         if cfg.quantize_head and cfg.tie_embeddings:  # the table is the head: int8 per vocab entry (row)
-            q, scale = quant.quantize_int8(table.T)
-            self.embed, self.embed_q, self.embed_scale = None, nnx.Param(q.T), nnx.Param(scale)
+            q, scale = quant.quantize_int8_rows(table)
+            self.embed, self.embed_q, self.embed_scale = None, nnx.Param(q), nnx.Param(scale)
         else:
             self.embed = nnx.Param(table)
         self.embed_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.embed_norm else None
@@ -279,17 +279,6 @@ def full_sequence_logits(graphdef, params, tokens):
     hidden, _ = forward(graphdef, params, jnp.asarray(tokens, jnp.int32), positions, dense_attention, None,
                         DenseMeta.single(n))
     return compute_logits(graphdef, params, hidden)
-
-
-def decode_weight_bytes(cfg: ModelConfig, params=None) -> int:
-    """Bytes of weights one decode step reads (of `params`, default the config's abstract ones): every weight once,
-    except the embedding table (one row per token) unless it is tied to the head."""
-    params = split(abstract_model(cfg))[1] if params is None else params
-    total = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
-    if cfg.tie_embeddings:
-        return total
-    embed = params["embed"]
-    return total - int(np.prod(embed.shape)) * jnp.dtype(embed.dtype).itemsize
 
 
 def count_params(params) -> int:

@@ -89,6 +89,11 @@ def test_int8_matmul_matches_x_times_dequantized_w(m, k, n):
     np.testing.assert_allclose(got16, want, rtol=3e-2, atol=3e-2 * np.abs(want).max())
 
 
+def params_size(folder) -> int:
+    """Bytes of a converted checkpoint's weights on disk."""
+    return sum(p.stat().st_size for p in (folder / "params").rglob("*") if p.is_file())
+
+
 def agreeing_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -117,10 +122,7 @@ def test_convert_int8_is_smaller_and_loads_as_it_was_quantized(tmp_path):
     cfg = convert(STORIES, small, dtype="bfloat16", quantize="int8", show_progress=False)
     assert cfg.quantize == "int8" and ModelConfig.from_json((small / "glint.json").read_text()).quantize == "int8"
 
-    def size(folder):
-        return sum(p.stat().st_size for p in (folder / "params").rglob("*") if p.is_file())
-
-    assert size(small) <= 0.8 * size(full), (size(small), size(full))
+    assert params_size(small) <= 0.8 * params_size(full), (params_size(small), params_size(full))
     loaded_cfg, params = load_checkpoint(small)
     flat = {".".join(str(getattr(k, "key", k)) for k in path): leaf
             for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
@@ -203,10 +205,7 @@ def test_convert_int4_and_fp8_store_what_loading_quantizes(tmp_path, fmt, dtypes
         int8 = tmp_path / "int8"
         convert(STORIES, int8, dtype="bfloat16", quantize="int8", show_progress=False)
 
-        def size(folder):
-            return sum(p.stat().st_size for p in (folder / "params").rglob("*") if p.is_file())
-
-        assert size(out) < size(int8), (size(out), size(int8))
+        assert params_size(out) < params_size(int8), (params_size(out), params_size(int8))
 
 
 @pytest.mark.parametrize("loads", ["gather", "block"])
@@ -386,10 +385,7 @@ def test_convert_quantize_head_is_smaller_and_the_engine_serves_it(tmp_path):
     stored = ModelConfig.from_json((tmp_path / "q" / "glint.json").read_text())
     assert cfg.quantize_head and stored.quantize_head and stored.quantize == "int8"
 
-    def size(folder):
-        return sum(p.stat().st_size for p in (folder / "params").rglob("*") if p.is_file())
-
-    assert size(tmp_path / "q") < size(tmp_path / "int8")
+    assert params_size(tmp_path / "q") < params_size(tmp_path / "int8")
     with pytest.raises(ValueError, match="holds a full-precision head, asked quantize_head=True"):
         load_checkpoint(tmp_path / "int8", quantize_head=True)
     engine = Engine.from_pretrained(str(tmp_path / "q"), **SMALL)
