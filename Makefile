@@ -8,7 +8,7 @@ PYTHON ?= $(shell for p in python3.12 python3.13; do \
 	  echo $$root/versions/$$v/bin/python3; exit; done)
 PYTEST_ARGS ?= -n 2 -q
 
-.PHONY: demo test clean
+.PHONY: demo test test-gpu clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "no Python >= 3.12 found (tried python3.12, python3.13, pyenv)"; exit 1; }
@@ -22,6 +22,13 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+# On a GPU machine: the kernel, model and engine tests with the Pallas kernels compiled for the GPU, the kernel sweep,
+# one summary line (tools/test_gpu.sh). Needs a CUDA jax in GPU_PYTHON: the venv's (pip install -e '.[cuda13]') or
+# python3's.
+GPU_PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
+test-gpu:
+	GPU_PYTHON=$(GPU_PYTHON) bash tools/test_gpu.sh
 
 clean:
 	rm -rf $(VENV)

@@ -3,7 +3,13 @@ import os
 import pathlib
 import tempfile
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# `make test-gpu` sets GLINT_TEST_GPU=1: the kernel, model and engine tests then compile the Pallas kernels for the
+# GPU (attention="pallas", interpret=False) where they otherwise run them in the Pallas interpreter on the CPU.
+ON_GPU = os.environ.get("GLINT_TEST_GPU") == "1"
+INTERPRET = not ON_GPU
+PALLAS = "pallas" if ON_GPU else "interpret"
+if not ON_GPU:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Each test run compiles into a fresh persistent cache of its own (never the user's ~/.cache/glint), one that its
 # xdist workers share: a program one worker compiled, the other loads (JAX locks the cache's files).
 # No size limit: with one, JAX scans every entry under a lock for each one it adds (quadratic in a test run).
@@ -20,7 +26,7 @@ import pytest  # noqa: E402
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 HF_FIXTURES = pathlib.Path(os.environ.get("GLINT_HF_FIXTURES", SHARED / "fixtures" / "hf"))
-STORIES = SHARED / "models" / "stories260K"
+STORIES = pathlib.Path(os.environ.get("GLINT_STORIES", SHARED / "models" / "stories260K"))
 
 
 def fixture_dirs() -> list[pathlib.Path]:

@@ -4,7 +4,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import STORIES
+from conftest import PALLAS, STORIES
 
 from glint.model import transformer
 from glint.model.presets import preset
@@ -280,8 +280,8 @@ def test_unschedulable_configurations_are_refused_up_front():
         EngineConfig(max_step_tokens=8, forward_sizes=(1, 2, 4, 8))
 
 
-def test_pallas_kernels_in_interpret_mode_give_the_reference_tokens():
-    """The engine's Pallas path (ring write + varlen attention, interpreted on CPU) == the jnp reference path,
+def test_pallas_kernels_give_the_reference_tokens():
+    """The engine's Pallas path (ring write + varlen attention; interpreted on CPU) == the jnp reference path,
     with a prompt long enough to wrap the sliding-window layer's ring."""
     small = dict(max_seqs=4, page_size=8, max_step_tokens=32, forward_sizes=(1, 2, 4, 8, 16), num_pages=40,
                  capacity=64, min_prefill_chunk=4)
@@ -289,7 +289,7 @@ def test_pallas_kernels_in_interpret_mode_give_the_reference_tokens():
     prompts = [rng.integers(0, 256, n).tolist() for n in (5, 50, 9)]
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     reference = tiny_engine(**small, attention="reference")
-    interpret = tiny_engine(**small, attention="interpret")
-    assert interpret.cache.group_ring_rows(1) < 56  # the 50-token prompt wraps the ring
+    pallas = tiny_engine(**small, attention=PALLAS)
+    assert pallas.cache.group_ring_rows(1) < 56  # the 50-token prompt wraps the ring
     want = [o.token_ids for o in reference.generate(prompts, greedy)]
-    assert [o.token_ids for o in interpret.generate(prompts, greedy)] == want
+    assert [o.token_ids for o in pallas.generate(prompts, greedy)] == want

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import INTERPRET
 
 from glint.pallas_kernels import (
     BlockSizes,
@@ -104,7 +105,7 @@ def test_kernel_matches_reference(name, path, request):
         **_options(case),
         num_splits=SPLITS[path],
         block_sizes=BlockSizes(block_m=16, block_k=16),
-        interpret=True,
+        interpret=INTERPRET,
     )
     assert got.shape == args["q"].shape and got.dtype == args["q"].dtype
     got = np.asarray(got, np.float32)
@@ -133,7 +134,7 @@ def test_kernel_reads_fp8_pools(name, path, request):
                v_pages=to_pool_dtype(args["v_pages"], jnp.float8_e4m3fn))
     want = np.asarray(varlen_attention_reference(**fp8, **_options(case)), np.float32)
     got = varlen_attention(**fp8, **_options(case), num_splits=SPLITS[path], block_sizes=BlockSizes(16, 16),
-                           interpret=True)
+                           interpret=INTERPRET)
     assert got.dtype == args["q"].dtype
     got = np.asarray(got, np.float32)
     assert np.isfinite(got).all() and not got[~_covered(inputs["seq_info"], got.shape[0])].any()
@@ -151,7 +152,7 @@ def test_default_blocks_and_splits(name, request):
     inputs = make_attention_inputs(case, np.random.default_rng(_seed(request)))
     args = _to_jax(inputs, case.dtype)
     want = np.asarray(varlen_attention_reference(**args, **_options(case)), np.float32)
-    got = np.asarray(varlen_attention(**args, **_options(case), interpret=True), np.float32)
+    got = np.asarray(varlen_attention(**args, **_options(case), interpret=INTERPRET), np.float32)
     np.testing.assert_allclose(got, want, **TOLERANCE[case.dtype])
 
 
@@ -163,7 +164,7 @@ def test_fully_masked_rows_are_zero(request):
         if seg[1] == 5:
             rows = slice(seg[0], seg[0] + 2)  # positions -2 and -1
     for num_splits in (1, 2):
-        got = np.asarray(varlen_attention(**args, **_options(case), num_splits=num_splits, interpret=True))
+        got = np.asarray(varlen_attention(**args, **_options(case), num_splits=num_splits, interpret=INTERPRET))
         assert np.isfinite(got).all() and not got[rows].any() and got[rows.stop].any()
     ref = np.asarray(varlen_attention_reference(**args, **_options(case)))
     assert not ref[rows].any()
@@ -199,7 +200,7 @@ def test_kernel_matches_numpy_loop_when_ring_aliases(request):
         **_options(case),
         num_splits=2,
         block_sizes=BlockSizes(block_m=16, block_k=16),
-        interpret=True,
+        interpret=INTERPRET,
     )
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
@@ -218,7 +219,7 @@ def test_one_compilation_serves_every_length_mix(request):
             a = inputs[key]
             pad = [(0, rows - a.shape[0]), (0, cols - a.shape[1])] + [(0, 0)] * (a.ndim - 2)
             inputs[key] = np.pad(a, pad, constant_values=0 if key == "page_table" else 1.0)
-    fn = jax.jit(lambda *a: varlen_attention(*a, scale=base.scale, num_splits=1, interpret=True))
+    fn = jax.jit(lambda *a: varlen_attention(*a, scale=base.scale, num_splits=1, interpret=INTERPRET))
     for inputs in (first, second):
         args = _to_jax(inputs, jnp.float32)
         got = fn(args["q"], args["k_pages"], args["v_pages"], args["page_table"], args["seq_info"])
@@ -269,7 +270,7 @@ def _valid_args():
 def test_validation_errors(change, match):
     kwargs = dict(_valid_args(), scale=0.125) | change
     with pytest.raises(ValueError, match=match):
-        varlen_attention(**kwargs, interpret=True)
+        varlen_attention(**kwargs, interpret=INTERPRET)
 
 
 @pytest.mark.parametrize(

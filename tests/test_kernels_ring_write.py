@@ -7,6 +7,7 @@ import zlib
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import INTERPRET
 
 from glint.pallas_kernels import (
     BlockSizes,
@@ -50,7 +51,7 @@ def test_ring_write_matches_reference(page_size, num_kv_heads, head_dim, dtype, 
 
     k_ref, v_ref = ring_write_reference(k_pages, v_pages, k_new, v_new, slots)
     before_k, before_v = np.asarray(k_pages), np.asarray(v_pages)
-    k_out, v_out = ring_write(k_pages, v_pages, k_new, v_new, slots, interpret=True)
+    k_out, v_out = ring_write(k_pages, v_pages, k_new, v_new, slots, interpret=INTERPRET)
     assert k_out.shape == before_k.shape and k_out.dtype == before_k.dtype
 
     # Page 0 is scratch: padding rows land there in unspecified order.
@@ -73,7 +74,7 @@ def test_ring_write_donates_pools(request):
     k_new = jnp.asarray(rng.standard_normal((3, 2, 64)), jnp.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "donated buffers were not usable"
-        k_out, _ = ring_write(k_pages, v_pages, k_new, k_new + 1, slots, interpret=True)
+        k_out, _ = ring_write(k_pages, v_pages, k_new, k_new + 1, slots, interpret=INTERPRET)
     assert k_pages.is_deleted() and v_pages.is_deleted()
     np.testing.assert_array_equal(np.asarray(k_out)[1, 1], np.asarray(k_new)[0])
 
@@ -84,7 +85,7 @@ def test_ring_write_drops_out_of_range_slots(request):
     before = np.asarray(k_pages)
     slots = jnp.asarray([5, 32, -1, 100], jnp.int32)
     k_new = jnp.asarray(rng.standard_normal((4, 1, 64)), jnp.float32)
-    k_out, _ = ring_write(k_pages, v_pages, k_new, k_new, slots, interpret=True)
+    k_out, _ = ring_write(k_pages, v_pages, k_new, k_new, slots, interpret=INTERPRET)
     expected = before.copy()
     expected[0, 5] = np.asarray(k_new)[0]
     np.testing.assert_array_equal(np.asarray(k_out), expected)
@@ -115,7 +116,7 @@ def test_ring_storage_round_trip(request):
             jnp.asarray(np.concatenate([keys[j], pad])),
             jnp.asarray(np.concatenate([values[j], pad])),
             jnp.asarray(slots, jnp.int32),
-            interpret=True,
+            interpret=INTERPRET,
         )
     q = rng.standard_normal((1, num_kv_heads * group, head_dim)).astype(np.float32)
     seq_info = jnp.asarray([[0, 1, 1, total]], jnp.int32)
@@ -131,7 +132,7 @@ def test_ring_storage_round_trip(request):
         scale=scale,
         num_splits=2,
         block_sizes=BlockSizes(block_m=16, block_k=16),
-        interpret=True,
+        interpret=INTERPRET,
     )
     k_win = np.repeat(keys[total - window :], group, axis=1)  # [W, Hq, D]
     v_win = np.repeat(values[total - window :], group, axis=1)
@@ -163,7 +164,7 @@ def _valid_args():
 )
 def test_ring_write_validation_errors(change, match):
     with pytest.raises(ValueError, match=match):
-        ring_write(**(_valid_args() | change), interpret=True)
+        ring_write(**(_valid_args() | change), interpret=INTERPRET)
 
 
 def test_ring_write_into_fp8_pools_saturates_and_matches_reference(request):
@@ -178,7 +179,7 @@ def test_ring_write_into_fp8_pools_saturates_and_matches_reference(request):
     v_new = rng.standard_normal((9, num_kv_heads, head_dim)).astype(np.float32)
     new = (jnp.asarray(k_new, jnp.bfloat16), jnp.asarray(v_new, jnp.bfloat16))
     k_ref, v_ref = ring_write_reference(k_pages, v_pages, *new, slots)
-    k_out, v_out = ring_write(k_pages, v_pages, *new, slots, interpret=True)
+    k_out, v_out = ring_write(k_pages, v_pages, *new, slots, interpret=INTERPRET)
     assert k_out.dtype == jnp.float8_e4m3fn
     for got, want, rows in ((k_out, k_ref, new[0]), (v_out, v_ref, new[1])):
         got = np.asarray(got, np.float32).reshape(-1, num_kv_heads, head_dim)

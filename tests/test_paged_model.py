@@ -4,6 +4,7 @@ import zlib
 import jax
 import numpy as np
 import pytest
+from conftest import PALLAS
 
 from glint.export.checkpoint import load_checkpoint
 from glint.kvcache import BatchControl, CacheConfig, KVState
@@ -15,7 +16,7 @@ def full_logits(graphdef, params, tokens):
     return np.asarray(transformer.full_sequence_logits(graphdef, params, tokens))
 
 
-@pytest.mark.parametrize("impl", ["reference", "interpret"])  # interpret: the Pallas kernels, interpreted
+@pytest.mark.parametrize("impl", ["reference", PALLAS])  # the Pallas kernels: interpreted, or on the GPU
 def test_chunked_prefill_then_decode_matches_full_forward(hf_fixture, impl):
     cfg, params = load_checkpoint(hf_fixture, dtype="float32")
     graphdef = transformer.split(transformer.abstract_model(cfg))[0]

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import STORIES, covering_fixtures
+from conftest import INTERPRET, STORIES, covering_fixtures
 
 from glint.export.checkpoint import convert, load_checkpoint
 from glint.model import quant, transformer
@@ -219,7 +219,7 @@ def test_pallas_int8_matmul_matches_the_reference_in_interpret_mode(m, k, n, loa
     want = x.astype(np.float64) @ (q.astype(np.float64) * scale)
     # small tiles: several N tiles, K split across programs, ragged edges in both
     blocks = Int8Blocks(block_n=32, block_k=16, min_programs=8, loads=loads)
-    got = int8_matmul(jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale), blocks=blocks, interpret=True)
+    got = int8_matmul(jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale), blocks=blocks, interpret=INTERPRET)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
@@ -228,11 +228,11 @@ def test_pallas_int8_matmul_rejects_what_it_does_not_serve():
 
     q, scale = jnp.zeros((8, 4), jnp.int8), jnp.ones((4,), jnp.float32)
     with pytest.raises(ValueError, match="65 rows; the kernel serves decode widths of 1..64 rows"):
-        int8_matmul(jnp.zeros((65, 8)), q, scale, interpret=True)
+        int8_matmul(jnp.zeros((65, 8)), q, scale, interpret=INTERPRET)
     with pytest.raises(ValueError, match=r"got x \(2, 7\), q \(8, 4\)"):
-        int8_matmul(jnp.zeros((2, 7)), q, scale, interpret=True)
+        int8_matmul(jnp.zeros((2, 7)), q, scale, interpret=INTERPRET)
     with pytest.raises(ValueError, match="q must be int8 and scale float32, got float32"):
-        int8_matmul(jnp.zeros((2, 8)), q.astype(jnp.float32), scale, interpret=True)
+        int8_matmul(jnp.zeros((2, 8)), q.astype(jnp.float32), scale, interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("shape,group", [((1, 1), 128), ((5, 3), 2), ((130, 257), 32), ((64, 7), 128),
