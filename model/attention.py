@@ -48,14 +48,15 @@ def softmax_attention(q, k, v, mask, *, scale: float, softcap: float):
     """q [T, Hq, D], k/v [S, Hkv, D], mask bool[T, S] -> [T, Hq, D]; fully masked rows give zeros."""
     num_q, num_kv = q.shape[1], k.shape[1]
     qg = q.reshape(q.shape[0], num_kv, num_q // num_kv, q.shape[2]).astype(jnp.float32)
-    s = jnp.einsum("tkgd,skd->kgts", qg, k.astype(jnp.float32)) * scale
+    highest = jax.lax.Precision.HIGHEST  # float32 math at full precision (no TF32 on GPU), as the model's matmuls
+    s = jnp.einsum("tkgd,skd->kgts", qg, k.astype(jnp.float32), precision=highest) * scale
     if softcap:
         s = softcap * jnp.tanh(s / softcap)
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("kgts,skd->tkgd", p / jnp.where(denom > 0, denom, 1.0), v.astype(jnp.float32))
+    out = jnp.einsum("kgts,skd->tkgd", p / jnp.where(denom > 0, denom, 1.0), v.astype(jnp.float32), precision=highest)
     return out.reshape(q.shape).astype(q.dtype)
 
 

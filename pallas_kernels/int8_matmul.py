@@ -32,6 +32,11 @@ class Int8Blocks:
     loads: str = "gather"  # or "block"
 
 
+def _precision(dtype):
+    """float32 at full precision (IEEE, not TF32) on the GPU, as the model's own matmuls."""
+    return lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
 def _int8_matmul_kernel(
     x_ref,  # [block_m, K] x dtype (rows padded)
     q_ref,  # i8[K, N]
@@ -54,7 +59,8 @@ def _int8_matmul_kernel(
         k_ok = k < num_k
         x = plgpu.load(x_ref.at[m[:, None], k[None, :]], mask=k_ok[None, :], other=0)  # [bm, bk]
         w = plgpu.load(q_ref.at[k[:, None], n[None, :]], mask=k_ok[:, None] & n_ok[None, :], other=0)  # i8[bk, bn]
-        return acc + jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+        return acc + jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32, 
+                         precision=_precision(x.dtype))
 
     acc = lax.fori_loop(0, steps, body, jnp.zeros((block_m, block_n), jnp.float32))
     scale = plgpu.load(scale_ref.at[n], mask=n_ok, other=0.0)
@@ -73,7 +79,8 @@ def _int8_matmul_block_kernel(
     def body(i, acc):
         x = x_ref[:, pl.ds(i * block_k, block_k)]  # [bm, bk]
         w = q_ref[pl.ds(i * block_k, block_k), :]  # i8[bk, bn]
-        return acc + jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+        return acc + jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32, 
+                         precision=_precision(x.dtype))
 
     acc = lax.fori_loop(0, steps, body, jnp.zeros(out_ref.shape[1:], jnp.float32))
     out_ref[0] = acc * scale_ref[...][None, :]
@@ -153,6 +160,5 @@ def int8_matmul(x, q, scale, *, blocks: Int8Blocks = Int8Blocks(), interpret: bo
 
 def int8_matmul_reference(x, q, scale):
     """The same in plain jnp (what glint.model.quant.int8_matmul computes)."""
-    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    y = jnp.dot(x, q.astype(x.dtype), preferred_element_type=jnp.float32, precision=precision)
+    y = jnp.dot(x, q.astype(x.dtype), preferred_element_type=jnp.float32, precision=_precision(x.dtype))
     return (y * scale).astype(x.dtype)

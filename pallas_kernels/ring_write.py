@@ -40,8 +40,9 @@ def _ring_write_kernel(
     c = jnp.arange(block_c, dtype=jnp.int32)
     # Out-of-range slots are dropped rather than written out of bounds.
     ok = (c < row_width) & (slot >= 0) & (slot < num_slots)
-    k = plgpu.load(k_new_ref.at[t, c], mask=ok, other=0)
-    v = plgpu.load(v_new_ref.at[t, c], mask=ok, other=0)
+    # no `other`: the masked lanes are not stored (and Triton cannot cast a fill value to fp8)
+    k = plgpu.load(k_new_ref.at[t, c], mask=ok)
+    v = plgpu.load(v_new_ref.at[t, c], mask=ok)
     plgpu.store(k_out_ref.at[slot, c], k, mask=ok)
     plgpu.store(v_out_ref.at[slot, c], v, mask=ok)
 
