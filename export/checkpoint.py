@@ -90,11 +90,14 @@ def convert(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path, dtype: str 
 
 
 def load_checkpoint(path: str | pathlib.Path, dtype: str | None = None, *, show_progress: bool = False,
-                    quantize: str | None = None, quantize_head: bool = False, quant_group: int | None = None):
+                    quantize: str | None = None, quantize_head: bool = False, quant_group: int | None = None,
+                    place=None):
     """(ModelConfig, params) from an orbax folder written by `convert` or from an HF folder.
 
     `dtype` overrides the stored dtype (norm weights stay float32). `quantize` quantizes an HF folder's
     weights as they load; an orbax folder keeps the format it was converted to (ValueError if another is asked).
+    `place(cfg)`: a function (name, host array) -> device array that puts each weight where it goes (tensor
+    parallelism: `tp.placer`; then params is the flat dict it made); default: onto the default device.
     """
     path = pathlib.Path(path)
     if (path / GLINT_CONFIG).exists():
@@ -114,9 +117,10 @@ def load_checkpoint(path: str | pathlib.Path, dtype: str | None = None, *, show_
         if quantize_head and not cfg.quantize_head:
             raise ValueError(f"{path} holds a full-precision head, asked quantize_head=True: convert the HF "
                              "checkpoint again with --quantize-head")
-        flat = weights.read_params(path / PARAMS_DIR, stored)  # onto the device, ValueErrors naming the array
         if dtype is not None and dtype != cfg.dtype:
             cfg = cfg.replace(dtype=dtype)
+        # onto the device, ValueErrors naming the array
+        flat = weights.read_params(path / PARAMS_DIR, stored, place=None if place is None else place(cfg))
     elif (path / "config.json").exists():
         cfg = ModelConfig.from_hf(path, dtype=dtype)
         cfg, flat = quantized(cfg, read_hf_params(path, cfg, show_progress=show_progress), quantize, quant_group,
@@ -128,11 +132,17 @@ def load_checkpoint(path: str | pathlib.Path, dtype: str | None = None, *, show_
                          "or config.json)")
     like = abstract_params(cfg)
     flat_like = flatten(like)
-    params = {k: jnp.asarray(v, dtype=flat_like[k].dtype) for k, v in flat.items()}
+    if place is None:
+        params = {k: jnp.asarray(v, dtype=flat_like[k].dtype) for k, v in flat.items()}
+    elif (path / GLINT_CONFIG).exists():  # read_params placed them
+        params = flat
+    else:
+        put = place(cfg)
+        params = {k: put(k, np.asarray(v)) for k, v in flat.items()}
     bad = non_finite(params)
     if bad:
         raise ValueError(f"{path}: non-finite values (NaN or inf) in {', '.join(bad[:10])}")
-    return cfg, unflatten(params, like)
+    return cfg, (params if place is not None else unflatten(params, like))
 
 
 @jax.jit

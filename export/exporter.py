@@ -71,6 +71,10 @@ def export_engine(checkpoint: str, out, *, dtype: str | None = None, compiled: b
     """
     from glint.runtime.engine import Engine
 
+    n = engine_config.get("tensor_parallel") or 1
+    if n != 1:
+        raise ValueError(f"export with tensor_parallel={n} is not supported: artifacts run on one device (serve the "
+                         f"checkpoint with tensor_parallel={n} instead)")
     out = pathlib.Path(out)
     check_output_folder(out)
     engine = Engine.from_pretrained(checkpoint, dtype=dtype, **engine_config)

@@ -162,12 +162,18 @@ class Block(nnx.Module):
         self.attn_post_norm = RMSNorm(cfg.hidden_size, eps) if cfg.sandwich_norm else None
         self.mlp_post_norm = RMSNorm(cfg.hidden_size, eps) if cfg.sandwich_norm else None
 
-    def __call__(self, x, rope: dict, attend, cache, meta):
+    def __call__(self, x, rope: dict, attend, cache, meta, axis: str | None = None):
+        """`axis`: under tensor parallelism (model/tp.py), the mesh axis the attention and MLP outputs are summed
+        over (each device computed its heads' and columns' share)."""
         h, cache = self.attn(self.attn_norm(x), rope, attend, cache, meta)
+        if axis is not None:
+            h = jax.lax.psum(h, axis)
         if self.attn_post_norm is not None:
             h = self.attn_post_norm(h)
         x = x + h
         h = self.mlp(self.mlp_norm(x))
+        if axis is not None:
+            h = jax.lax.psum(h, axis)
         if self.mlp_post_norm is not None:
             h = self.mlp_post_norm(h)
         return x + h, cache
@@ -191,15 +197,24 @@ class Transformer(nnx.Module):
         head = quant.Int8Linear if cfg.quantize_head else Linear
         self.head = None if cfg.tie_embeddings else head(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
 
-    def embed_tokens(self, tokens):
-        """Rows of the embedding table (dequantized from int8 with an int8 tied head)."""
+    def embed_tokens(self, tokens, axis: str | None = None):
+        """Rows of the embedding table (dequantized from int8 with an int8 tied head). `axis`: the table is this
+        device's slice of the vocabulary (model/tp.py); the others' rows come from the all-reduce."""
+        if axis is not None:
+            vocab = self.cfg.vocab_size  # this device's rows
+            local = tokens - jax.lax.axis_index(axis) * vocab
+            mine = (local >= 0) & (local < vocab)
+            rows = self.embed_tokens(jnp.where(mine, local, 0))
+            return jax.lax.psum(jnp.where(mine[:, None], rows, jnp.zeros_like(rows)), axis)
         if self.embed is not None:
             return self.embed[...][tokens]
         rows = self.embed_q[...][tokens].astype(jnp.float32) * self.embed_scale[...][tokens][:, None]
         return rows.astype(jnp.dtype(self.cfg.dtype))
 
-    def __call__(self, tokens, positions, attend: AttentionBackend, cache, meta, taps: tuple[int, ...] = ()):
-        """tokens, positions i32[T]; cache: a per-layer sequence handed to the backend (or None).
+    def __call__(self, tokens, positions, attend: AttentionBackend, cache, meta, taps: tuple[int, ...] = (),
+                 axis: str | None = None):
+        """tokens, positions i32[T]; cache: a per-layer sequence handed to the backend (or None); `axis`: the
+        tensor-parallel mesh axis when this is one device's shard of the model (model/tp.py).
 
         With `taps` (layer ids) it also returns the residual stream after each tapped layer, concatenated
         in the order given: f[T, len(taps) * hidden_size], what a DFlash draft reads. As HF's
@@ -208,14 +223,14 @@ class Transformer(nnx.Module):
         bad = [i for i in taps if not 0 <= i < self.cfg.num_layers]
         if bad:
             raise ValueError(f"taps {bad} are not layer ids of a {self.cfg.num_layers}-layer model")
-        x = self.embed_tokens(tokens)
+        x = self.embed_tokens(tokens, axis)
         if self.cfg.embed_scale:  # Gemma rounds the normaliser to the activation dtype
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         rope, new_cache, outputs = rope_tables(self.cfg, positions), [], []
         for i, block in enumerate(self.layers):
-            x, layer_cache = block(x, rope, attend, None if cache is None else cache[i], meta)
+            x, layer_cache = block(x, rope, attend, None if cache is None else cache[i], meta, axis)
             new_cache.append(layer_cache)
             outputs.append(x)
         x, new_cache = self.norm(x), (None if cache is None else type(cache)(new_cache))
@@ -224,8 +239,9 @@ class Transformer(nnx.Module):
         outputs[-1] = x
         return x, new_cache, jnp.concatenate([outputs[i] for i in taps], axis=-1)
 
-    def logits(self, hidden):
-        """hidden [R, hidden_size] -> float32 logits [R, vocab]."""
+    def logits(self, hidden, axis: str | None = None):
+        """hidden [R, hidden_size] -> float32 logits [R, vocab]; `axis`: this device's slice of the vocabulary,
+        all-gathered into the whole (padded) vocabulary on every device (model/tp.py)."""
         if self.cfg.quantize_head:  # int8 q [V, H] (tied) or [H, V], widened inside the dot; scale per vocab entry
             q, scale = (self.embed_q, self.embed_scale) if self.head is None else (self.head.qweight, self.head.scale)
             contract = 1 if self.head is None else 0
@@ -238,7 +254,7 @@ class Transformer(nnx.Module):
                           precision=_precision(hidden.dtype))
         if self.cfg.final_softcap:
             out = self.cfg.final_softcap * jnp.tanh(out / self.cfg.final_softcap)
-        return out
+        return out if axis is None else jax.lax.all_gather(out, axis, axis=1, tiled=True)
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
@@ -261,14 +277,14 @@ def merge(graphdef, params) -> Transformer:
 
 
 def forward(graphdef, params, tokens, positions, attend: AttentionBackend, cache, meta,
-            taps: tuple[int, ...] = ()):
+            taps: tuple[int, ...] = (), axis: str | None = None):
     """Pure forward: -> (final hidden [T, hidden_size], new cache), and the tapped layers' features
     f[T, len(taps) * hidden_size] third when `taps` is given (see `Transformer.__call__`)."""
-    return merge(graphdef, params)(tokens, positions, attend, cache, meta, taps)
+    return merge(graphdef, params)(tokens, positions, attend, cache, meta, taps, axis)
 
 
-def compute_logits(graphdef, params, hidden):
-    return merge(graphdef, params).logits(hidden)
+def compute_logits(graphdef, params, hidden, axis: str | None = None):
+    return merge(graphdef, params).logits(hidden, axis)
 
 
 def full_sequence_logits(graphdef, params, tokens):

@@ -120,6 +120,10 @@ def check_compatible(meta: dict, folder: pathlib.Path) -> None:
 def engine_config(meta: dict, folder: pathlib.Path, overrides: dict) -> EngineConfig:
     """The exported EngineConfig with the caller's overrides, which may not change the geometry."""
     exported = dict(meta["engine"])
+    n = overrides.get("tensor_parallel") or 1
+    if n != 1:
+        raise ValueError(f"{folder}: exported artifacts run on one device; asked tensor_parallel={n}. Serve the "
+                         f"checkpoint itself with tensor_parallel={n}")
     exported["forward_sizes"] = tuple(exported["forward_sizes"])
     exported.setdefault("max_prefill_chunk", exported["max_step_tokens"])  # artifacts from before the limit
     for name in GEOMETRY_FIELDS:

@@ -125,7 +125,8 @@ class StepBench:
         finally:
             for seq in seqs:
                 control.seq_rm(seq)
-        ideal = (self.weight_bytes + self.kv_bytes(batch, context)) / self.bandwidth
+        # over N devices (tensor parallel) each reads its 1/N: the roofline is their summed bandwidth
+        ideal = (self.weight_bytes + self.kv_bytes(batch, context)) / (self.bandwidth * eng.config.tensor_parallel)
         return StepTiming(width, batch, context, 1e3 * device, 1e3 * host, batch * q_len / device,
                           100 * ideal / device)
 
@@ -179,12 +180,14 @@ def end_to_end(engine: Engine, num_requests: int, prompt_len: int, gen_len: int,
 
 
 def workload_ceiling(engine: Engine, bench: StepBench, e2e: dict, flops: float) -> float:
-    """Output tokens/s if prefill ran at the matmul rate and decode at the copy bandwidth (mean lengths)."""
+    """Output tokens/s if prefill ran at the matmul rate and decode at the copy bandwidth (mean lengths), of
+    every device together (tensor parallel)."""
     n, p, g = e2e["requests"], e2e["prompt_len"], e2e["gen_len"]
-    prefill_s = 2 * engine.model.num_params * n * p / flops
+    devices = engine.config.tensor_parallel
+    prefill_s = 2 * engine.model.num_params * n * p / (flops * devices)
     batch = min(n, engine.config.max_seqs)
     decode_steps = g * -(-n // batch)
-    decode_s = decode_steps * (bench.weight_bytes + bench.kv_bytes(batch, p + g // 2)) / bench.bandwidth
+    decode_s = decode_steps * (bench.weight_bytes + bench.kv_bytes(batch, p + g // 2)) / (bench.bandwidth * devices)
     return n * g / (prefill_s + decode_s)
 
 
@@ -195,7 +198,7 @@ def engine_settings(args) -> dict:
                 capacity=args.prompt_len + args.gen_len + args.max_step_tokens, attention=args.attention,
                 compile_cache=args.compile_cache, **({"quantize": args.quantize} if args.quantize else {}),
                 **({"quantize_head": True} if args.quantize_head else {}), kv_cache_dtype=args.kv_cache_dtype,
-                allow_long_context=True)  # a speed test: the synthetic context may pass the model's
+                tensor_parallel=args.tensor_parallel, allow_long_context=True)  # a speed test: the synthetic context may pass the model's
 
 
 def run_cold_start(args) -> dict:

@@ -53,6 +53,9 @@ def _engine_args(p) -> None:
                    "bf16 cache's bytes, unscaled and saturating at +-448)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="do not share the KV pages of prompt prefixes between requests (automatic prefix caching)")
+    p.add_argument("--tp", "--tensor-parallel", dest="tensor_parallel", type=int,
+                   help="split the model over this many local devices: heads, MLP and vocabulary 1/N each, the KV "
+                   "cache by KV head (default 1)")
     p.add_argument("--allow-long-context", action="store_true",
                    help="let --capacity exceed the model's max_position_embeddings")
     p.add_argument("--deterministic", action="store_true",
@@ -67,7 +70,7 @@ def _engine_args(p) -> None:
 def _engine_config(args) -> dict:
     """The engine settings given on the command line (the rest keep EngineConfig's or the artifact's)."""
     names = ("max_seqs", "page_size", "max_step_tokens", "max_prefill_chunk", "max_sample_rows", "num_pages",
-             "capacity", "attention", "num_speculative_tokens", "kv_cache_dtype")
+             "capacity", "attention", "num_speculative_tokens", "kv_cache_dtype", "tensor_parallel")
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     for flag in ("allow_long_context", "deterministic"):
         if getattr(args, flag):
@@ -318,6 +321,8 @@ def _register_bench(sub) -> None:
     p.add_argument("--quantize-head", action="store_true", help=QUANTIZE_HEAD_HELP)
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_CHOICES, default="auto",
                    help="the KV cache's element type (auto: the model's dtype; fp8: float8_e4m3fn)")
+    p.add_argument("--tp", "--tensor-parallel", dest="tensor_parallel", type=int, default=1,
+                   help="split the model over this many local devices (the roofline: their summed bandwidth)")
     p.add_argument("--shared-prefix", type=int, default=0,
                    help="instead: the prefix cache on and off, --requests prompts of this many shared tokens + "
                         "--prompt-len of their own -> --gen-len (and the same lengths sharing nothing)")

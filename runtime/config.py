@@ -45,6 +45,9 @@ class EngineConfig:
     # Speculative decoding: draft tokens a decoding sequence verifies per step (0: none; needs a drafter).
     num_speculative_tokens: int = 0
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    # Devices the model is split over (model/tp.py): heads, MLP columns and vocabulary 1/N each, the KV pools by
+    # KV head; the first N local devices.
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         k = self.num_speculative_tokens
@@ -91,6 +94,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention {self.attention!r} is not one of {ATTENTION_IMPLS}")
+        n = self.tensor_parallel
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"tensor_parallel must be a positive int, got {n!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {tuple(KV_CACHE_DTYPES)}")
 

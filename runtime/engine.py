@@ -38,15 +38,20 @@ def cache_config_for(model, config: EngineConfig, draft=None) -> CacheConfig:
                          "to serve beyond it anyway")
     capacity = resolved_capacity(model, config)
     chunk = config.for_model(model.layer_windows, capacity).max_prefill_chunk
-    layers = [(w, model.num_kv_heads, model.head_dim) for w in model.layer_windows]
+    # Over N devices the pools hold max(kv heads, N) heads (model/tp.py replicates KV heads N exceeds), 1/N per
+    # device: the free memory of one device sizes its share.
+    n = config.tensor_parallel
+    kv = max(model.num_kv_heads, n)
+    layers = [(w, kv, model.head_dim) for w in model.layer_windows]
     if draft is not None:
         layers += [(0, draft.num_kv_heads, draft.head_dim)] * draft.num_layers
     windows, kv_heads, head_dim = (tuple(column) for column in zip(*layers))
     fields = dict(page_size=config.page_size, max_seqs=config.max_seqs, max_write=config.buckets[-1],
-                  max_seq_write=chunk, capacity=capacity, windows=windows, kv_heads=kv_heads, head_dim=head_dim,
+                  max_seq_write=chunk, capacity=capacity, windows=windows, head_dim=head_dim,
                   dtype=config.kv_dtype(model.dtype))
-    num_pages = config.num_pages or default_num_pages(CacheConfig(num_pages=2, **fields), config.memory_fraction)
-    return CacheConfig(num_pages=num_pages, **fields)
+    num_pages = config.num_pages or default_num_pages(
+        CacheConfig(num_pages=2, kv_heads=tuple(h // n for h in kv_heads), **fields), config.memory_fraction)
+    return CacheConfig(num_pages=num_pages, kv_heads=kv_heads, **fields)
 
 
 @dataclasses.dataclass
@@ -123,13 +128,20 @@ class Engine:
         draft = drafter.cfg if isinstance(drafter, spec.DFlashDrafter) else None
         cache = cache_config_for(model, config, draft)
         flat = flatten(params)  # programs take {"dotted.name": array}; a flat dict stays as it is
+        n = config.tensor_parallel
+        if n > 1:  # split over n devices (kept where the loader already placed it so)
+            from glint.model import tp, transformer
+
+            tp.check(model, n)
+            local = flatten(transformer.split(transformer.abstract_model(tp.local_config(model, n)))[1])
+            flat = tp.shard_params(model, n, flat, local)
         if draft is not None:
             from glint.model.dflash import check_fits, flatten_params
 
             check_fits(draft, model)
             flat |= flatten_params(drafter.params)
         programs = live_programs(model, flat, cache, impl, config.buckets, config.max_seqs, config.max_sample_rows,
-                                 draft=draft)
+                                 draft=draft, tensor_parallel=n)
         self.graphdef = graphdef
         self._start(model, config, cache, impl, programs, flat, tokenizer, drafter)
         if warmup:
@@ -207,7 +219,8 @@ class Engine:
         config = EngineConfig(**engine_config)
         compile_cache.configure(config.compile_cache)  # before loading: random weights compile too
         cfg, graphdef, params, tokenizer = load_model(path, dtype=dtype, seed=weights_seed, quantize=quantize,
-                                                      quantize_head=quantize_head, quant_group=quant_group)
+                                                      quantize_head=quantize_head, quant_group=quant_group,
+                                                      tensor_parallel=config.tensor_parallel)
         if is_dflash:
             drafter = spec.DFlashDrafter(*dflash.load_draft(draft, cfg, dtype=cfg.dtype))
         return cls(cfg, graphdef, params, config, tokenizer=tokenizer, warmup=warmup, drafter=drafter)

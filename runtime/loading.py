@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from glint.export.checkpoint import GLINT_CONFIG, load_checkpoint
-from glint.model import transformer
+from glint.model import tp, transformer
 from glint.model.config import ModelConfig
 from glint.model.presets import PRESETS, preset
 from glint.runtime.tokenizer import load_tokenizer
@@ -42,25 +42,53 @@ def resolve_config(name_or_path: str, dtype: str | None = None, quantize: str | 
 
 
 def load_model(name_or_path: str, dtype: str | None = None, seed: int = 0, quantize: str | None = None,
-               quantize_head: bool = False, quant_group: int | None = None):
+               quantize_head: bool = False, quant_group: int | None = None, tensor_parallel: int = 1):
     """(cfg, graphdef, params, tokenizer or None). Presets get random weights built on the device.
 
     `dtype` defaults to the checkpoint's own (bfloat16 for presets); `quantize` ("int8", "int4", "fp8") the
-    linears' format and `quantize_head` an int8 head (a converted checkpoint keeps its own)."""
+    linears' format and `quantize_head` an int8 head (a converted checkpoint keeps its own). With
+    `tensor_parallel` N > 1 the params are the flat dict of global arrays on the N-device mesh (model/tp.py),
+    each device's shard copied to it alone (random ones drawn there)."""
+    n = tensor_parallel
     if name_or_path in PRESETS:
         cfg = resolve_config(name_or_path, dtype, quantize, quantize_head, quant_group)
         graphdef, shapes = transformer.split(transformer.abstract_model(cfg))
-        return cfg, graphdef, random_params(shapes, seed), None
+        if n == 1:
+            return cfg, graphdef, random_params(shapes, seed), None
+        tp.check(cfg, n)
+        return cfg, graphdef, random_params(tp.global_shapes(cfg, n, _local_like(cfg, n)), seed), None
+    place = None
+    if n > 1:
+        tp.check(resolve_config(name_or_path, dtype, quantize, quantize_head, quant_group), n)
+        place = lambda cfg: tp.placer(cfg, n, _local_like(cfg, n))  # noqa: E731
     cfg, params = load_checkpoint(name_or_path, dtype=dtype, quantize=quantize, quantize_head=quantize_head,
-                                  quant_group=quant_group)
+                                  quant_group=quant_group, place=place)
     graphdef = transformer.split(transformer.abstract_model(cfg))[0]
     return cfg, graphdef, params, load_tokenizer(pathlib.Path(name_or_path))
+
+
+def _local_like(cfg: ModelConfig, n: int) -> dict:
+    """Flat shapes of one device's shard of the model."""
+    from glint.export.checkpoint import flatten
+
+    return flatten(transformer.split(transformer.abstract_model(tp.local_config(cfg, n)))[1])
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype"))
 def _normal(key, shape, dtype):
     scale = 1.0 if len(shape) == 1 else shape[0] ** -0.5  # fan-in scaling for [in, out] kernels
     return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _drawer(kind: str, shape: tuple, dtype, sharding):
+    """(key, fill) -> a random leaf of `kind` ("normal", "quantized", "full"), built in `sharding` (each device
+    draws its own shard; None: where jax puts it). One compile per distinct leaf kind, shape and sharding."""
+    like = jax.ShapeDtypeStruct(shape, dtype)
+    draw = {"normal": lambda key, fill: _normal(key, shape, dtype),
+            "quantized": lambda key, fill: _random_quantized(key, like),
+            "full": lambda key, fill: jnp.full(shape, fill, dtype)}[kind]
+    return jax.jit(draw, out_shardings=sharding)
 
 
 # Spread (std) of a random quantized value: int8 uniform in [-127, 127], an int4 nibble uniform in [-8, 7], fp8
@@ -80,7 +108,8 @@ def random_params(shapes, seed: int = 0):
     """Random weights built on the device leaf by leaf (one small compile per distinct shape, not one
     giant program); float32 1-D leaves are norm weights and start at one; quantized weights (model/quant.py:
     "<linear>.qweight", a tied int8 head's "embed_q") are uniform or normal in their format's range, and their
-    scales give the dequantized kernel the fan-in scaling of a full-precision one."""
+    scales give the dequantized kernel the fan-in scaling of a full-precision one. Shapes that carry a
+    sharding (tensor parallelism) are drawn in it."""
     paths, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     leaves = {".".join(str(getattr(k, "key", k)) for k in path): x for path, x in paths}
     key = jax.random.key(seed)
@@ -89,15 +118,16 @@ def random_params(shapes, seed: int = 0):
         k = jax.random.fold_in(key, i)
         base, _, field = name.rpartition(".")
         quantized = "embed_q" if name == "embed_scale" else f"{base}.qweight" if field == "scale" else None
+        fill = 0.0
         if name == "embed_q" or field == "qweight":
-            value = _random_quantized(k, x)
+            kind = "quantized"
         elif quantized in leaves:
             q = leaves[quantized]
             fan_in = q.shape[1] if q.dtype == jnp.float8_e4m3fn else q.shape[0]  # fp8 kernels are [out, in]
-            value = jnp.full(x.shape, fan_in ** -0.5 / _SPREAD[jnp.dtype(q.dtype)], x.dtype)
+            kind, fill = "full", fan_in ** -0.5 / _SPREAD[jnp.dtype(q.dtype)]
         elif x.ndim == 1 and x.dtype == jnp.float32:
-            value = jnp.ones(x.shape, x.dtype)
+            kind, fill = "full", 1.0
         else:
-            value = _normal(k, x.shape, x.dtype)
-        out.append(value)
+            kind = "normal"
+        out.append(_drawer(kind, tuple(x.shape), jnp.dtype(x.dtype), getattr(x, "sharding", None))(k, fill))
     return jax.tree.unflatten(treedef, out)

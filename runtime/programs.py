@@ -79,12 +79,17 @@ def num_segments(width: int, max_seqs: int) -> int:
     return min(width, max_seqs)
 
 
-def _spec(shape, dtype) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
+def kv_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
+    """The KV pools [num_pages, page_size, kv_heads, head_dim] over a tensor-parallel mesh: split by KV head."""
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, mesh.axis_names[0], None))
 
 
-def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, rows: int, vocab_size: int) -> tuple:
+def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, rows: int, vocab_size: int,
+                  mesh: jax.sharding.Mesh | None = None) -> tuple:
     """The abstract arguments program `name` is compiled for (params: flat dict of arrays or specs).
+
+    With a tensor-parallel `mesh` every argument carries its sharding: the KV pools split by KV head
+    (`kv_sharding`), the parameters their own (model/tp.py), the rest replicated.
 
     forward_W: (params, (k, v), tokens i32[W], token_src i32[W], prev_tokens i32[R],
                 (positions i32[W], slots, seq_info i32[S, 4], page_tables), rows i32[R],
@@ -96,8 +101,14 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
     copy:      ((k, v), per group i32[COPY_ROWS, 2])
     kv_init:   () -> the zeroed pools (k, v)
     """
+    replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def _spec(shape, dtype, sharding=replicated) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=sharding)
+
     i32 = lambda *shape: _spec(shape, np.int32)  # noqa: E731
-    kv = (tuple(_spec((cache.num_pages, cache.page_size, cache.kv_heads[l], cache.head_dim[l]), cache.dtype)
+    pools = None if mesh is None else kv_sharding(mesh)
+    kv = (tuple(_spec((cache.num_pages, cache.page_size, cache.kv_heads[l], cache.head_dim[l]), cache.dtype, pools)
                 for l in range(cache.num_layers)),) * 2
     sampler = (_spec((rows,), np.float32), i32(rows), _spec((rows,), np.float32), _spec((rows,), np.uint32), i32(rows))
     logits = _spec((rows, vocab_size), np.float32)
@@ -116,7 +127,7 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
     s = num_segments(width, max_seqs)
     meta = (i32(width), tuple(i32(width) for _ in range(cache.num_groups)), i32(s, 4),
             tuple(i32(s, cache.group_pages_per_seq(g)) for g in range(cache.num_groups)))
-    params = {k: _spec(v.shape, v.dtype) for k, v in params.items()}
+    params = {k: _spec(v.shape, v.dtype, None if mesh is None else v.sharding) for k, v in params.items()}
     if kind == "draft":
         return params, kv, i32(width), i32(width), meta, i32(rows)
     return params, kv, i32(width), i32(width), i32(rows), meta, i32(rows), sampler

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from glint.export.checkpoint import unflatten
+from glint.export.checkpoint import flatten, unflatten
 from glint.kvcache import CacheConfig, KVState, apply_copies
-from glint.model import dflash, transformer
+from glint.model import dflash, tp, transformer
 from glint.model.attention import LayerAttention
 from glint.model.config import ModelConfig
 from glint.model.dflash import DraftConfig
@@ -22,7 +22,7 @@ from glint.pallas_kernels import (ring_write, ring_write_reference, varlen_atten
                                   varlen_attention_reference)
 from glint.runtime.params import MAX_LOGPROBS
 from glint.runtime.programs import (COPY_DONATE_ARGNUMS, FORWARD_DONATE_ARGNUMS, DeviceMeta, Program, ProgramSet,
-                                    abstract_args, draft_name, forward_name)
+                                    abstract_args, draft_name, forward_name, kv_sharding)
 from glint.runtime.sampling import SamplerInputs, logprobs, sample, sample_argmax
 
 
@@ -60,8 +60,9 @@ class PagedAttention:
 
 
 def run_model(graphdef, backend, params, kv: KVState, tokens, meta: DeviceMeta, rows,
-              draft: DraftConfig | None = None, flat: dict | None = None):
-    """Forward over the step's tokens; logits f32[R, V] only for the selected `rows` i32[R].
+              draft: DraftConfig | None = None, flat: dict | None = None, axis: str | None = None):
+    """Forward over the step's tokens; logits f32[R, V] only for the selected `rows` i32[R]. `axis`: the
+    tensor-parallel mesh axis, when this runs one device's shard of the model (model/tp.py).
 
     With a DFlash `draft` (its weights in the `flat` dict) the step also writes every row's draft context (the
     tapped target layers through `fc` and `hidden_norm`, then each draft layer's K/V) into the draft's pools,
@@ -70,7 +71,7 @@ def run_model(graphdef, backend, params, kv: KVState, tokens, meta: DeviceMeta, 
     n = len(kv.k) - (draft.num_layers if draft is not None else 0)  # the target's layers come first
     taps = draft.target_layer_ids if draft is not None else ()
     hidden, layers, *tapped = transformer.forward(graphdef, params, tokens, meta.positions, backend,
-                                                  list(zip(kv.k[:n], kv.v[:n])), meta, taps=taps)
+                                                  list(zip(kv.k[:n], kv.v[:n])), meta, taps=taps, axis=axis)
     if draft is not None:
         dp = dflash.unflatten_params(flat, draft)
         features = dflash.context_features(dp, draft, tapped[0])
@@ -78,7 +79,7 @@ def run_model(graphdef, backend, params, kv: KVState, tokens, meta: DeviceMeta, 
             layers.append(backend.write(n + i, (kv.k[n + i], kv.v[n + i]),
                                         *dflash.context_kv(dp, draft, i, features, meta.positions), meta))
     kv = KVState(k=tuple(k for k, _ in layers), v=tuple(v for _, v in layers))
-    return transformer.compute_logits(graphdef, params, hidden[rows]), kv
+    return transformer.compute_logits(graphdef, params, hidden[rows], axis), kv
 
 
 @functools.lru_cache(maxsize=16)
@@ -113,10 +114,13 @@ def make_draft_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: Draf
 
 
 @functools.lru_cache(maxsize=16)
-def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: DraftConfig | None = None):
+def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: DraftConfig | None = None,
+                 tensor_parallel: int = 1):
     """The engine's step (one program per width): (flat params, (k, v), tokens, token_src, prev_tokens,
     meta tuple, rows, sampler tuple) -> (tokens i32[R], logits f32[R, V], (k, v)). With a DFlash `draft`,
-    the step also writes the draft's context (`run_model`).
+    the step also writes the draft's context (`run_model`). With `tensor_parallel` N > 1 it runs under
+    shard_map over N devices, each on its shard of the model (model/tp.py) and of the KV pools; what it
+    returns besides the pools is the same on every device.
 
     Token t is `prev_tokens[token_src[t]]` where token_src[t] >= 0 (a token sampled by the previous
     step, still on the device), else `tokens[t]`. The returned tokens are drawn without top-k/top-p
@@ -125,15 +129,26 @@ def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: Draft
     share their programs.
     """
     backend = PagedAttention(cache, impl)
-    graphdef, like = transformer.split(transformer.abstract_model(model))
+    n = tensor_parallel
+    graphdef, like = transformer.split(transformer.abstract_model(tp.local_config(model, n)))
+    axis = tp.AXIS if n > 1 else None
 
     def step(params, kv, tokens, token_src, prev_tokens, meta, rows, sampler):
         tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], tokens)
         meta = DeviceMeta.from_args(meta)
         logits, kv = run_model(graphdef, backend, unflatten(params, like), KVState(*kv), tokens, meta, rows, draft,
-                               params)
+                               params, axis)
+        logits = logits[:, :model.vocab_size]  # under tensor parallelism, the vocabulary's padding cut off
         return sample(logits, SamplerInputs(*sampler), is_filtered=False), logits, (kv.k, kv.v)
 
+    if n > 1:
+        from jax.sharding import PartitionSpec as P
+
+        pools = (tuple(kv_sharding(tp.mesh(n)).spec for _ in range(cache.num_layers)),) * 2
+        # check_vma off: the Pallas calls declare no varying axes; the replicated outputs are replicated by
+        # construction (everything after the logits' all-gather is the same computation on every device).
+        step = jax.shard_map(step, mesh=tp.mesh(n), in_specs=(tp.param_specs(model, flatten(like)), pools) + (P(),) * 6,
+                             out_specs=(P(), P(), pools), check_vma=False)
     return jax.jit(step, donate_argnums=FORWARD_DONATE_ARGNUMS)
 
 
@@ -152,39 +167,52 @@ def _logprobs(logits, tokens):
     return tuple(logprobs(logits, tokens, MAX_LOGPROBS))
 
 
+def _pool_shardings(cache: CacheConfig, tensor_parallel: int):
+    """out_shardings of programs that return the pools: split by KV head over the mesh (None: one device)."""
+    if tensor_parallel == 1:
+        return None
+    return (tuple(kv_sharding(tp.mesh(tensor_parallel)) for _ in range(cache.num_layers)),) * 2
+
+
 @functools.lru_cache(maxsize=16)
-def make_kv_init_fn(cache: CacheConfig):
+def make_kv_init_fn(cache: CacheConfig, tensor_parallel: int = 1):
     """The zeroed KV pools, (k, v): a program, so an engine (an artifact too) creates them without compiling."""
 
     def kv_init():
         state = KVState.create(cache)
         return state.k, state.v
 
-    return jax.jit(kv_init)
+    return jax.jit(kv_init, out_shardings=_pool_shardings(cache, tensor_parallel))
 
 
 @functools.lru_cache(maxsize=16)
-def make_copy_fn(cache: CacheConfig):
-    """Copy-on-write page copies, run before a step that writes into shared pages."""
+def make_copy_fn(cache: CacheConfig, tensor_parallel: int = 1):
+    """Copy-on-write page copies, run before a step that writes into shared pages (each device its heads')."""
 
     def copy(kv, copies):
         out = apply_copies(KVState(*kv), cache, copies)
         return out.k, out.v
 
-    return jax.jit(copy, donate_argnums=COPY_DONATE_ARGNUMS)
+    return jax.jit(copy, donate_argnums=COPY_DONATE_ARGNUMS, out_shardings=_pool_shardings(cache, tensor_parallel))
 
 
 def live_programs(model: ModelConfig, params: dict, cache: CacheConfig, impl: str, widths, max_seqs: int,
-                  rows: int, draft: DraftConfig | None = None) -> ProgramSet:
+                  rows: int, draft: DraftConfig | None = None, tensor_parallel: int = 1) -> ProgramSet:
     """Every program an engine runs, for the live model (params: the flat parameter dict, with the draft's
-    under "draft."); a DFlash `draft` adds its drafting programs."""
-    fns = {forward_name(w): make_step_fn(model, cache, impl, draft) for w in widths}
-    fns.update(sample=_sample_filtered, sample_argmax=_sample_argmax, logprobs=_logprobs, copy=make_copy_fn(cache),
-               kv_init=make_kv_init_fn(cache))
+    under "draft."; with `tensor_parallel` N > 1, global arrays on the N-device mesh, `tp.shard_params`); a
+    DFlash `draft` adds its drafting programs."""
+    n = tensor_parallel
+    if n > 1 and draft is not None:
+        raise ValueError(f"tensor_parallel {n} with a DFlash draft is not supported (the draft runs on one device): "
+                         "use tensor_parallel=1, or an n-gram drafter")
+    fns = {forward_name(w): make_step_fn(model, cache, impl, draft, n) for w in widths}
+    fns.update(sample=_sample_filtered, sample_argmax=_sample_argmax, logprobs=_logprobs,
+               copy=make_copy_fn(cache, n), kv_init=make_kv_init_fn(cache, n))
     if draft is not None:
         fns.update({draft_name(w): make_draft_fn(model, cache, impl, draft) for w in widths})
-    programs = {name: Program(fn, abstract_args(name, params, cache, max_seqs, rows, model.vocab_size))
+    mesh = tp.mesh(n) if n > 1 else None
+    programs = {name: Program(fn, abstract_args(name, params, cache, max_seqs, rows, model.vocab_size, mesh))
                 for name, fn in fns.items()}
-    identity = repr((model, cache, impl, max_seqs, rows, draft,
+    identity = repr((model, cache, impl, max_seqs, rows, draft, n,
                      sorted((k, v.shape, str(v.dtype)) for k, v in params.items())))
     return ProgramSet(programs, identity=identity)

@@ -106,11 +106,13 @@ def start_device() -> concurrent.futures.Future:
 
 
 def read_params(folder, like: dict, device: jax.Device | concurrent.futures.Future | None = None, *,
-                num_threads: int = NUM_THREADS, read_ahead_bytes: int | None = None) -> dict[str, jax.Array]:
+                num_threads: int = NUM_THREADS, read_ahead_bytes: int | None = None,
+                place=None) -> dict[str, jax.Array]:
     """{name: array on `device`} for every name of `like` ({name: ShapeDtypeStruct or array}) from the orbax
     folder `folder`; arrays stored in another dtype are cast to `like`'s. ValueError naming the folder and the
     array for a missing, unexpected, mis-shaped or unreadable array. `device` may be `start_device()`'s future:
-    the reads begin while it starts."""
+    the reads begin while it starts. `place(name, host array)`, given, puts each array instead (tensor
+    parallelism: its shards onto their devices, model/tp.py)."""
     import tensorstore as ts
 
     folder = pathlib.Path(folder).absolute()
@@ -142,6 +144,8 @@ def read_params(folder, like: dict, device: jax.Device | concurrent.futures.Futu
 
     def copy(name: str, host: np.ndarray, held: int) -> tuple[str, jax.Array]:
         try:
+            if place is not None:
+                return name, jax.block_until_ready(place(name, host))
             target = device.result() if isinstance(device, concurrent.futures.Future) else device
             return name, jax.block_until_ready(jax.device_put(host, target))
         finally:

@@ -10,6 +10,11 @@ INTERPRET = not ON_GPU
 PALLAS = "pallas" if ON_GPU else "interpret"
 if not ON_GPU:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # Four CPU devices, for the tensor-parallel tests (tests/test_tp.py); everything else runs on the first.
+    TP_DEVICES = 4
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={TP_DEVICES}").strip()
 # Each test run compiles into a fresh persistent cache of its own (never the user's ~/.cache/glint), one that its
 # xdist workers share: a program one worker compiled, the other loads (JAX locks the cache's files).
 # No size limit: with one, JAX scans every entry under a lock for each one it adds (quadratic in a test run).

@@ -1,0 +1,225 @@
+"""Tensor parallelism: the model split over a 1-D mesh of N devices (Megatron's layout, JAX's own sharding).
+
+Each device holds 1/N of the attention heads and of the MLP's intermediate columns, and 1/N of the vocabulary
+(embedding rows, head columns). The step runs under `jax.shard_map`: every device runs the model on its shard
+(the Pallas kernels on its local heads and its local KV pools), with one all-reduce after the attention output
+projection and one after the MLP down projection (`transformer.Block`); the token embedding is a masked lookup
+plus an all-reduce, and the logits are all-gathered so the sampler sees the whole distribution, the same on
+every device.
+
+KV heads split across devices when N divides them; when N exceeds them (N a multiple of the KV heads), each KV
+head is replicated on N / num_kv_heads devices (as vLLM does): each device still holds exactly the one KV head
+its query heads read, and the KV pools hold N heads. The vocabulary is padded to a multiple of N (zero rows;
+the padded logits are cut off after the gather).
+
+The parameters are global arrays whose shard on device d is d's local block, in the local model's own layout:
+the fused q/k/v kernel's shard is [d's q heads, its k heads, its v heads], gate_up's is [d's gate, d's up].
+`shard_params` builds them from full-layout host arrays, each device's block cut and copied straight to it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from glint.model.config import ModelConfig
+
+AXIS = "tp"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one parameter splits: along its logical `dim` ("col": output features, "row": input features,
+    "vocab": the vocabulary), in `segments` of the logical axis (each split 1/N per device, or "kv": KV heads,
+    replicated when N exceeds them)."""
+
+    dim: str
+    segments: tuple[tuple[int, str], ...]  # (logical length, "split" | "kv")
+
+
+def check(cfg: ModelConfig, n: int) -> None:
+    """ValueError naming the value and the limit when `cfg` cannot be split over `n` devices."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"tensor_parallel must be a positive int, got {n!r}")
+    if n == 1:
+        return
+    available = len(jax.devices())
+    if n > available:
+        raise ValueError(f"tensor_parallel {n} exceeds the {available} {jax.default_backend()} device(s) here")
+    if cfg.num_heads % n:
+        raise ValueError(f"tensor_parallel {n} must divide num_heads {cfg.num_heads}")
+    k = cfg.num_kv_heads
+    if k % n and n % k:
+        raise ValueError(f"tensor_parallel {n} must divide num_kv_heads {k} or be a multiple of it (then each KV "
+                         "head is replicated)")
+    if cfg.intermediate_size % n:
+        raise ValueError(f"tensor_parallel {n} must divide intermediate_size {cfg.intermediate_size}")
+    if cfg.quantize == "int4":
+        for name, rows in (("num_heads * head_dim", cfg.num_heads * cfg.head_dim),
+                           ("intermediate_size", cfg.intermediate_size)):
+            if rows // n % cfg.quant_group:
+                raise ValueError(f"tensor_parallel {n}: each device's {rows // n} input rows of the row-split "
+                                 f"linears ({name} / {n}) must be whole int4 groups of {cfg.quant_group}")
+
+
+def kv_heads(cfg: ModelConfig, n: int) -> int:
+    """KV heads the model holds over `n` devices: its own, or `n` when they are replicated."""
+    return max(cfg.num_kv_heads, n)
+
+
+def padded_vocab(cfg: ModelConfig, n: int) -> int:
+    return math.ceil(cfg.vocab_size / n) * n
+
+
+def local_config(cfg: ModelConfig, n: int) -> ModelConfig:
+    """The model one device runs: its heads, KV heads, intermediate columns and vocabulary rows."""
+    if n == 1:
+        return cfg
+    return cfg.replace(num_heads=cfg.num_heads // n, num_kv_heads=kv_heads(cfg, n) // n,
+                       intermediate_size=cfg.intermediate_size // n, vocab_size=padded_vocab(cfg, n) // n)
+
+
+def layout(cfg: ModelConfig, name: str) -> Layout | None:
+    """The split of flat parameter `name` ("layers.3.attn.wqkv.qweight"), None for a replicated one (norms)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    linear = name.rsplit(".", 1)[0]
+    if name in ("embed", "embed_q", "embed_scale") or linear == "head":
+        return Layout("vocab", ((cfg.vocab_size, "split"),))
+    for pattern, lay in ((r"layers\.\d+\.attn\.wqkv", Layout("col", ((q, "split"), (kv, "kv"), (kv, "kv")))),
+                         (r"layers\.\d+\.attn\.wg", Layout("col", ((q, "split"),))),
+                         (r"layers\.\d+\.attn\.wo", Layout("row", ((q, "split"),))),
+                         (r"layers\.\d+\.mlp\.gate_up", Layout("col", ((cfg.intermediate_size, "split"),) * 2)),
+                         (r"layers\.\d+\.mlp\.down", Layout("row", ((cfg.intermediate_size, "split"),)))):
+        if re.fullmatch(pattern, linear):
+            return lay
+    return None
+
+
+def storage(cfg: ModelConfig, name: str, lay: Layout | None) -> tuple[int | None, int]:
+    """(array axis the split runs along, logical entries per stored element) of parameter `name` in the weight
+    format of `cfg` (model/quant.py): None for a replicated array (a row-split linear's per-column scale)."""
+    if lay is None:
+        return None, 1
+    field = name.rsplit(".", 1)[-1]
+    if lay.dim == "vocab":  # embed / embed_q [V, H], embed_scale [V], head kernel / qweight [H, V], head scale [V]
+        return (1 if name in ("head.kernel", "head.qweight") else 0), 1
+    fmt = cfg.quantize
+    col = lay.dim == "col"
+    if field == "kernel" or fmt == "int8":
+        return (1 if col else 0) if field != "scale" else (0 if col else None), 1
+    if fmt == "int4":  # qweight u8[in, out / 2] (two columns per byte), scale [in / group, out]
+        if field == "qweight":
+            return (1, 2) if col else (0, 1)
+        return (1, 1) if col else (0, cfg.quant_group)
+    # fp8: qweight [out, in], scale [out]
+    if field == "qweight":
+        return (0 if col else 1), 1
+    return (0 if col else None), 1
+
+
+def _ranges(cfg: ModelConfig, lay: Layout, d: int, n: int) -> list[tuple[int, int]]:
+    """Device d's [start, stop) ranges of the logical axis of a parameter laid out as `lay`."""
+    out, offset = [], 0
+    for length, kind in lay.segments:
+        if kind == "kv" and n > cfg.num_kv_heads:  # replicated: the KV head d's query heads read
+            head = d // (n // cfg.num_kv_heads)
+            out.append((offset + head * cfg.head_dim, offset + (head + 1) * cfg.head_dim))
+        else:
+            size = math.ceil(length / n) if lay.dim == "vocab" else length // n
+            out.append((offset + d * size, offset + (d + 1) * size))
+        offset += length
+    return out
+
+
+def local_block(cfg: ModelConfig, name: str, full: np.ndarray, d: int, n: int) -> np.ndarray:
+    """Device d's shard of parameter `name`, cut from its full (unsplit) host array."""
+    lay = layout(cfg, name)
+    axis, unit = storage(cfg, name, lay)
+    if axis is None:
+        return full
+    if lay.dim == "vocab" and full.shape[axis] < padded_vocab(cfg, n):  # zero rows up to a multiple of n
+        pad = [(0, 0)] * full.ndim
+        pad[axis] = (0, padded_vocab(cfg, n) - full.shape[axis])
+        full = np.pad(full, pad)
+    parts = []
+    for start, stop in _ranges(cfg, lay, d, n):
+        if start % unit or stop % unit:
+            raise ValueError(f"{name}: device {d}'s entries [{start}, {stop}) are not whole stored elements of "
+                             f"{unit}")
+        parts.append(np.take(full, np.arange(start // unit, stop // unit), axis=axis))
+    return np.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0]
+
+
+@functools.lru_cache(maxsize=8)
+def mesh(n: int) -> Mesh:
+    """The 1-D mesh over the first `n` local devices."""
+    return Mesh(np.array(jax.devices()[:n]), (AXIS,))
+
+
+def spec(cfg: ModelConfig, name: str, ndim: int) -> P:
+    """The PartitionSpec of parameter `name` (an array of `ndim` axes) over the mesh."""
+    axis = storage(cfg, name, layout(cfg, name))[0]
+    return P() if axis is None else P(*([None] * axis + [AXIS]))
+
+
+def param_specs(cfg: ModelConfig, like: dict) -> dict[str, P]:
+    return {name: spec(cfg, name, len(x.shape)) for name, x in like.items()}
+
+
+KV_SPEC = P(None, None, AXIS, None)  # pools [num_pages, page_size, kv_heads, head_dim]: split by KV head
+
+
+def global_shapes(cfg: ModelConfig, n: int, local_like: dict) -> dict[str, jax.ShapeDtypeStruct]:
+    """The global (mesh) shape of every parameter: its local shape, n times along its split axis, with the
+    sharding it lives in."""
+    out = {}
+    for name, x in local_like.items():
+        axis = storage(cfg, name, layout(cfg, name))[0]
+        shape = list(x.shape)
+        if axis is not None:
+            shape[axis] *= n
+        out[name] = jax.ShapeDtypeStruct(tuple(shape), x.dtype,
+                                         sharding=NamedSharding(mesh(n), spec(cfg, name, len(shape))))
+    return out
+
+
+def is_sharded(x, n: int) -> bool:
+    """Whether array `x` already lives on the n-device mesh (as `shard_params` leaves it)."""
+    s = getattr(x, "sharding", None)
+    return isinstance(s, NamedSharding) and s.mesh.shape.get(AXIS) == n
+
+
+def placer(cfg: ModelConfig, n: int, local_like: dict) -> Callable[[str, np.ndarray], jax.Array]:
+    """place(name, full host array) -> the global array whose shard on each device is its block, copied there
+    from the host alone (the full array never goes to a device)."""
+    shapes = global_shapes(cfg, n, local_like)
+
+    def place(name: str, full) -> jax.Array:
+        full = np.asarray(full)
+        target = shapes[name]
+        full = full.astype(target.dtype) if full.dtype != target.dtype else full
+        axis = storage(cfg, name, layout(cfg, name))[0]
+        blocks = {}
+
+        def block(index: tuple[slice, ...]) -> np.ndarray:
+            d = 0 if axis is None else (index[axis].start or 0) // local_like[name].shape[axis]
+            if d not in blocks:
+                blocks[d] = np.ascontiguousarray(local_block(cfg, name, full, d, n))
+            return blocks[d]
+
+        return jax.make_array_from_callback(target.shape, target.sharding, block)
+
+    return place
+
+
+def shard_params(cfg: ModelConfig, n: int, flat: dict, local_like: dict) -> dict[str, jax.Array]:
+    """Full-layout parameters (host or device arrays) -> global arrays on the mesh; arrays already on it (loaded
+    by `placer`) are kept."""
+    place = placer(cfg, n, local_like)
+    return {name: x if is_sharded(x, n) else place(name, jax.device_get(x)) for name, x in flat.items()}

@@ -1,0 +1,160 @@
+"""Tensor parallelism (model/tp.py) over the CPU's forced devices (conftest: four): TP 2 and 4 give TP 1's tokens;
+the parameter and KV shardings hold what they claim; splits that cannot work are refused."""
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+from conftest import PALLAS, STORIES, covering_fixtures
+from safetensors.numpy import load_file
+
+from glint.runtime.engine import Engine
+from glint.runtime.params import SamplingParams
+
+# Small pools (page 4, 20 pages) make the long prompt's sequences preempt one another (where no ring shrinks them);
+# one step width, so each engine compiles one forward program.
+SMALL = dict(max_seqs=4, page_size=4, max_step_tokens=16, forward_sizes=(16,), num_pages=20, capacity=64,
+             min_prefill_chunk=4)
+
+
+@pytest.fixture(autouse=True)
+def _four_devices():
+    assert len(jax.devices()) >= 4, "the tensor-parallel tests need 4 devices (XLA_FLAGS=" \
+        "--xla_force_host_platform_device_count=4, which tests/conftest.py sets)"
+
+
+def workload(vocab: int):
+    """Greedy, seeded sampling with n = 2 (a clone), top-k / top-p: prompts long enough to wrap a ring layer."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, vocab, n).tolist() for n in (5, 40, 9)]
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=2, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.8, top_k=5, top_p=0.9, seed=4, ignore_eos=True)]
+    return prompts, params
+
+
+def run(path, n: int, **kw):
+    engine = Engine.from_pretrained(str(path), dtype="float32", tensor_parallel=n, **(SMALL | kw))
+    prompts, params = workload(engine.model.vocab_size)
+    outs = engine.generate(prompts, params)
+    return engine, [[c.token_ids for c in o.outputs] for o in outs]
+
+
+_alone: dict = {}
+
+
+def tp1(path) -> tuple[list, int]:
+    """(tokens, preemptions) of the workload on one device."""
+    if path not in _alone:
+        engine, tokens = run(path, 1, attention="reference")
+        _alone[path] = tokens, engine.stats.preemptions
+    return _alone[path]
+
+
+def test_tensor_parallel_gives_the_tokens_of_one_device(hf_fixture):
+    """Over 4 devices (the fixtures' 2 KV heads replicated), with TP 1's preemptions."""
+    engine, tokens = run(hf_fixture, 4, attention="reference")
+    assert (tokens, engine.stats.preemptions) == tp1(hf_fixture)
+
+
+@pytest.mark.parametrize("path", covering_fixtures(), ids=lambda p: p.name)
+def test_tensor_parallel_through_the_pallas_kernels(path):
+    """The ring-write and attention kernels under shard_map, on each device's heads (a ring fixture among them)."""
+    _, tokens = run(path, 4, attention=PALLAS)
+    assert tokens == tp1(path)[0]
+
+
+def test_tensor_parallel_from_an_orbax_folder_and_quantized(converted):
+    """Over 2 devices (KV heads split): a converted checkpoint loads straight into its shards; int8 and int4
+    (row-split linears in whole groups) split too, each giving its own format's TP 1 tokens."""
+    path = covering_fixtures()[-1]
+    engine, tokens = run(converted(path), 2, attention="reference")
+    assert tp1(path)[1] > 0  # the workload preempts here (no ring layers)
+    assert (tokens, engine.stats.preemptions) == tp1(path)
+    cfg = json.loads((path / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    group = math.gcd(cfg["num_attention_heads"] * head_dim // 2, cfg["intermediate_size"] // 2, 16)
+    for quant in (dict(quantize="int8"), dict(quantize="int4", quant_group=group)):
+        assert run(path, 2, attention="reference", **quant)[1] == run(path, 1, attention="reference", **quant)[1]
+
+
+def _hf(path):
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_shards_hold_their_heads_columns_and_vocabulary(n):
+    """Every parameter's shard on device d, against the HF tensors read here: d's query heads, its KV head
+    (replicated when n exceeds the KV heads), its MLP columns and rows, its vocabulary rows (zero padding past
+    the vocabulary); norms whole on every device; the KV pools split by KV head."""
+    path = covering_fixtures()[-1]
+    hf, cfg = _hf(path), json.loads((path / "config.json").read_text())
+    heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg.get("head_dim") or \
+        cfg["hidden_size"] // cfg["num_attention_heads"]
+    inter, vocab = cfg["intermediate_size"], cfg["vocab_size"]
+    engine = Engine.from_pretrained(str(path), dtype="float32", tensor_parallel=n, attention="reference", **SMALL)
+    p, mesh_devices = engine.params, jax.devices()[:n]
+
+    def shard(name, d):
+        [s] = [s for s in p[name].addressable_shards if s.device == mesh_devices[d]]
+        return np.asarray(s.data)
+
+    pre = "model.layers.0."
+    q_w, k_w = hf[pre + "self_attn.q_proj.weight"].T, hf[pre + "self_attn.k_proj.weight"].T  # [in, out]
+    v_w, o_w = hf[pre + "self_attn.v_proj.weight"].T, hf[pre + "self_attn.o_proj.weight"].T
+    gate, up = hf[pre + "mlp.gate_proj.weight"].T, hf[pre + "mlp.up_proj.weight"].T
+    down = hf[pre + "mlp.down_proj.weight"].T
+    embed = hf["model.embed_tokens.weight"]
+    local_q, local_kv = heads // n, max(kv, n) // n
+    rows = -(-vocab // n)
+    for d in range(n):
+        qs = slice(d * local_q * hd, (d + 1) * local_q * hd)
+        kv_head = d * local_kv if kv >= n else d // (n // kv)
+        ks = slice(kv_head * hd, (kv_head + local_kv) * hd)
+        wqkv = shard("layers.0.attn.wqkv.kernel", d)
+        np.testing.assert_array_equal(wqkv, np.concatenate([q_w[:, qs], k_w[:, ks], v_w[:, ks]], axis=1))
+        np.testing.assert_array_equal(shard("layers.0.attn.wo.kernel", d), o_w[qs])
+        cols = slice(d * inter // n, (d + 1) * inter // n)
+        np.testing.assert_array_equal(shard("layers.0.mlp.gate_up.kernel", d),
+                                      np.concatenate([gate[:, cols], up[:, cols]], axis=1))
+        np.testing.assert_array_equal(shard("layers.0.mlp.down.kernel", d), down[cols])
+        want = np.zeros((rows, embed.shape[1]), np.float32)
+        mine = embed[d * rows:(d + 1) * rows]
+        want[:len(mine)] = mine
+        np.testing.assert_array_equal(shard("embed", d), want)
+        np.testing.assert_array_equal(shard("layers.0.attn_norm.weight", d), np.asarray(p["layers.0.attn_norm.weight"]))
+        for pool in engine.kv.k + engine.kv.v:
+            [s] = [s for s in pool.addressable_shards if s.device == mesh_devices[d]]
+            assert s.data.shape == (engine.cache.num_pages, engine.cache.page_size, local_kv, hd)
+    assert all(x.sharding.device_set == set(mesh_devices) for x in p.values())
+
+
+def test_a_preset_draws_its_weights_in_their_shards():
+    engine = Engine.from_pretrained("tiny", dtype="float32", tensor_parallel=2, attention="reference", **SMALL)
+    wqkv = engine.params["layers.0.attn.wqkv.kernel"]
+    cfg = engine.model
+    assert [s.data.shape for s in wqkv.addressable_shards] == \
+        [(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // 2)] * 2
+    prompts, params = workload(cfg.vocab_size)
+    outs = engine.generate(prompts, params)
+    assert all(len(c.token_ids) == 8 for o in outs for c in o.outputs)
+
+
+def test_splits_that_cannot_work_are_refused(tmp_path):
+    path = covering_fixtures()[-1]
+    heads = json.loads((path / "config.json").read_text())["num_attention_heads"]
+    bad = next(k for k in range(2, 5) if heads % k)  # a device count that does not divide the heads
+    with pytest.raises(ValueError, match=f"tensor_parallel {bad} must divide num_heads {heads}"):
+        Engine.from_pretrained(str(path), tensor_parallel=bad, **SMALL)
+    with pytest.raises(ValueError, match=f"tensor_parallel 64 exceeds the {len(jax.devices())} cpu device"):
+        Engine.from_pretrained(str(path), tensor_parallel=64, **SMALL)
+    with pytest.raises(ValueError, match="tensor_parallel must be a positive int, got 0"):
+        Engine.from_pretrained(str(path), tensor_parallel=0, **SMALL)
+    with pytest.raises(ValueError, match="each device's 32 input rows .* whole int4 groups of 64"):
+        Engine.from_pretrained("tiny", tensor_parallel=2, quantize="int4", quant_group=64, **SMALL)
+    from glint.export.exporter import export_engine
+
+    with pytest.raises(ValueError, match="export with tensor_parallel=2 is not supported"):
+        export_engine(str(STORIES), tmp_path / "art", tensor_parallel=2, show_progress=False)
+    assert not (tmp_path / "art").exists()
