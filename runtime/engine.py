@@ -149,6 +149,9 @@ class Engine:
 
     def _start(self, model, config: EngineConfig, cache: CacheConfig, attention: str, programs: ProgramSet,
                params: dict, tokenizer, drafter=None) -> None:
+        if jax.process_count() > 1 and config.seed is None:  # every process runs this loop and must draw alike
+            raise ValueError(f"this engine runs in {jax.process_count()} processes (jax.distributed): give it seed= "
+                             "(--seed) so that every process draws the same seeds for requests that give none")
         if (drafter is None) != (config.num_speculative_tokens == 0):
             raise ValueError(f"num_speculative_tokens {config.num_speculative_tokens} needs a drafter (draft=...)"
                              if drafter is None else "a drafter needs num_speculative_tokens >= 1")

@@ -2,6 +2,8 @@
 the parameter and KV shardings hold what they claim; splits that cannot work are refused."""
 import json
 import math
+import os
+import pathlib
 
 import jax
 import numpy as np
@@ -141,7 +143,7 @@ def test_a_preset_draws_its_weights_in_their_shards():
     assert all(len(c.token_ids) == 8 for o in outs for c in o.outputs)
 
 
-def test_splits_that_cannot_work_are_refused(tmp_path):
+def test_splits_that_cannot_work_are_refused(tmp_path, monkeypatch):
     path = covering_fixtures()[-1]
     heads = json.loads((path / "config.json").read_text())["num_attention_heads"]
     bad = next(k for k in range(2, 5) if heads % k)  # a device count that does not divide the heads
@@ -153,8 +155,36 @@ def test_splits_that_cannot_work_are_refused(tmp_path):
         Engine.from_pretrained(str(path), tensor_parallel=0, **SMALL)
     with pytest.raises(ValueError, match="each device's 32 input rows .* whole int4 groups of 64"):
         Engine.from_pretrained("tiny", tensor_parallel=2, quantize="int4", quant_group=64, **SMALL)
+    from glint.runtime import engine as engine_module
+
+    with monkeypatch.context() as m:  # as if run under jax.distributed: unseeded draws would differ per process
+        m.setattr(engine_module.jax, "process_count", lambda: 2)
+        with pytest.raises(ValueError, match="runs in 2 processes .* give it seed="):
+            Engine.from_pretrained("tiny", **SMALL)
     from glint.export.exporter import export_engine
 
     with pytest.raises(ValueError, match="export with tensor_parallel=2 is not supported"):
         export_engine(str(STORIES), tmp_path / "art", tensor_parallel=2, show_progress=False)
     assert not (tmp_path / "art").exists()
+
+
+def test_two_processes_give_the_tokens_of_one(tmp_path):
+    """jax.distributed over localhost: 2 processes x 2 CPU devices each run the same engine loop over a 4-device
+    mesh and give the 4-device single-process tokens (seed= makes their unseeded draws agree)."""
+    import socket
+    import subprocess
+    import sys
+
+    path = covering_fixtures()[-1]
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    worker = pathlib.Path(__file__).with_name("tp_process.py")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, str(worker), str(i), "2", "2", str(port), str(path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    results = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+    want = run(path, 4, attention="reference", seed=0)[1]
+    assert [json.loads(out.strip().splitlines()[-1]) for out, _ in results] == [want, want]
