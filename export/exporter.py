@@ -71,10 +71,6 @@ def export_engine(checkpoint: str, out, *, dtype: str | None = None, compiled: b
     """
     from glint.runtime.engine import Engine
 
-    n = engine_config.get("tensor_parallel") or 1
-    if n != 1:
-        raise ValueError(f"export with tensor_parallel={n} is not supported: artifacts run on one device (serve the "
-                         f"checkpoint with tensor_parallel={n} instead)")
     out = pathlib.Path(out)
     check_output_folder(out)
     engine = Engine.from_pretrained(checkpoint, dtype=dtype, **engine_config)
@@ -132,7 +128,7 @@ def metadata(engine, programs: dict) -> dict:
                    "max_sample_rows": config.max_sample_rows, "min_prefill_chunk": config.min_prefill_chunk,
                    "max_prefill_chunk": config.max_prefill_chunk,
                    "num_pages": cache.num_pages, "capacity": cache.capacity, "attention": engine.attention,
-                   "kv_cache_dtype": config.kv_cache_dtype},
+                   "kv_cache_dtype": config.kv_cache_dtype, "tensor_parallel": config.tensor_parallel},
         "cache": {"page_size": cache.page_size, "num_pages": cache.num_pages, "max_seqs": cache.max_seqs,
                   "max_write": cache.max_write, "max_seq_write": cache.max_seq_write, "capacity": cache.capacity,
                   "windows": list(cache.windows),

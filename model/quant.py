@@ -122,16 +122,21 @@ def dequantize_fp8(q, scale, dtype=jnp.float32) -> jax.Array:
     return (q.astype(jnp.float32).T * scale).astype(dtype)
 
 
-def quantize_activations_fp8(x) -> tuple[jax.Array, jax.Array]:
-    """x [T, in] -> (f8e4m3fn[T, in], float32 per-token scale [T, 1])."""
-    scale = _absmax_scale(x.astype(jnp.float32), -1, FP8_MAX, keepdims=True)
-    return _to_fp8(x.astype(jnp.float32), scale), scale
+def quantize_activations_fp8(x, axis: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """x [T, in] -> (f8e4m3fn[T, in], float32 per-token scale [T, 1]). `axis`: x is this device's slice of the
+    input features (a row-split linear under tensor parallelism): the scale spans the whole row, as on one device."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    if axis is not None:
+        amax = jax.lax.pmax(amax, axis)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return _to_fp8(x32, scale), scale
 
 
-def fp8_matmul(x, q, scale):
+def fp8_matmul(x, q, scale, axis: str | None = None):
     """x [T, in] @ w: x quantized per token to fp8, an fp8 x fp8 dot (q [out, in]) with float32 accumulation, then
-    the token and channel scales."""
-    xq, xscale = quantize_activations_fp8(x)
+    the token and channel scales (`axis`: see `quantize_activations_fp8`)."""
+    xq, xscale = quantize_activations_fp8(x, axis)
     y = jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return (y * xscale * scale).astype(x.dtype)
 
@@ -150,7 +155,7 @@ class Int8Linear(nnx.Module):
         q, scale = quantize_int8(_random_kernel(rngs, d_in, d_out, dtype))
         self.qweight, self.scale = nnx.Param(q), nnx.Param(scale)
 
-    def __call__(self, x):
+    def __call__(self, x, axis: str | None = None):
         return int8_matmul(x, self.qweight[...], self.scale[...])
 
 
@@ -163,7 +168,7 @@ class Int4Linear(nnx.Module):
         q, scale = quantize_int4(_random_kernel(rngs, d_in, d_out, dtype), group)
         self.qweight, self.scale = nnx.Param(q), nnx.Param(scale)
 
-    def __call__(self, x):
+    def __call__(self, x, axis: str | None = None):
         return int4_matmul(x, self.qweight[...], self.scale[...], self.group)
 
 
@@ -175,8 +180,9 @@ class Fp8Linear(nnx.Module):
         q, scale = quantize_fp8(_random_kernel(rngs, d_in, d_out, dtype))
         self.qweight, self.scale = nnx.Param(q), nnx.Param(scale)
 
-    def __call__(self, x):
-        return fp8_matmul(x, self.qweight[...], self.scale[...])
+    def __call__(self, x, axis: str | None = None):
+        """`axis`: a row-split linear's tensor-parallel axis, which its activation scales span (model/tp.py)."""
+        return fp8_matmul(x, self.qweight[...], self.scale[...], axis)
 
 
 LINEARS = {"int8": Int8Linear, "int4": Int4Linear, "fp8": Fp8Linear}

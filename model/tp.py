@@ -189,10 +189,6 @@ def global_shapes(cfg: ModelConfig, n: int, local_like: dict) -> dict[str, jax.S
     return out
 
 
-def is_sharded(x, n: int) -> bool:
-    """Whether array `x` already lives on the n-device mesh (as `shard_params` leaves it)."""
-    s = getattr(x, "sharding", None)
-    return isinstance(s, NamedSharding) and s.mesh.shape.get(AXIS) == n
 
 
 def placer(cfg: ModelConfig, n: int, local_like: dict) -> Callable[[str, np.ndarray], jax.Array]:
@@ -219,7 +215,19 @@ def placer(cfg: ModelConfig, n: int, local_like: dict) -> Callable[[str, np.ndar
 
 
 def shard_params(cfg: ModelConfig, n: int, flat: dict, local_like: dict) -> dict[str, jax.Array]:
-    """Full-layout parameters (host or device arrays) -> global arrays on the mesh; arrays already on it (loaded
-    by `placer`) are kept."""
-    place = placer(cfg, n, local_like)
-    return {name: x if is_sharded(x, n) else place(name, jax.device_get(x)) for name, x in flat.items()}
+    """Full-layout parameters (host arrays, or device arrays on one device or replicated) -> global arrays on the
+    mesh; arrays already laid out for it (loaded by `placer`) are kept. ValueError for an array split in another
+    way (e.g. for another device count): its full layout cannot be read back from it."""
+    place, shapes = placer(cfg, n, local_like), global_shapes(cfg, n, local_like)
+    out = {}
+    for name, x in flat.items():
+        sharding, want = getattr(x, "sharding", None), shapes[name]
+        if sharding is not None and tuple(x.shape) == want.shape and \
+                sharding.is_equivalent_to(want.sharding, len(want.shape)):
+            out[name] = x
+        elif sharding is None or len(sharding.device_set) == 1 or sharding.is_fully_replicated:
+            out[name] = place(name, jax.device_get(x))
+        else:
+            raise ValueError(f"parameter {name!r} is split over {len(sharding.device_set)} devices in another layout "
+                             f"than tensor_parallel={n}'s ({sharding}); pass the full (unsplit) parameters")
+    return out

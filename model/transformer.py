@@ -48,7 +48,8 @@ class Linear(nnx.Module):
     def __init__(self, d_in: int, d_out: int, *, dtype, rngs: nnx.Rngs):
         self.kernel = _init(rngs, (d_in, d_out), dtype, d_in ** -0.5)
 
-    def __call__(self, x):
+    def __call__(self, x, axis: str | None = None):
+        """`axis` (a row-split linear's tensor-parallel axis) matters only to fp8's activation scales."""
         return matmul(x, self.kernel[...])
 
 
@@ -125,7 +126,7 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(hd, cfg.norm_eps, scaled=scaled) if has_qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps, scaled=scaled) if has_qk_norm else None
 
-    def __call__(self, x, rope: dict, attend: AttentionBackend, cache, meta):
+    def __call__(self, x, rope: dict, attend: AttentionBackend, cache, meta, axis: str | None = None):
         t = x.shape[0]
         qkv = self.wqkv(x).reshape(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = jnp.split(qkv, [self.num_heads, self.num_heads + self.num_kv_heads], axis=1)
@@ -137,7 +138,7 @@ class Attention(nnx.Module):
         out = out.reshape(t, self.num_heads * self.head_dim)
         if self.wg is not None:
             out = out * jax.nn.sigmoid(self.wg(x).astype(jnp.float32)).astype(out.dtype)
-        return self.wo(out), cache
+        return self.wo(out, axis), cache
 
 
 class MLP(nnx.Module):
@@ -146,10 +147,10 @@ class MLP(nnx.Module):
         self.gate_up = linear(cfg, cfg.hidden_size, 2 * cfg.intermediate_size, dtype=dtype, rngs=rngs)
         self.down = linear(cfg, cfg.intermediate_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x, axis: str | None = None):
         g, u = jnp.split(self.gate_up(x), 2, axis=-1)
         g = jax.nn.silu(g) if self.activation == "silu" else jax.nn.gelu(g, approximate=True)
-        return self.down(g * u)
+        return self.down(g * u, axis)
 
 
 class Block(nnx.Module):
@@ -165,13 +166,13 @@ class Block(nnx.Module):
     def __call__(self, x, rope: dict, attend, cache, meta, axis: str | None = None):
         """`axis`: under tensor parallelism (model/tp.py), the mesh axis the attention and MLP outputs are summed
         over (each device computed its heads' and columns' share)."""
-        h, cache = self.attn(self.attn_norm(x), rope, attend, cache, meta)
+        h, cache = self.attn(self.attn_norm(x), rope, attend, cache, meta, axis)
         if axis is not None:
             h = jax.lax.psum(h, axis)
         if self.attn_post_norm is not None:
             h = self.attn_post_norm(h)
         x = x + h
-        h = self.mlp(self.mlp_norm(x))
+        h = self.mlp(self.mlp_norm(x), axis)
         if axis is not None:
             h = jax.lax.psum(h, axis)
         if self.mlp_post_norm is not None:

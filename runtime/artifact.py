@@ -39,7 +39,7 @@ PROGRAM_ABI = 2  # 2: kv_init
 PARAMS_DIR = "params"
 # EngineConfig fields the programs are built for: a caller may repeat them, not change them.
 GEOMETRY_FIELDS = ("max_seqs", "page_size", "max_step_tokens", "forward_sizes", "max_sample_rows", "num_pages",
-                   "capacity", "max_prefill_chunk")
+                   "capacity", "max_prefill_chunk", "tensor_parallel")
 MOSAIC_GPU_CALL = "mosaic_gpu_v2"
 
 
@@ -120,10 +120,7 @@ def check_compatible(meta: dict, folder: pathlib.Path) -> None:
 def engine_config(meta: dict, folder: pathlib.Path, overrides: dict) -> EngineConfig:
     """The exported EngineConfig with the caller's overrides, which may not change the geometry."""
     exported = dict(meta["engine"])
-    n = overrides.get("tensor_parallel") or 1
-    if n != 1:
-        raise ValueError(f"{folder}: exported artifacts run on one device; asked tensor_parallel={n}. Serve the "
-                         f"checkpoint itself with tensor_parallel={n}")
+    exported.setdefault("tensor_parallel", 1)  # artifacts from before tensor parallelism
     exported["forward_sizes"] = tuple(exported["forward_sizes"])
     exported.setdefault("max_prefill_chunk", exported["max_step_tokens"])  # artifacts from before the limit
     for name in GEOMETRY_FIELDS:
@@ -158,8 +155,20 @@ def _read_bytes(path: pathlib.Path) -> bytes:
     return path.read_bytes()
 
 
-def load_program(folder: pathlib.Path, name: str, entry: dict) -> Program:
-    """One exported program as a jitted call of its StableHLO."""
+def mesh_for(n: int, folder: pathlib.Path) -> jax.sharding.Mesh | None:
+    """The 1-D mesh over the first `n` devices that an artifact exported with tensor_parallel=n runs on (None: one
+    device)."""
+    if n == 1:
+        return None
+    if n > len(jax.devices()):
+        raise ValueError(f"{folder} was exported with tensor_parallel={n}; this process has {len(jax.devices())} "
+                         f"{jax.default_backend()} device(s)")
+    return jax.sharding.Mesh(np.array(jax.devices()[:n]), ("tp",))
+
+
+def load_program(folder: pathlib.Path, name: str, entry: dict, mesh: jax.sharding.Mesh | None = None) -> Program:
+    """One exported program as a jitted call of its StableHLO (over `mesh`, with the shardings it was exported
+    with, when it was exported for several devices)."""
     path = folder / entry["file"]
     data = _read_bytes(path)
     try:
@@ -167,8 +176,13 @@ def load_program(folder: pathlib.Path, name: str, entry: dict) -> Program:
     except Exception as e:  # flatbuffer / MLIR errors of a truncated or foreign file
         raise ValueError(f"{path} is not a readable jax.export program ({type(e).__name__}: {e}); "
                          "the artifact is damaged, export it again") from None
-    args = jax.tree.unflatten(exported.in_tree, exported.in_avals)[0]
-    return Program(jax.jit(exported.call, donate_argnums=donate_argnums(name)), args)
+    avals, outs = exported.in_avals, None
+    if mesh is not None:  # the shardings it was exported with; the outputs' also tell kv_init (no inputs) where to run
+        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                 for a, s in zip(avals, exported.in_shardings_jax(mesh))]
+        outs = jax.tree.unflatten(exported.out_tree, exported.out_shardings_jax(mesh))
+    args = jax.tree.unflatten(exported.in_tree, avals)[0]
+    return Program(jax.jit(exported.call, donate_argnums=donate_argnums(name), out_shardings=outs), args)
 
 
 def check_args(folder: pathlib.Path, name: str, args, expected) -> None:
@@ -201,11 +215,14 @@ def load_compiled(folder: pathlib.Path, meta: dict, name: str) -> jax.stages.Com
 
 def load_params(folder: pathlib.Path, like: dict, device=None) -> dict:
     """The flat weights from `params/`, shaped and typed as the forward programs take them, on the device (or
-    on `weights.start_device()`'s once it has started)."""
+    on `weights.start_device()`'s once it has started); specs of `like` with a sharding (tensor parallelism) get
+    their shards copied to their devices."""
     path = folder / PARAMS_DIR
     if not path.is_dir():
         raise ValueError(f"{path} is missing; the artifact has no weights")
-    return weights.read_params(path, like, device)
+    sharded = any(getattr(x, "sharding", None) is not None for x in like.values())
+    place = (lambda name, host: jax.device_put(host, like[name].sharding)) if sharded else None  # noqa: E731
+    return weights.read_params(path, like, device, place=place)
 
 
 def _timed(fn, *args):
@@ -233,7 +250,8 @@ def load_artifact(folder, dtype: str | None = None, compiled: bool = True, **ove
     missing, unknown = sorted(needed - set(meta["programs"])), sorted(set(meta["programs"]) - needed - {"sample_argmax"})
     if missing or unknown:
         raise ValueError(f"{folder / METADATA}: programs missing {missing}, unknown {unknown}; export it again")
-    programs = {name: load_program(folder, name, entry) for name, entry in meta["programs"].items()}
+    mesh = mesh_for(config.tensor_parallel, folder)
+    programs = {name: load_program(folder, name, entry, mesh) for name, entry in meta["programs"].items()}
     forwards = [p for name, p in programs.items() if name.startswith("forward_")]
     if not forwards:
         raise ValueError(f"{folder / METADATA} lists no forward programs")

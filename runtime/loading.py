@@ -48,7 +48,8 @@ def load_model(name_or_path: str, dtype: str | None = None, seed: int = 0, quant
     `dtype` defaults to the checkpoint's own (bfloat16 for presets); `quantize` ("int8", "int4", "fp8") the
     linears' format and `quantize_head` an int8 head (a converted checkpoint keeps its own). With
     `tensor_parallel` N > 1 the params are the flat dict of global arrays on the N-device mesh (model/tp.py),
-    each device's shard copied to it alone (random ones drawn there)."""
+    each device's shard copied to it alone. A preset's random weights are drawn there, in the split layout: another
+    random model than at N = 1 (and replicated KV heads are drawn independently on each device), as fast."""
     n = tensor_parallel
     if name_or_path in PRESETS:
         cfg = resolve_config(name_or_path, dtype, quantize, quantize_head, quant_group)

@@ -8,7 +8,7 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from conftest import PALLAS, STORIES, covering_fixtures
+from conftest import PALLAS, covering_fixtures
 from safetensors.numpy import load_file
 
 from glint.runtime.engine import Engine
@@ -68,8 +68,9 @@ def test_tensor_parallel_through_the_pallas_kernels(path):
 
 
 def test_tensor_parallel_from_an_orbax_folder_and_quantized(converted):
-    """Over 2 devices (KV heads split): a converted checkpoint loads straight into its shards; int8 and int4
-    (row-split linears in whole groups) split too, each giving its own format's TP 1 tokens."""
+    """Over 2 devices (KV heads split): a converted checkpoint loads straight into its shards; int8 (with an int8
+    head split by vocabulary), int4 (row-split linears in whole groups) and fp8 (activation scales over the whole
+    row) split too, each giving its own format's TP 1 tokens."""
     path = covering_fixtures()[-1]
     engine, tokens = run(converted(path), 2, attention="reference")
     assert tp1(path)[1] > 0  # the workload preempts here (no ring layers)
@@ -77,7 +78,8 @@ def test_tensor_parallel_from_an_orbax_folder_and_quantized(converted):
     cfg = json.loads((path / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     group = math.gcd(cfg["num_attention_heads"] * head_dim // 2, cfg["intermediate_size"] // 2, 16)
-    for quant in (dict(quantize="int8"), dict(quantize="int4", quant_group=group)):
+    for quant in (dict(quantize="int8", quantize_head=True), dict(quantize="int4", quant_group=group),
+                  dict(quantize="fp8")):
         assert run(path, 2, attention="reference", **quant)[1] == run(path, 1, attention="reference", **quant)[1]
 
 
@@ -143,7 +145,7 @@ def test_a_preset_draws_its_weights_in_their_shards():
     assert all(len(c.token_ids) == 8 for o in outs for c in o.outputs)
 
 
-def test_splits_that_cannot_work_are_refused(tmp_path, monkeypatch):
+def test_splits_that_cannot_work_are_refused(monkeypatch):
     path = covering_fixtures()[-1]
     heads = json.loads((path / "config.json").read_text())["num_attention_heads"]
     bad = next(k for k in range(2, 5) if heads % k)  # a device count that does not divide the heads
@@ -155,17 +157,18 @@ def test_splits_that_cannot_work_are_refused(tmp_path, monkeypatch):
         Engine.from_pretrained(str(path), tensor_parallel=0, **SMALL)
     with pytest.raises(ValueError, match="each device's 32 input rows .* whole int4 groups of 64"):
         Engine.from_pretrained("tiny", tensor_parallel=2, quantize="int4", quant_group=64, **SMALL)
+    from glint.runtime.config import EngineConfig
+    from glint.runtime.loading import load_model
+
+    cfg, graphdef, params, _ = load_model(str(path), dtype="float32", tensor_parallel=2)  # blocks for 2 devices
+    with pytest.raises(ValueError, match="is split over 2 devices in another layout than tensor_parallel=4's"):
+        Engine(cfg, graphdef, params, EngineConfig(tensor_parallel=4, **SMALL))
     from glint.runtime import engine as engine_module
 
     with monkeypatch.context() as m:  # as if run under jax.distributed: unseeded draws would differ per process
         m.setattr(engine_module.jax, "process_count", lambda: 2)
         with pytest.raises(ValueError, match="runs in 2 processes .* give it seed="):
             Engine.from_pretrained("tiny", **SMALL)
-    from glint.export.exporter import export_engine
-
-    with pytest.raises(ValueError, match="export with tensor_parallel=2 is not supported"):
-        export_engine(str(STORIES), tmp_path / "art", tensor_parallel=2, show_progress=False)
-    assert not (tmp_path / "art").exists()
 
 
 def test_two_processes_give_the_tokens_of_one(tmp_path):
@@ -188,3 +191,21 @@ def test_two_processes_give_the_tokens_of_one(tmp_path):
         assert p.returncode == 0, err[-3000:]
     want = run(path, 4, attention="reference", seed=0)[1]
     assert [json.loads(out.strip().splitlines()[-1]) for out, _ in results] == [want, want]
+
+
+def test_an_artifact_exported_over_two_devices(tmp_path):
+    """The artifact records the mesh: its programs (StableHLO) and weights come back split over 2 devices and give
+    TP 1's tokens; another device count is refused."""
+    from glint.export.exporter import export_engine
+
+    path = covering_fixtures()[-1]
+    meta = export_engine(str(path), tmp_path / "art", dtype="float32", show_progress=False, tensor_parallel=2,
+                         attention="reference", **SMALL)
+    assert meta["engine"]["tensor_parallel"] == 2
+    engine = Engine.from_pretrained(str(tmp_path / "art"))
+    assert engine.config.tensor_parallel == 2
+    assert [s.data.shape[2] for s in engine.kv.k[0].addressable_shards] == [engine.cache.kv_heads[0] // 2] * 2
+    prompts, params = workload(engine.model.vocab_size)
+    assert [[c.token_ids for c in o.outputs] for o in engine.generate(prompts, params)] == tp1(path)[0]
+    with pytest.raises(ValueError, match="exported with tensor_parallel=2; asked tensor_parallel=4"):
+        Engine.from_pretrained(str(tmp_path / "art"), tensor_parallel=4)

@@ -19,13 +19,16 @@ case "$device" in
 esac
 tests=${GPU_TESTS:-tests/test_kernels_attention.py tests/test_kernels_ring_write.py tests/test_paged_model.py \
   tests/test_model_parity.py tests/test_engine.py tests/test_quant.py}
-# Several test processes share the GPU: each takes memory as it needs it instead of 75 % of it up front.
-GLINT_TEST_GPU=1 XLA_PYTHON_CLIENT_PREALLOCATE=false $py -m pytest -q -p no:cacheprovider ${GPU_PYTEST_ARGS:--n 4} \
-  $tests > "$out/test_gpu_pytest.log" 2>&1
+# The sweep (one process, ~6 min on the H200) runs beside the tests; all of them share the GPU, each taking
+# memory as it needs it instead of 75 % of it up front.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+$py tools/gpu_kernels.py --skip-timing > "$out/test_gpu_sweep.log" 2>&1 &
+sweep=$!
+GLINT_TEST_GPU=1 $py -m pytest -q -p no:cacheprovider ${GPU_PYTEST_ARGS:--n 4} $tests > "$out/test_gpu_pytest.log" 2>&1
 pytest_rc=$?
 summary=$(grep -E "^(=+ )?[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s" "$out/test_gpu_pytest.log" | tail -1)
 grep -E "^(FAILED|ERROR)" "$out/test_gpu_pytest.log" | head -20
-$py tools/gpu_kernels.py --skip-timing > "$out/test_gpu_sweep.log" 2>&1
+wait $sweep
 sweep_rc=$?
 pass=$(grep -cE "^PASS" "$out/test_gpu_sweep.log")
 fail=$(grep -cE "^(FAIL|ERROR)" "$out/test_gpu_sweep.log")
