@@ -131,7 +131,20 @@ def test_shards_hold_their_heads_columns_and_vocabulary(n):
         for pool in engine.kv.k + engine.kv.v:
             [s] = [s for s in pool.addressable_shards if s.device == mesh_devices[d]]
             assert s.data.shape == (engine.cache.num_pages, engine.cache.page_size, local_kv, hd)
-    assert all(x.sharding.device_set == set(mesh_devices) for x in p.values())
+    # every leaf: column-split linears (q/k/v, gate, gate_up) along their output axis, row-split ones (wo, down)
+    # along their input axis, the embedding along the vocabulary, everything else (norms) whole on every device
+    split_axis = {"wqkv": 1, "wg": 1, "gate_up": 1, "wo": 0, "down": 0}
+    for name, x in p.items():
+        assert x.sharding.device_set == set(mesh_devices), name
+        linear = name.split(".")[-2] if name.startswith("layers.") else None
+        axis = 0 if name == "embed" else 1 if name == "head.kernel" else split_axis.get(linear)
+        shapes = {s.data.shape for s in x.addressable_shards}
+        if axis is None:
+            assert x.sharding.is_fully_replicated and shapes == {x.shape}, name
+        else:
+            want = list(x.shape)
+            want[axis] //= n
+            assert shapes == {tuple(want)} and not x.sharding.is_fully_replicated, name
 
 
 def test_a_preset_draws_its_weights_in_their_shards():
