@@ -25,6 +25,7 @@ import re
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -137,8 +138,10 @@ def _ranges(cfg: ModelConfig, lay: Layout, d: int, n: int) -> list[tuple[int, in
     return out
 
 
-def local_block(cfg: ModelConfig, name: str, full: np.ndarray, d: int, n: int) -> np.ndarray:
-    """Device d's shard of parameter `name`, cut from its full (unsplit) host array."""
+def local_block(cfg: ModelConfig, name: str, full, d: int, n: int):
+    """Device d's shard of parameter `name`, cut from its full (unsplit) array: a host array, or a jax one
+    (`relayout`)."""
+    xp = jnp if isinstance(full, jax.Array) else np
     lay = layout(cfg, name)
     axis, unit = storage(cfg, name, lay)
     if axis is None:
@@ -146,14 +149,34 @@ def local_block(cfg: ModelConfig, name: str, full: np.ndarray, d: int, n: int) -
     if lay.dim == "vocab" and full.shape[axis] < padded_vocab(cfg, n):  # zero rows up to a multiple of n
         pad = [(0, 0)] * full.ndim
         pad[axis] = (0, padded_vocab(cfg, n) - full.shape[axis])
-        full = np.pad(full, pad)
+        full = xp.pad(full, pad)
     parts = []
     for start, stop in _ranges(cfg, lay, d, n):
         if start % unit or stop % unit:
             raise ValueError(f"{name}: device {d}'s entries [{start}, {stop}) are not whole stored elements of "
                              f"{unit}")
-        parts.append(np.take(full, np.arange(start // unit, stop // unit), axis=axis))
-    return np.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0]
+        parts.append(xp.take(full, np.arange(start // unit, stop // unit), axis=axis))
+    return xp.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _relayout_fn(cfg: ModelConfig, n: int, kind: str, sharding: NamedSharding):
+    """A jitted full array -> its split global array in `sharding` (one compile per kind of parameter and shape)."""
+    axis = storage(cfg, kind, layout(cfg, kind))[0]
+
+    def split(full):
+        if axis is None:
+            return full
+        return jnp.concatenate([local_block(cfg, kind, full, d, n) for d in range(n)], axis=axis)
+
+    return jax.jit(split, out_shardings=sharding)
+
+
+def relayout(cfg: ModelConfig, n: int, name: str, full: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """A full-layout device array (replicated on the mesh: each device then cuts its block from its own copy, no
+    communication) -> the split global array in `sharding`."""
+    kind = re.sub(r"^layers\.\d+\.", "layers.0.", name)  # every layer's parameter of one kind splits alike
+    return _relayout_fn(cfg, n, kind, sharding)(full)
 
 
 @functools.lru_cache(maxsize=8)

@@ -8,6 +8,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from glint.export.checkpoint import GLINT_CONFIG, load_checkpoint
 from glint.model import tp, transformer
@@ -48,16 +49,20 @@ def load_model(name_or_path: str, dtype: str | None = None, seed: int = 0, quant
     `dtype` defaults to the checkpoint's own (bfloat16 for presets); `quantize` ("int8", "int4", "fp8") the
     linears' format and `quantize_head` an int8 head (a converted checkpoint keeps its own). With
     `tensor_parallel` N > 1 the params are the flat dict of global arrays on the N-device mesh (model/tp.py),
-    each device's shard copied to it alone. A preset's random weights are drawn there, in the split layout: another
-    random model than at N = 1 (and replicated KV heads are drawn independently on each device), as fast."""
+    each device's shard copied to it alone; a preset's random weights are the ones of N = 1, each leaf drawn whole on
+    every device (one leaf at a time), then cut into its shards there."""
     n = tensor_parallel
     if name_or_path in PRESETS:
         cfg = resolve_config(name_or_path, dtype, quantize, quantize_head, quant_group)
         graphdef, shapes = transformer.split(transformer.abstract_model(cfg))
         if n == 1:
             return cfg, graphdef, random_params(shapes, seed), None
-        tp.check(cfg, n)
-        return cfg, graphdef, random_params(tp.global_shapes(cfg, n, _local_like(cfg, n)), seed), None
+        tp.check(cfg, n)  # the same random model as on one device, each leaf drawn whole on every device, then split
+        targets = tp.global_shapes(cfg, n, _local_like(cfg, n))
+        replicated = NamedSharding(tp.mesh(n), PartitionSpec())
+        params = random_params(shapes, seed, sharding=replicated,
+                               finish=lambda name, x: tp.relayout(cfg, n, name, x, targets[name].sharding))
+        return cfg, graphdef, params, None
     place = None
     if n > 1:
         tp.check(resolve_config(name_or_path, dtype, quantize, quantize_head, quant_group), n)
@@ -105,12 +110,13 @@ def _random_quantized(key, x):
     return jnp.clip(jax.random.normal(key, x.shape) * 64.0, -448, 448).astype(x.dtype)
 
 
-def random_params(shapes, seed: int = 0):
+def random_params(shapes, seed: int = 0, sharding=None, finish=None):
     """Random weights built on the device leaf by leaf (one small compile per distinct shape, not one
     giant program); float32 1-D leaves are norm weights and start at one; quantized weights (model/quant.py:
     "<linear>.qweight", a tied int8 head's "embed_q") are uniform or normal in their format's range, and their
-    scales give the dequantized kernel the fan-in scaling of a full-precision one. Shapes that carry a
-    sharding (tensor parallelism) are drawn in it."""
+    scales give the dequantized kernel the fan-in scaling of a full-precision one. Each leaf is drawn in
+    `sharding` (default: where jax puts it), then passed through `finish(name, leaf)` when given (tensor
+    parallelism: split into its shards) before the next is drawn."""
     paths, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     leaves = {".".join(str(getattr(k, "key", k)) for k in path): x for path, x in paths}
     key = jax.random.key(seed)
@@ -130,5 +136,6 @@ def random_params(shapes, seed: int = 0):
             kind, fill = "full", 1.0
         else:
             kind = "normal"
-        out.append(_drawer(kind, tuple(x.shape), jnp.dtype(x.dtype), getattr(x, "sharding", None))(k, fill))
+        value = _drawer(kind, tuple(x.shape), jnp.dtype(x.dtype), sharding)(k, fill)
+        out.append(value if finish is None else finish(name, value))
     return jax.tree.unflatten(treedef, out)

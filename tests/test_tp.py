@@ -147,15 +147,16 @@ def test_shards_hold_their_heads_columns_and_vocabulary(n):
             assert shapes == {tuple(want)} and not x.sharding.is_fully_replicated, name
 
 
-def test_a_preset_draws_its_weights_in_their_shards():
-    engine = Engine.from_pretrained("tiny", dtype="float32", tensor_parallel=2, attention="reference", **SMALL)
-    wqkv = engine.params["layers.0.attn.wqkv.kernel"]
-    cfg = engine.model
-    assert [s.data.shape for s in wqkv.addressable_shards] == \
-        [(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // 2)] * 2
+def test_a_preset_is_the_same_random_model_split():
+    """A preset's random weights at TP 4 (KV heads replicated) are its TP 1 weights, split: the same tokens."""
+    engine = Engine.from_pretrained("tiny", dtype="float32", tensor_parallel=4, attention="reference", **SMALL)
+    wqkv, cfg = engine.params["layers.0.attn.wqkv.kernel"], engine.model
+    assert {s.data.shape for s in wqkv.addressable_shards} == \
+        {(cfg.hidden_size, (cfg.num_heads + 2 * max(cfg.num_kv_heads, 4)) * cfg.head_dim // 4)}
     prompts, params = workload(cfg.vocab_size)
-    outs = engine.generate(prompts, params)
-    assert all(len(c.token_ids) == 8 for o in outs for c in o.outputs)
+    tokens = [[c.token_ids for c in o.outputs] for o in engine.generate(prompts, params)]
+    one = Engine.from_pretrained("tiny", dtype="float32", attention="reference", **SMALL)
+    assert tokens == [[c.token_ids for c in o.outputs] for o in one.generate(prompts, params)]
 
 
 def test_splits_that_cannot_work_are_refused(monkeypatch):
