@@ -181,21 +181,18 @@ def relayout(cfg: ModelConfig, n: int, name: str, full: jax.Array, sharding: Nam
 
 @functools.lru_cache(maxsize=8)
 def mesh(n: int) -> Mesh:
-    """The 1-D mesh over the first `n` local devices."""
+    """The 1-D mesh over the first `n` devices (of every process, under jax.distributed)."""
     return Mesh(np.array(jax.devices()[:n]), (AXIS,))
 
 
-def spec(cfg: ModelConfig, name: str, ndim: int) -> P:
-    """The PartitionSpec of parameter `name` (an array of `ndim` axes) over the mesh."""
+def spec(cfg: ModelConfig, name: str) -> P:
+    """The PartitionSpec of parameter `name` over the mesh."""
     axis = storage(cfg, name, layout(cfg, name))[0]
     return P() if axis is None else P(*([None] * axis + [AXIS]))
 
 
 def param_specs(cfg: ModelConfig, like: dict) -> dict[str, P]:
-    return {name: spec(cfg, name, len(x.shape)) for name, x in like.items()}
-
-
-KV_SPEC = P(None, None, AXIS, None)  # pools [num_pages, page_size, kv_heads, head_dim]: split by KV head
+    return {name: spec(cfg, name) for name in like}
 
 
 def global_shapes(cfg: ModelConfig, n: int, local_like: dict) -> dict[str, jax.ShapeDtypeStruct]:
@@ -208,7 +205,7 @@ def global_shapes(cfg: ModelConfig, n: int, local_like: dict) -> dict[str, jax.S
         if axis is not None:
             shape[axis] *= n
         out[name] = jax.ShapeDtypeStruct(tuple(shape), x.dtype,
-                                         sharding=NamedSharding(mesh(n), spec(cfg, name, len(shape))))
+                                         sharding=NamedSharding(mesh(n), spec(cfg, name)))
     return out
 
 

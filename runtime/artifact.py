@@ -182,7 +182,8 @@ def load_program(folder: pathlib.Path, name: str, entry: dict, mesh: jax.shardin
                  for a, s in zip(avals, exported.in_shardings_jax(mesh))]
         outs = jax.tree.unflatten(exported.out_tree, exported.out_shardings_jax(mesh))
     args = jax.tree.unflatten(exported.in_tree, avals)[0]
-    return Program(jax.jit(exported.call, donate_argnums=donate_argnums(name), out_shardings=outs), args)
+    placed = {} if outs is None else {"out_shardings": outs}
+    return Program(jax.jit(exported.call, donate_argnums=donate_argnums(name), **placed), args)
 
 
 def check_args(folder: pathlib.Path, name: str, args, expected) -> None:
@@ -213,15 +214,14 @@ def load_compiled(folder: pathlib.Path, meta: dict, name: str) -> jax.stages.Com
         return None
 
 
-def load_params(folder: pathlib.Path, like: dict, device=None) -> dict:
+def load_params(folder: pathlib.Path, like: dict, device=None, mesh: jax.sharding.Mesh | None = None) -> dict:
     """The flat weights from `params/`, shaped and typed as the forward programs take them, on the device (or
-    on `weights.start_device()`'s once it has started); specs of `like` with a sharding (tensor parallelism) get
-    their shards copied to their devices."""
+    on `weights.start_device()`'s once it has started); with a tensor-parallel `mesh`, each array's shards onto
+    their devices, in the sharding of its spec in `like`."""
     path = folder / PARAMS_DIR
     if not path.is_dir():
         raise ValueError(f"{path} is missing; the artifact has no weights")
-    sharded = any(getattr(x, "sharding", None) is not None for x in like.values())
-    place = (lambda name, host: jax.device_put(host, like[name].sharding)) if sharded else None  # noqa: E731
+    place = None if mesh is None else lambda name, host: jax.device_put(host, like[name].sharding)  # noqa: E731
     return weights.read_params(path, like, device, place=place)
 
 
@@ -261,7 +261,7 @@ def load_artifact(folder, dtype: str | None = None, compiled: bool = True, **ove
                                                              config.max_sample_rows, model.vocab_size))
     t1 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(len(programs) + 1) as pool:
-        params_future = pool.submit(_timed, load_params, folder, params_like, device)  # streams in meanwhile
+        params_future = pool.submit(_timed, load_params, folder, params_like, device, mesh)  # streams in meanwhile
         executables = pool.map(lambda name: (name, load_compiled(folder, meta, name)), programs if compiled else [])
         loaded = {name: executable for name, executable in executables if executable is not None}
         t2 = time.perf_counter()

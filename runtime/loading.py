@@ -94,7 +94,7 @@ def _drawer(kind: str, shape: tuple, dtype, sharding):
     draw = {"normal": lambda key, fill: _normal(key, shape, dtype),
             "quantized": lambda key, fill: _random_quantized(key, like),
             "full": lambda key, fill: jnp.full(shape, fill, dtype)}[kind]
-    return jax.jit(draw, out_shardings=sharding)
+    return jax.jit(draw, **({} if sharding is None else {"out_shardings": sharding}))
 
 
 # Spread (std) of a random quantized value: int8 uniform in [-127, 127], an int4 nibble uniform in [-8, 7], fp8

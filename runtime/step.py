@@ -167,11 +167,11 @@ def _logprobs(logits, tokens):
     return tuple(logprobs(logits, tokens, MAX_LOGPROBS))
 
 
-def _pool_shardings(cache: CacheConfig, tensor_parallel: int):
-    """out_shardings of programs that return the pools: split by KV head over the mesh (None: one device)."""
+def _pools_placed(cache: CacheConfig, tensor_parallel: int) -> dict:
+    """jit's out_shardings for programs that return the pools: split by KV head over the mesh (one device: none)."""
     if tensor_parallel == 1:
-        return None
-    return (tuple(kv_sharding(tp.mesh(tensor_parallel)) for _ in range(cache.num_layers)),) * 2
+        return {}
+    return {"out_shardings": (tuple(kv_sharding(tp.mesh(tensor_parallel)) for _ in range(cache.num_layers)),) * 2}
 
 
 @functools.lru_cache(maxsize=16)
@@ -182,7 +182,7 @@ def make_kv_init_fn(cache: CacheConfig, tensor_parallel: int = 1):
         state = KVState.create(cache)
         return state.k, state.v
 
-    return jax.jit(kv_init, out_shardings=_pool_shardings(cache, tensor_parallel))
+    return jax.jit(kv_init, **_pools_placed(cache, tensor_parallel))
 
 
 @functools.lru_cache(maxsize=16)
@@ -193,7 +193,7 @@ def make_copy_fn(cache: CacheConfig, tensor_parallel: int = 1):
         out = apply_copies(KVState(*kv), cache, copies)
         return out.k, out.v
 
-    return jax.jit(copy, donate_argnums=COPY_DONATE_ARGNUMS, out_shardings=_pool_shardings(cache, tensor_parallel))
+    return jax.jit(copy, donate_argnums=COPY_DONATE_ARGNUMS, **_pools_placed(cache, tensor_parallel))
 
 
 def live_programs(model: ModelConfig, params: dict, cache: CacheConfig, impl: str, widths, max_seqs: int,

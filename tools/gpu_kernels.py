@@ -251,11 +251,11 @@ def run_timing(*, quick=False, interpret=False, tables="decode,prefill"):
         prefill_shapes = []
     print(
         "\nDECODE (q_len 1, Hq 32 / Hkv 8, D 128, bf16, page 16, shuffled pages): "
-        "GB/s = K/V bytes / time; err = |glint - cudnn| / |cudnn|"
+        "GB/s = K/V bytes / time; err = |glint - cudnn| / |cudnn|; x cuDNN = cudnn time / glint time (this call)"
     )
     print(
         f"{'batch':>5} {'ctx':>6} | {'glint us':>9} {'GB/s':>6} {'splits':>6} | "
-        f"{'1split us':>9} {'GB/s':>6} | {'cudnn us':>9} {'GB/s':>6} | {'err':>7} | {'jnp ref us':>10}"
+        f"{'1split us':>9} {'GB/s':>6} | {'cudnn us':>9} {'GB/s':>6} | {'err':>7} | {'x cuDNN':>7} | {'jnp ref us':>10}"
     )
     for batch, ctx in decode_shapes:
         kv_bytes = 2 * batch * ctx * hkv * d * 2
@@ -275,7 +275,7 @@ def run_timing(*, quick=False, interpret=False, tables="decode,prefill"):
             dense = contiguous(*paged[:4], batch, ctx)
             tc = bench(cudnn(False), dense)
             err = rel_err(ours.reshape(batch, 1, hq, d), cudnn(False)(*dense))
-            line += f" {tc * 1e6:9.1f} {kv_bytes / tc / 1e9:6.0f} | {err:7.1e}"
+            line += f" {tc * 1e6:9.1f} {kv_bytes / tc / 1e9:6.0f} | {err:7.1e} | {tc / t:6.2f}x"
             line += f" | {bench(reference, paged) * 1e6:10.1f}"
             del paged, dense, ours
         except Exception as e:
@@ -301,10 +301,11 @@ def run_timing(*, quick=False, interpret=False, tables="decode,prefill"):
             line += f" ERROR {type(e).__name__}: {str(e)[:400]}"
         print(line)
 
-    print("\nPREFILL (causal, q_len = ctx, Hq 32 / Hkv 8, D 128, bf16, page 16): TFLOP/s; glint = the engine's choice")
+    print("\nPREFILL (causal, q_len = ctx, Hq 32 / Hkv 8, D 128, bf16, page 16): TFLOP/s; glint = the engine's choice; "
+          "x cuDNN = cudnn time / glint time (this call)")
     print(
         f"{'batch':>5} {'q_len':>6} | {'glint ms':>8} {'TF/s':>5} | {'triton ms':>9} {'TF/s':>5} | "
-        f"{'cudnn ms':>8} {'TF/s':>5} | {'err':>7} | {'jnp ref ms':>10}"
+        f"{'cudnn ms':>8} {'TF/s':>5} | {'err':>7} | {'x cuDNN':>7} | {'jnp ref ms':>10}"
     )
     for batch, q_len in prefill_shapes:
         flops = 2 * batch * hq * q_len * q_len * d  # QK^T and PV over the causal half
@@ -318,7 +319,7 @@ def run_timing(*, quick=False, interpret=False, tables="decode,prefill"):
             dense = contiguous(*paged[:4], batch, q_len)
             tc = bench(cudnn(True), dense)
             err = rel_err(glint()(*paged).reshape(batch, q_len, hq, d), cudnn(True)(*dense))
-            line += f" {tc * 1e3:8.3f} {flops / tc / 1e12:5.0f} | {err:7.1e}"
+            line += f" {tc * 1e3:8.3f} {flops / tc / 1e12:5.0f} | {err:7.1e} | {tc / t:6.2f}x"
             line += f" | {bench(reference, paged) * 1e3:10.3f}"
             del paged, dense
         except Exception as e:
