@@ -54,32 +54,45 @@ def tp1(path) -> tuple[list, int]:
     return _alone[path]
 
 
-def test_tensor_parallel_gives_the_tokens_of_one_device(hf_fixture):
-    """Over 4 devices (the fixtures' 2 KV heads replicated), with TP 1's preemptions."""
-    engine, tokens = run(hf_fixture, 4, attention="reference")
-    assert (tokens, engine.stats.preemptions) == tp1(hf_fixture)
+def test_tensor_parallel_gives_transformers_greedy_tokens(hf_fixture):
+    """Over 4 devices (KV heads replicated where the fixture has fewer): transformers' greedy continuations (where
+    no near-tie makes float order matter). Seeded sampling against TP 1: the tests below."""
+    cases = json.loads((hf_fixture / "reference.json").read_text())["cases"]
+    engine = Engine.from_pretrained(str(hf_fixture), dtype="float32", tensor_parallel=4, attention="reference",
+                                    **(SMALL | dict(num_pages=96, capacity=128)))
+    greedy = SamplingParams(max_tokens=max(len(c["greedy"]) for c in cases), temperature=0.0, ignore_eos=True)
+    outs = engine.generate([c["prompt"] for c in cases], greedy)
+    checked = [o.token_ids == c["greedy"] for o, c in zip(outs, cases) if c["greedy_min_gap"] >= 1e-3]
+    assert checked and all(checked)
 
 
 @pytest.mark.parametrize("path", covering_fixtures()[:1], ids=lambda p: p.name)  # one with ring layers
 def test_tensor_parallel_through_the_pallas_kernels(path):
-    """The ring-write and attention kernels under shard_map, on each device's heads."""
+    """The ring-write and attention kernels under shard_map, on each device's heads: TP 1's tokens (greedy, seeded
+    n = 2, top-k / top-p) at TP 4."""
     _, tokens = run(path, 4, attention=PALLAS)
     assert tokens == tp1(path)[0]
 
 
-def test_tensor_parallel_from_an_orbax_folder_and_quantized(converted):
-    """Over 2 devices (KV heads split): a converted checkpoint loads straight into its shards; int4 (row-split
-    linears in whole groups) and fp8 (activation scales over the whole row) with an int8 head (split by
-    vocabulary) split too, each giving its own format's TP 1 tokens."""
+def test_tensor_parallel_from_an_orbax_folder(converted):
+    """Over 2 devices (KV heads split), a converted checkpoint loaded straight into its shards: TP 1's tokens and
+    preemptions."""
     path = covering_fixtures()[-1]
     engine, tokens = run(converted(path), 2, attention="reference")
     assert tp1(path)[1] > 0  # the workload preempts here (no ring layers)
     assert (tokens, engine.stats.preemptions) == tp1(path)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_quantized_linears_split(fmt):
+    """int4 (row-split linears in whole groups) and fp8 (activation scales over the whole row) with an int8 head
+    (split by vocabulary), over 2 devices: their own format's TP 1 tokens."""
+    path = covering_fixtures()[-1]
     cfg = json.loads((path / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     group = math.gcd(cfg["num_attention_heads"] * head_dim // 2, cfg["intermediate_size"] // 2, 16)
-    for quant in (dict(quantize="int4", quant_group=group), dict(quantize="fp8", quantize_head=True)):
-        assert run(path, 2, attention="reference", **quant)[1] == run(path, 1, attention="reference", **quant)[1]
+    quant = dict(quantize="int4", quant_group=group) if fmt == "int4" else dict(quantize="fp8", quantize_head=True)
+    assert run(path, 2, attention="reference", **quant)[1] == run(path, 1, attention="reference", **quant)[1]
 
 
 def _hf(path):
@@ -130,6 +143,11 @@ def test_shards_hold_their_heads_columns_and_vocabulary(n):
         for pool in engine.kv.k + engine.kv.v:
             [s] = [s for s in pool.addressable_shards if s.device == mesh_devices[d]]
             assert s.data.shape == (engine.cache.num_pages, engine.cache.page_size, local_kv, hd)
+    # the collectives the step claims: one all-reduce after each layer's attention output and MLP down projection,
+    # one for the embedding lookup, one all-gather of the logits
+    text = engine.programs.lower("forward_16").as_text()
+    assert text.count("stablehlo.all_reduce") == 2 * cfg["num_hidden_layers"] + 1
+    assert text.count("stablehlo.all_gather") == 1
     # every leaf: column-split linears (q/k/v, gate, gate_up) along their output axis, row-split ones (wo, down)
     # along their input axis, the embedding along the vocabulary, everything else (norms) whole on every device
     split_axis = {"wqkv": 1, "wg": 1, "gate_up": 1, "wo": 0, "down": 0}
