@@ -119,12 +119,14 @@ def load_checkpoint(path: str | pathlib.Path, dtype: str | None = None, *, show_
                              "checkpoint again with --quantize-head")
         if dtype is not None and dtype != cfg.dtype:
             cfg = cfg.replace(dtype=dtype)
-        # onto the device, ValueErrors naming the array
+        # onto the device (or where `place` puts each), ValueErrors naming the array
         flat = weights.read_params(path / PARAMS_DIR, stored, place=None if place is None else place(cfg))
+        placed = place is not None
     elif (path / "config.json").exists():
         cfg = ModelConfig.from_hf(path, dtype=dtype)
         cfg, flat = quantized(cfg, read_hf_params(path, cfg, show_progress=show_progress), quantize, quant_group,
                               head=quantize_head)
+        placed = False
     elif (path / PARAMS_DIR).is_dir():
         raise ValueError(f"{path} has params/ but no {GLINT_CONFIG}: the orbax checkpoint is incomplete")
     else:
@@ -132,10 +134,10 @@ def load_checkpoint(path: str | pathlib.Path, dtype: str | None = None, *, show_
                          "or config.json)")
     like = abstract_params(cfg)
     flat_like = flatten(like)
-    if place is None:
-        params = {k: jnp.asarray(v, dtype=flat_like[k].dtype) for k, v in flat.items()}
-    elif (path / GLINT_CONFIG).exists():  # read_params placed them
+    if placed:
         params = flat
+    elif place is None:
+        params = {k: jnp.asarray(v, dtype=flat_like[k].dtype) for k, v in flat.items()}
     else:
         put = place(cfg)
         params = {k: put(k, np.asarray(v)) for k, v in flat.items()}

@@ -59,7 +59,7 @@ def _int8_matmul_kernel(
         k_ok = k < num_k
         x = plgpu.load(x_ref.at[m[:, None], k[None, :]], mask=k_ok[None, :], other=0)  # [bm, bk]
         w = plgpu.load(q_ref.at[k[:, None], n[None, :]], mask=k_ok[:, None] & n_ok[None, :], other=0)  # i8[bk, bn]
-        return acc + jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32, 
+        return acc + jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32,
                          precision=_precision(x.dtype))
 
     acc = lax.fori_loop(0, steps, body, jnp.zeros((block_m, block_n), jnp.float32))
@@ -79,7 +79,7 @@ def _int8_matmul_block_kernel(
     def body(i, acc):
         x = x_ref[:, pl.ds(i * block_k, block_k)]  # [bm, bk]
         w = q_ref[pl.ds(i * block_k, block_k), :]  # i8[bk, bn]
-        return acc + jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32, 
+        return acc + jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32,
                          precision=_precision(x.dtype))
 
     acc = lax.fori_loop(0, steps, body, jnp.zeros(out_ref.shape[1:], jnp.float32))

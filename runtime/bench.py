@@ -198,7 +198,8 @@ def engine_settings(args) -> dict:
                 capacity=args.prompt_len + args.gen_len + args.max_step_tokens, attention=args.attention,
                 compile_cache=args.compile_cache, **({"quantize": args.quantize} if args.quantize else {}),
                 **({"quantize_head": True} if args.quantize_head else {}), kv_cache_dtype=args.kv_cache_dtype,
-                tensor_parallel=args.tensor_parallel, allow_long_context=True)  # a speed test: the synthetic context may pass the model's
+                tensor_parallel=args.tensor_parallel,
+                allow_long_context=True)  # a speed test: the synthetic context may pass the model's
 
 
 def run_cold_start(args) -> dict:

@@ -130,11 +130,11 @@ class Engine:
         flat = flatten(params)  # programs take {"dotted.name": array}; a flat dict stays as it is
         n = config.tensor_parallel
         if n > 1:  # split over n devices (kept where the loader already placed it so)
-            from glint.model import tp, transformer
+            from glint.model import tp
+            from glint.runtime.loading import local_like
 
             tp.check(model, n)
-            local = flatten(transformer.split(transformer.abstract_model(tp.local_config(model, n)))[1])
-            flat = tp.shard_params(model, n, flat, local)
+            flat = tp.shard_params(model, n, flat, local_like(model, n))
         if draft is not None:
             from glint.model.dflash import check_fits, flatten_params
 

@@ -58,7 +58,7 @@ def load_model(name_or_path: str, dtype: str | None = None, seed: int = 0, quant
         if n == 1:
             return cfg, graphdef, random_params(shapes, seed), None
         tp.check(cfg, n)  # the same random model as on one device, each leaf drawn whole on every device, then split
-        targets = tp.global_shapes(cfg, n, _local_like(cfg, n))
+        targets = tp.global_shapes(cfg, n, local_like(cfg, n))
         replicated = NamedSharding(tp.mesh(n), PartitionSpec())
         params = random_params(shapes, seed, sharding=replicated,
                                finish=lambda name, x: tp.relayout(cfg, n, name, x, targets[name].sharding))
@@ -66,15 +66,15 @@ def load_model(name_or_path: str, dtype: str | None = None, seed: int = 0, quant
     place = None
     if n > 1:
         tp.check(resolve_config(name_or_path, dtype, quantize, quantize_head, quant_group), n)
-        place = lambda cfg: tp.placer(cfg, n, _local_like(cfg, n))  # noqa: E731
+        place = lambda cfg: tp.placer(cfg, n, local_like(cfg, n))  # noqa: E731
     cfg, params = load_checkpoint(name_or_path, dtype=dtype, quantize=quantize, quantize_head=quantize_head,
                                   quant_group=quant_group, place=place)
     graphdef = transformer.split(transformer.abstract_model(cfg))[0]
     return cfg, graphdef, params, load_tokenizer(pathlib.Path(name_or_path))
 
 
-def _local_like(cfg: ModelConfig, n: int) -> dict:
-    """Flat shapes of one device's shard of the model."""
+def local_like(cfg: ModelConfig, n: int) -> dict:
+    """Flat shapes of one device's shard of the model over `n` devices (model/tp.py)."""
     from glint.export.checkpoint import flatten
 
     return flatten(transformer.split(transformer.abstract_model(tp.local_config(cfg, n)))[1])
