@@ -1,0 +1,117 @@
+"""Where batch-1 decode's time goes (issue #13 item 4), on the GPU, in one process:
+
+1. the engine's pipelined decode loop (ms per engine.step(), batch 1, context CONTEXT), median of 3 runs;
+2. the matmul floor: the step's own weights (every layer's wqkv, wo, gate_up, down and the head) multiplied by
+   one row in one jit, nothing else - what the step would cost if all the rest were free;
+3. a jax.profiler trace of 16 engine steps, its GPU kernels summed per step by name (top 15), and the device's
+   busy time per step against the wall time per step (the gaps are launch and host time).
+
+Run it once per XLA_FLAGS setting to compare (each its own process), e.g.
+    python3 tools/gpu_decode_profile.py OUT/prof_default
+    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python3 tools/gpu_decode_profile.py OUT/prof_cublas
+Prints one JSON line last.
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glint.runtime import weights
+from glint.runtime.bench import _median_time, pipelined_decode_ms
+from glint.runtime.engine import Engine
+
+MODEL = os.environ.get("PROFILE_MODEL", "llama3-8b")
+CONTEXT = int(os.environ.get("PROFILE_CONTEXT", "512"))
+
+
+def matmul_floor(engine: Engine, repeats: int = 20) -> float:
+    """ms for one row through every linear of the step (and the head), each reading its real weight."""
+    mats = [v for k, v in engine.params.items() if v.ndim == 2 and "embed" not in k]
+
+    @jax.jit
+    def run(x, mats):
+        total = jnp.zeros((), jnp.float32)
+        for w in mats:  # each product reads its own weight once; the sums keep every product alive
+            xin = jnp.broadcast_to(x[:, :1], (1, w.shape[0])).astype(w.dtype)
+            total += jnp.sum(jnp.dot(xin, w, preferred_element_type=jnp.float32))
+        return total
+
+    x = jnp.ones((1, 8), jnp.bfloat16)
+    jax.block_until_ready(run(x, mats))
+    return 1e3 * _median_time(lambda: run(x, mats), repeats), sum(w.size * w.dtype.itemsize for w in mats)
+
+
+def kernel_table(trace_dir: str, steps: int) -> dict:
+    paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    if not paths:
+        return {"error": f"no trace under {trace_dir}"}
+    with gzip.open(paths[0]) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pids = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {p for p, n in pids.items() if "/device:GPU" in n}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu and e.get("dur")]
+    per_name = collections.Counter()
+    count = collections.Counter()
+    for e in kernels:
+        per_name[e["name"]] += e["dur"]
+        count[e["name"]] += 1
+    busy_us = sum(per_name.values())
+    span_us = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) if kernels else 0
+    top = [(n[:90], round(t / steps, 1), count[n] // steps) for n, t in per_name.most_common(15)]
+    return dict(gpu_busy_us_per_step=round(busy_us / steps, 1), gpu_span_us_per_step=round(span_us / steps, 1),
+                kernels_per_step=len(kernels) // steps, top_us_per_step=top, processes=sorted(set(pids.values())))
+
+
+def main():
+    out = sys.argv[1] if len(sys.argv) > 1 else "out/profile"
+    os.makedirs(out, exist_ok=True)
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(MODEL, dtype="bfloat16", max_seqs=1, max_step_tokens=64, capacity=CONTEXT + 256,
+                                    allow_long_context=True)
+    engine.warmup(progress=False)
+    print(f"engine + warmup {time.perf_counter() - t0:.1f} s", flush=True)
+    weight_bytes = weights.decode_weight_bytes(engine.params, engine.model.tie_embeddings)
+    loop = sorted(pipelined_decode_ms(engine, 1, CONTEXT, steps=64) for _ in range(3))[1]
+    floor_ms, floor_bytes = matmul_floor(engine)
+    steps = 16
+    rng = np.random.default_rng(1)
+    from glint.runtime.params import SamplingParams
+
+    rid = engine.add_request(rng.integers(0, engine.model.vocab_size, CONTEXT).tolist(),
+                             SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
+    while len(engine.output(rid, text=False).token_ids) < 4:
+        engine.step()
+    trace_dir = os.path.join(out, "trace")
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        t1 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        jax.block_until_ready(engine.kv)
+        traced_ms = 1e3 * (time.perf_counter() - t1) / steps
+    engine.abort(rid)
+    table = kernel_table(trace_dir, steps)
+    result = dict(xla_flags=os.environ.get("XLA_FLAGS", ""), model=MODEL, context=CONTEXT,
+                  weight_GB=weight_bytes / 1e9, engine_ms_per_step=loop,
+                  engine_TBps=weight_bytes / loop / 1e9, pct_of_4p3=100 * weight_bytes / loop / 1e9 / 4300,
+                  matmul_floor_ms=floor_ms, matmul_floor_TBps=floor_bytes / floor_ms / 1e9,
+                  traced_ms_per_step=traced_ms, **table)
+    for k, v in result.items():
+        if k != "top_us_per_step":
+            print(f"{k}: {v}")
+    for row in result.get("top_us_per_step", []):
+        print("  ", row)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
