@@ -31,6 +31,10 @@ from glint.runtime.engine import Engine
 
 MODEL = os.environ.get("PROFILE_MODEL", "llama3-8b")
 CONTEXT = int(os.environ.get("PROFILE_CONTEXT", "512"))
+if "PROFILE_MAX_SPLITS" in os.environ:  # this process's split-K cap (pallas_kernels/tuning.py), to compare two
+    from glint.pallas_kernels import tuning
+
+    tuning.MAX_SPLITS = int(os.environ["PROFILE_MAX_SPLITS"])
 
 
 def matmul_floor(engine: Engine, repeats: int = 20) -> float:
@@ -50,7 +54,7 @@ def matmul_floor(engine: Engine, repeats: int = 20) -> float:
     return 1e3 * _median_time(lambda: run(x, mats), repeats), sum(w.size * w.dtype.itemsize for w in mats)
 
 
-def kernel_table(trace_dir: str, steps: int) -> dict:
+def kernel_table(trace_dir: str, steps: int, sequence_path: str | None = None) -> dict:
     paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
     if not paths:
         return {"error": f"no trace under {trace_dir}"}
@@ -60,6 +64,12 @@ def kernel_table(trace_dir: str, steps: int) -> dict:
     pids = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     gpu = {p for p, n in pids.items() if "/device:GPU" in n}
     kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu and e.get("dur")]
+    if sequence_path:  # one step's kernels in launch order (the middle step), to read a layer's sequence off
+        kernels.sort(key=lambda e: e["ts"])
+        per_step = len(kernels) // steps
+        with open(sequence_path, "w") as f:
+            for e in kernels[per_step * (steps // 2):per_step * (steps // 2 + 1)]:
+                f.write(f"{e['dur']:8.2f} {e['name']}\n")
     per_name = collections.Counter()
     count = collections.Counter()
     for e in kernels:
@@ -99,8 +109,13 @@ def main():
         jax.block_until_ready(engine.kv)
         traced_ms = 1e3 * (time.perf_counter() - t1) / steps
     engine.abort(rid)
-    table = kernel_table(trace_dir, steps)
+    table = kernel_table(trace_dir, steps, os.path.join(out, "one_step_kernels.txt"))
+    with open(os.path.join(out, "forward_1.hlo.txt"), "w") as f:  # the optimized program the loop runs
+        f.write(engine.runner.programs["forward_1"].as_text())
+    from glint.pallas_kernels import tuning
+
     result = dict(xla_flags=os.environ.get("XLA_FLAGS", ""), model=MODEL, context=CONTEXT,
+                  max_splits=tuning.MAX_SPLITS,
                   weight_GB=weight_bytes / 1e9, engine_ms_per_step=loop,
                   engine_TBps=weight_bytes / loop / 1e9, pct_of_4p3=100 * weight_bytes / loop / 1e9 / 4300,
                   matmul_floor_ms=floor_ms, matmul_floor_TBps=floor_bytes / floor_ms / 1e9,
