@@ -1,10 +1,10 @@
 """Where batch-1 decode's time goes (issue #13 item 4), on the GPU, in one process:
 
 1. the engine's pipelined decode loop (ms per engine.step(), batch 1, context CONTEXT), median of 3 runs;
-2. the matmul floor: the step's own weights (every layer's wqkv, wo, gate_up, down and the head) multiplied by
-   one row in one jit, nothing else - what the step would cost if all the rest were free;
-3. a jax.profiler trace of 16 engine steps, its GPU kernels summed per step by name (top 15), and the device's
-   busy time per step against the wall time per step (the gaps are launch and host time).
+2. a jax.profiler trace of 16 engine steps, its GPU kernels summed per step by name (top 15), and the device's
+   busy time per step against the wall time per step (the gaps are launch and host time; the trace itself
+   slows the loop), and one step's kernels in launch order (one_step_kernels.txt) with the optimized HLO of
+   the width-1 program (forward_1.hlo.txt) beside it.
 
 Run it once per XLA_FLAGS setting to compare (each its own process), e.g.
     python3 tools/gpu_decode_profile.py OUT/prof_default
@@ -22,11 +22,10 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from glint.runtime import weights
-from glint.runtime.bench import _median_time, pipelined_decode_ms
+from glint.runtime.bench import pipelined_decode_ms
 from glint.runtime.engine import Engine
 
 MODEL = os.environ.get("PROFILE_MODEL", "llama3-8b")
@@ -35,23 +34,6 @@ if "PROFILE_MAX_SPLITS" in os.environ:  # this process's split-K cap (pallas_ker
     from glint.pallas_kernels import tuning
 
     tuning.MAX_SPLITS = int(os.environ["PROFILE_MAX_SPLITS"])
-
-
-def matmul_floor(engine: Engine, repeats: int = 20) -> float:
-    """ms for one row through every linear of the step (and the head), each reading its real weight."""
-    mats = [v for k, v in engine.params.items() if v.ndim == 2 and "embed" not in k]
-
-    @jax.jit
-    def run(x, mats):
-        total = jnp.zeros((), jnp.float32)
-        for w in mats:  # each product reads its own weight once; the sums keep every product alive
-            xin = jnp.broadcast_to(x[:, :1], (1, w.shape[0])).astype(w.dtype)
-            total += jnp.sum(jnp.dot(xin, w, preferred_element_type=jnp.float32))
-        return total
-
-    x = jnp.ones((1, 8), jnp.bfloat16)
-    jax.block_until_ready(run(x, mats))
-    return 1e3 * _median_time(lambda: run(x, mats), repeats), sum(w.size * w.dtype.itemsize for w in mats)
 
 
 def kernel_table(trace_dir: str, steps: int, sequence_path: str | None = None) -> dict:
@@ -92,7 +74,6 @@ def main():
     print(f"engine + warmup {time.perf_counter() - t0:.1f} s", flush=True)
     weight_bytes = weights.decode_weight_bytes(engine.params, engine.model.tie_embeddings)
     loop = sorted(pipelined_decode_ms(engine, 1, CONTEXT, steps=64) for _ in range(3))[1]
-    floor_ms, floor_bytes = matmul_floor(engine)
     steps = 16
     rng = np.random.default_rng(1)
     from glint.runtime.params import SamplingParams
@@ -117,8 +98,7 @@ def main():
     result = dict(xla_flags=os.environ.get("XLA_FLAGS", ""), model=MODEL, context=CONTEXT,
                   max_splits=tuning.MAX_SPLITS,
                   weight_GB=weight_bytes / 1e9, engine_ms_per_step=loop,
-                  engine_TBps=weight_bytes / loop / 1e9, pct_of_4p3=100 * weight_bytes / loop / 1e9 / 4300,
-                  matmul_floor_ms=floor_ms, matmul_floor_TBps=floor_bytes / floor_ms / 1e9,
+                  engine_TBps=weight_bytes / loop / 1e9, pct_of_4p3=100 * weight_bytes / loop / 1e9 / 4.3,
                   traced_ms_per_step=traced_ms, **table)
     for k, v in result.items():
         if k != "top_us_per_step":
