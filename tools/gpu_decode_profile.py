@@ -30,6 +30,7 @@ from glint.runtime.engine import Engine
 
 MODEL = os.environ.get("PROFILE_MODEL", "llama3-8b")
 CONTEXT = int(os.environ.get("PROFILE_CONTEXT", "512"))
+QUANTIZE = os.environ.get("PROFILE_QUANTIZE")  # a weight format (model/quant.py), e.g. fp8
 if "PROFILE_MAX_SPLITS" in os.environ:  # this process's split-K cap (pallas_kernels/tuning.py), to compare two
     from glint.pallas_kernels import tuning
 
@@ -69,7 +70,7 @@ def main():
     os.makedirs(out, exist_ok=True)
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(MODEL, dtype="bfloat16", max_seqs=1, max_step_tokens=64, capacity=CONTEXT + 256,
-                                    allow_long_context=True)
+                                    allow_long_context=True, **({"quantize": QUANTIZE} if QUANTIZE else {}))
     engine.warmup(progress=False)
     print(f"engine + warmup {time.perf_counter() - t0:.1f} s", flush=True)
     weight_bytes = weights.decode_weight_bytes(engine.params, engine.model.tie_embeddings)
@@ -95,7 +96,7 @@ def main():
         f.write(engine.runner.programs["forward_1"].as_text())
     from glint.pallas_kernels import tuning
 
-    result = dict(xla_flags=os.environ.get("XLA_FLAGS", ""), model=MODEL, context=CONTEXT,
+    result = dict(xla_flags=os.environ.get("XLA_FLAGS", ""), model=MODEL, context=CONTEXT, quantize=QUANTIZE,
                   max_splits=tuning.MAX_SPLITS,
                   weight_GB=weight_bytes / 1e9, engine_ms_per_step=loop,
                   engine_TBps=weight_bytes / loop / 1e9, pct_of_4p3=100 * weight_bytes / loop / 1e9 / 4.3,
