@@ -70,7 +70,9 @@ def main():
     os.makedirs(out, exist_ok=True)
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(MODEL, dtype="bfloat16", max_seqs=1, max_step_tokens=64, capacity=CONTEXT + 256,
-                                    allow_long_context=True, **({"quantize": QUANTIZE} if QUANTIZE else {}))
+                                    allow_long_context=True, **({"quantize": QUANTIZE} if QUANTIZE else {}),
+                                    # a tuning override is not in the kept executables' key: compile afresh
+                                    compile_cache="PROFILE_MAX_SPLITS" not in os.environ)
     engine.warmup(progress=False)
     print(f"engine + warmup {time.perf_counter() - t0:.1f} s", flush=True)
     weight_bytes = weights.decode_weight_bytes(engine.params, engine.model.tie_embeddings)
