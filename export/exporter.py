@@ -33,11 +33,13 @@ _CUSTOM_CALL = re.compile(r'stablehlo\.custom_call @([\w$.]+)|call_target_name =
 # max_seqs), P_g = cache.groups[g].pages_per_seq), for users who drive an artifact without glint. Every forward
 # returns the selected rows' logits beside the tokens: a caller sampling on the host reads those.
 SIGNATURES = {
-    "forward_W": {"inputs": ["params {dotted name: array}", "kv ((k per layer), (v per layer))", "tokens i32[W]",
-                             "token_src i32[W] (>= 0: take prev_tokens[token_src])", "prev_tokens i32[R]",
-                             "meta (positions i32[W], slots per group i32[W], seq_info i32[S, 4], "
-                             "page_tables per group i32[S, P_g])", "rows i32[R]",
-                             "sampler (temperature f32[R], top_k i32[R], top_p f32[R], seed u32[R], position i32[R])"],
+    "forward_W": {"inputs": ["params {dotted name: array}", "kv ((k per layer), (v per layer))",
+                             "host i32[N]: these, flattened and concatenated in this order (f32 and u32 as their "
+                             "bits): tokens i32[W], token_src i32[W] (>= 0: take prev_tokens[token_src]), "
+                             "positions i32[W], slots i32[G, W], seq_info i32[S, 4], page_table i32[S, P_g] for each "
+                             "group g, rows i32[R], draft_rows i32[R] (zeros), temperature f32[R], top_k i32[R], "
+                             "top_p f32[R], seed u32[R], position i32[R]",
+                             "prev_tokens i32[R]"],
                   "outputs": ["tokens i32[R] (argmax, or drawn without top-k/top-p)", "logits f32[R, V]", "kv"],
                   "donated": ["kv"]},
     "sample": {"inputs": ["logits f32[R, V]", "sampler"], "outputs": ["tokens i32[R] (top-k/top-p applied)"]},

@@ -46,13 +46,82 @@ class DeviceMeta:
     def from_host(cls, meta: StepMetadata) -> DeviceMeta:
         return cls(meta.positions, tuple(meta.slots), meta.seq_info, tuple(meta.page_tables))
 
-    @classmethod
-    def from_args(cls, args: tuple) -> DeviceMeta:
-        """From the plain tuple programs take (`as_args`)."""
-        return cls(args[0], tuple(args[1]), args[2], tuple(args[3]))
 
-    def as_args(self) -> tuple:
-        return self.positions, tuple(self.slots), self.seq_info, tuple(self.page_tables)
+@dataclass(frozen=True)
+class StepLayout:
+    """Where a step's host inputs sit in its one int32 upload: `pack` (NumPy, the host) concatenates them in a
+    fixed order, `unpack` (inside the program) slices them out again. The layout is fixed per step width, so a
+    step costs one host-to-device copy instead of a dozen; floats and uint32 seeds travel as their bits.
+
+    Per token row (width W): tokens, token_src, positions, slots [G, W]; per segment (S): seq_info [S, 4] and
+    each layer group's page table [S, P_g]; per sampled row (R): rows, draft_rows (the DFlash drafting
+    program's output rows), then the sampler's temperature, top_k, top_p, seed and position.
+    """
+
+    width: int
+    segments: int
+    rows: int
+    pages: tuple[int, ...]  # page-table width of each layer group
+
+    @classmethod
+    def of(cls, width: int, cache: CacheConfig, max_seqs: int, rows: int) -> StepLayout:
+        return cls(width, num_segments(width, max_seqs), rows,
+                   tuple(cache.group_pages_per_seq(g) for g in range(cache.num_groups)))
+
+    @property
+    def parts(self) -> tuple[tuple[str, tuple[int, ...], np.dtype], ...]:
+        w, s, r = self.width, self.segments, self.rows
+        i32, f32, u32 = np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.uint32)
+        return (("tokens", (w,), i32), ("token_src", (w,), i32), ("positions", (w,), i32),
+                ("slots", (len(self.pages), w), i32), ("seq_info", (s, 4), i32),
+                *((f"page_table_{g}", (s, p), i32) for g, p in enumerate(self.pages)),
+                ("rows", (r,), i32), ("draft_rows", (r,), i32), ("temperature", (r,), f32), ("top_k", (r,), i32),
+                ("top_p", (r,), f32), ("seed", (r,), u32), ("position", (r,), i32))
+
+    @property
+    def size(self) -> int:
+        return sum(int(np.prod(shape)) for _, shape, _ in self.parts)
+
+    def pack(self, tokens, token_src, meta: DeviceMeta, rows, sampler=None, draft_rows=None) -> np.ndarray:
+        """The host arrays of one step as one i32[size] (a missing sampler or draft_rows: zeros)."""
+        values = dict(tokens=tokens, token_src=token_src, positions=meta.positions, slots=np.stack(meta.slots),
+                      seq_info=meta.seq_info, rows=rows, draft_rows=draft_rows,
+                      **{f"page_table_{g}": t for g, t in enumerate(meta.page_tables)},
+                      **(_fields_dict(sampler) if sampler is not None else {}))
+        out = np.zeros(self.size, np.int32)
+        start = 0
+        for name, shape, dtype in self.parts:
+            n = int(np.prod(shape))
+            value = values.get(name)
+            if value is not None:
+                value = np.asarray(value, dtype)
+                if value.shape != shape:
+                    raise ValueError(f"step input {name}: shape {value.shape}, the width-{self.width} layout "
+                                     f"holds {shape}")
+                out[start:start + n] = value.reshape(-1).view(np.int32)
+            start += n
+        return out
+
+    def unpack(self, host) -> dict[str, jax.Array]:
+        """The named arrays of `pack`'s output, back in their shapes and dtypes (inside a program)."""
+        out, start = {}, 0
+        for name, shape, dtype in self.parts:
+            n = int(np.prod(shape))
+            part = host[start:start + n].reshape(shape)
+            out[name] = part if dtype == np.int32 else jax.lax.bitcast_convert_type(part, dtype)
+            start += n
+        return out
+
+    def meta(self, parts: dict[str, jax.Array]) -> DeviceMeta:
+        return DeviceMeta(parts["positions"], tuple(parts["slots"]), parts["seq_info"],
+                          tuple(parts[f"page_table_{g}"] for g in range(len(self.pages))))
+
+    def sampler(self, parts: dict[str, jax.Array]) -> tuple:
+        return tuple(parts[k] for k in ("temperature", "top_k", "top_p", "seed", "position"))
+
+
+def _fields_dict(x) -> dict:
+    return {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
 
 
 def forward_name(width: int) -> str:
@@ -91,13 +160,13 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
     With a tensor-parallel `mesh` every argument carries its sharding: the KV pools split by KV head
     (`kv_sharding`), the parameters their own (model/tp.py), the rest replicated.
 
-    forward_W: (params, (k, v), tokens i32[W], token_src i32[W], prev_tokens i32[R],
-                (positions i32[W], slots, seq_info i32[S, 4], page_tables), rows i32[R],
-                (temperature f32[R], top_k i32[R], top_p f32[R], seed u32[R], position i32[R]))
+    forward_W: (params, (k, v), host i32[N], prev_tokens i32[R]); host: the step's inputs packed by
+               `StepLayout.of(W, ...)`: tokens, token_src, the metadata (positions, slots, seq_info, page
+               tables), the sampled rows and the sampler (temperature, top_k, top_p, seed, position)
     sample:    (logits f32[R, V], sampler tuple)
     sample_argmax: (logits f32[R, V],)
     logprobs:  (logits f32[R, V], tokens i32[R])
-    draft_W:   (params, (k, v), tokens i32[W], token_src i32[W], meta as forward_W, rows i32[R])
+    draft_W:   (params, (k, v), host i32[N]): the same layout, its draft_rows the output rows
     copy:      ((k, v), per group i32[COPY_ROWS, 2])
     kv_init:   () -> the zeroed pools (k, v)
     """
@@ -123,14 +192,11 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
     if name == "kv_init":
         return ()
     kind, width = name.rsplit("_", 1)
-    width = int(width)
-    s = num_segments(width, max_seqs)
-    meta = (i32(width), tuple(i32(width) for _ in range(cache.num_groups)), i32(s, 4),
-            tuple(i32(s, cache.group_pages_per_seq(g)) for g in range(cache.num_groups)))
+    host = i32(StepLayout.of(int(width), cache, max_seqs, rows).size)
     params = {k: _spec(v.shape, v.dtype, None if mesh is None else v.sharding) for k, v in params.items()}
     if kind == "draft":
-        return params, kv, i32(width), i32(width), meta, i32(rows)
-    return params, kv, i32(width), i32(width), i32(rows), meta, i32(rows), sampler
+        return params, kv, host
+    return params, kv, host, i32(rows)
 
 
 @dataclass
@@ -211,6 +277,11 @@ class ProgramSet:
         return times
 
 
+def _layout(tokens, meta: DeviceMeta, rows) -> StepLayout:
+    """The layout of a step with these host arrays (the program of its width unpacks the same one)."""
+    return StepLayout(len(tokens), meta.seq_info.shape[0], len(rows), tuple(t.shape[1] for t in meta.page_tables))
+
+
 class Runner:
     """Calls a ProgramSet with the engine's objects (KVState, DeviceMeta, SamplerInputs)."""
 
@@ -220,8 +291,8 @@ class Runner:
     def forward(self, width: int, params: dict, kv: KVState, tokens, token_src, prev_tokens, meta: DeviceMeta, rows,
                 sampler) -> tuple[jax.Array, jax.Array, KVState]:
         """-> (tokens i32[R] drawn without top-k/top-p, logits f32[R, V], kv)."""
-        next_tokens, logits, (k, v) = self.programs[forward_name(width)](
-            params, (kv.k, kv.v), tokens, token_src, prev_tokens, meta.as_args(), rows, _fields(sampler))
+        host = _layout(tokens, meta, rows).pack(tokens, token_src, meta, rows, sampler)
+        next_tokens, logits, (k, v) = self.programs[forward_name(width)](params, (kv.k, kv.v), host, prev_tokens)
         return next_tokens, logits, KVState(k=k, v=v)
 
     def sample(self, logits, sampler) -> jax.Array:
@@ -230,8 +301,8 @@ class Runner:
 
     def draft(self, width: int, params: dict, kv: KVState, tokens, token_src, meta: DeviceMeta, rows):
         """DFlash drafting before a verifying step: (draft tokens i32[R], kv)."""
-        drafted, (k, v) = self.programs[draft_name(width)](params, (kv.k, kv.v), tokens, token_src, meta.as_args(),
-                                                           rows)
+        host = _layout(tokens, meta, rows).pack(tokens, token_src, meta, rows, draft_rows=rows)
+        drafted, (k, v) = self.programs[draft_name(width)](params, (kv.k, kv.v), host)
         return drafted, KVState(k=k, v=v)
 
     def logprobs(self, logits, tokens):

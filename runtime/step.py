@@ -22,7 +22,7 @@ from glint.pallas_kernels import (ring_write, ring_write_reference, varlen_atten
                                   varlen_attention_reference)
 from glint.runtime.params import MAX_LOGPROBS
 from glint.runtime.programs import (COPY_DONATE_ARGNUMS, FORWARD_DONATE_ARGNUMS, DeviceMeta, Program, ProgramSet,
-                                    abstract_args, draft_name, forward_name, kv_sharding)
+                                    StepLayout, abstract_args, draft_name, forward_name, kv_sharding)
 from glint.runtime.sampling import SamplerInputs, logprobs, sample, sample_argmax
 
 
@@ -82,22 +82,23 @@ def run_model(graphdef, backend, params, kv: KVState, tokens, meta: DeviceMeta, 
     return transformer.compute_logits(graphdef, params, hidden[rows], axis), kv
 
 
-@functools.lru_cache(maxsize=16)
-def make_draft_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: DraftConfig):
+@functools.lru_cache(maxsize=64)
+def make_draft_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: DraftConfig, layout: StepLayout):
     """The DFlash drafting program (one per width), run before a step that verifies blocks: (flat params,
-    (k, v), tokens, token_src, meta tuple, rows) -> (draft tokens i32[R], (k, v)).
+    (k, v), host i32[N] packed by `layout`) -> (draft tokens i32[R], (k, v)).
 
     Over the very step the target then runs: rows with token_src >= 0 (draft positions) become mask tokens,
     every row goes through the draft layers, whose block K/V are written at the step's slots (the target's
     step overwrites them with context) and attended without a causal mask; row r of the output is the
-    draft's argmax at step row rows[r].
+    draft's argmax at step row draft_rows[r].
     """
     backend = PagedAttention(cache, impl, causal=False)
     graphdef, like = transformer.split(transformer.abstract_model(model))
     n = model.num_layers
 
-    def run(params, kv, tokens, token_src, meta, rows):
-        meta = DeviceMeta.from_args(meta)
+    def run(params, kv, host):
+        parts = layout.unpack(host)
+        tokens, token_src, meta, rows = parts["tokens"], parts["token_src"], layout.meta(parts), parts["draft_rows"]
         target = transformer.merge(graphdef, unflatten(params, like))
         k, v = list(kv[0]), list(kv[1])
 
@@ -113,11 +114,12 @@ def make_draft_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: Draf
     return jax.jit(run, donate_argnums=FORWARD_DONATE_ARGNUMS)
 
 
-@functools.lru_cache(maxsize=16)
-def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: DraftConfig | None = None,
-                 tensor_parallel: int = 1):
-    """The engine's step (one program per width): (flat params, (k, v), tokens, token_src, prev_tokens,
-    meta tuple, rows, sampler tuple) -> (tokens i32[R], logits f32[R, V], (k, v)). With a DFlash `draft`,
+@functools.lru_cache(maxsize=64)
+def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str, layout: StepLayout,
+                 draft: DraftConfig | None = None, tensor_parallel: int = 1):
+    """The engine's step (one program per width): (flat params, (k, v), host i32[N], prev_tokens i32[R]) ->
+    (tokens i32[R], logits f32[R, V], (k, v)), where `host` holds the step's tokens, token_src, metadata, rows
+    and sampler packed by `layout` (one upload per step; programs.StepLayout). With a DFlash `draft`,
     the step also writes the draft's context (`run_model`). With `tensor_parallel` N > 1 it runs under
     shard_map over N devices, each on its shard of the model (model/tp.py) and of the KV pools; what it
     returns besides the pools is the same on every device.
@@ -133,13 +135,14 @@ def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: Draft
     graphdef, like = transformer.split(transformer.abstract_model(tp.local_config(model, n)))
     axis = tp.AXIS if n > 1 else None
 
-    def step(params, kv, tokens, token_src, prev_tokens, meta, rows, sampler):
-        tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], tokens)
-        meta = DeviceMeta.from_args(meta)
-        logits, kv = run_model(graphdef, backend, unflatten(params, like), KVState(*kv), tokens, meta, rows, draft,
-                               params, axis)
+    def step(params, kv, host, prev_tokens):
+        parts = layout.unpack(host)
+        token_src = parts["token_src"]
+        tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], parts["tokens"])
+        logits, kv = run_model(graphdef, backend, unflatten(params, like), KVState(*kv), tokens, layout.meta(parts),
+                               parts["rows"], draft, params, axis)
         logits = logits[:, :model.vocab_size]  # under tensor parallelism, the vocabulary's padding cut off
-        return sample(logits, SamplerInputs(*sampler), is_filtered=False), logits, (kv.k, kv.v)
+        return sample(logits, SamplerInputs(*layout.sampler(parts)), is_filtered=False), logits, (kv.k, kv.v)
 
     if n > 1:
         from jax.sharding import PartitionSpec as P
@@ -147,7 +150,7 @@ def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: Draft
         pools = (tuple(kv_sharding(tp.mesh(n)).spec for _ in range(cache.num_layers)),) * 2
         # check_vma off: the Pallas calls declare no varying axes; the replicated outputs are replicated by
         # construction (everything after the logits' all-gather is the same computation on every device).
-        step = jax.shard_map(step, mesh=tp.mesh(n), in_specs=(tp.param_specs(model, flatten(like)), pools) + (P(),) * 6,
+        step = jax.shard_map(step, mesh=tp.mesh(n), in_specs=(tp.param_specs(model, flatten(like)), pools, P(), P()),
                              out_specs=(P(), P(), pools), check_vma=False)
     return jax.jit(step, donate_argnums=FORWARD_DONATE_ARGNUMS)
 
@@ -205,11 +208,12 @@ def live_programs(model: ModelConfig, params: dict, cache: CacheConfig, impl: st
     if n > 1 and draft is not None:
         raise ValueError(f"tensor_parallel {n} with a DFlash draft is not supported (the draft runs on one device): "
                          "use tensor_parallel=1, or an n-gram drafter")
-    fns = {forward_name(w): make_step_fn(model, cache, impl, draft, n) for w in widths}
+    layouts = {w: StepLayout.of(w, cache, max_seqs, rows) for w in widths}
+    fns = {forward_name(w): make_step_fn(model, cache, impl, layouts[w], draft, n) for w in widths}
     fns.update(sample=_sample_filtered, sample_argmax=_sample_argmax, logprobs=_logprobs,
                copy=make_copy_fn(cache, n), kv_init=make_kv_init_fn(cache, n))
     if draft is not None:
-        fns.update({draft_name(w): make_draft_fn(model, cache, impl, draft) for w in widths})
+        fns.update({draft_name(w): make_draft_fn(model, cache, impl, draft, layouts[w]) for w in widths})
     mesh = tp.mesh(n) if n > 1 else None
     programs = {name: Program(fn, abstract_args(name, params, cache, max_seqs, rows, model.vocab_size, mesh))
                 for name, fn in fns.items()}

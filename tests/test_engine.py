@@ -293,3 +293,53 @@ def test_pallas_kernels_give_the_reference_tokens():
     assert pallas.cache.group_ring_rows(1) < 56  # the 50-token prompt wraps the ring
     want = [o.token_ids for o in reference.generate(prompts, greedy)]
     assert [o.token_ids for o in pallas.generate(prompts, greedy)] == want
+
+
+def test_a_step_uploads_its_host_inputs_as_one_array():
+    """A step's host inputs travel as one int32 array (programs.StepLayout): unpacked inside a jit, every input
+    comes back bit for bit (float temperatures and top-p, uint32 seeds, each layer group's page table), and
+    every forward program of an engine takes (params, pools, that array, the previous step's tokens)."""
+    from glint.runtime.programs import DeviceMeta, StepLayout, forward_name
+    from glint.runtime.sampling import SamplerInputs
+
+    rng = np.random.default_rng(3)
+    layout = StepLayout(width=6, segments=4, rows=5, pages=(3, 7))
+    ints = lambda *shape: rng.integers(-2**31, 2**31 - 1, shape, dtype=np.int64).astype(np.int32)  # noqa: E731
+    meta = DeviceMeta(ints(6), (ints(6), ints(6)), ints(4, 4), (ints(4, 3), ints(4, 7)))
+    sampler = SamplerInputs(rng.standard_normal(5).astype(np.float32), ints(5),
+                            np.array([np.nan, -0.0, 1.0, 1e-38, np.inf], np.float32),
+                            rng.integers(0, 2**32, 5, dtype=np.uint64).astype(np.uint32), ints(5))
+    tokens, token_src, rows = ints(6), ints(6), ints(5)
+    host = layout.pack(tokens, token_src, meta, rows, sampler)
+    assert host.dtype == np.int32 and host.shape == (layout.size,)
+    parts = jax.device_get(jax.jit(layout.unpack)(host))
+    back = layout.meta(parts)
+    for got, want in [(parts["tokens"], tokens), (parts["token_src"], token_src), (parts["rows"], rows),
+                      (back.positions, meta.positions), (back.seq_info, meta.seq_info),
+                      *zip(back.slots, meta.slots), *zip(back.page_tables, meta.page_tables),
+                      *zip(layout.sampler(parts), (sampler.temperature, sampler.top_k, sampler.top_p, sampler.seed,
+                                                   sampler.position))]:
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8))  # bit for bit, NaN and -0.0 included
+    assert not parts["draft_rows"].any()  # not given: zeros
+    with pytest.raises(ValueError, match=r"step input seq_info: shape \(3, 4\), the width-6 layout holds \(4, 4\)"):
+        layout.pack(tokens, token_src, DeviceMeta(meta.positions, meta.slots, meta.seq_info[:3], meta.page_tables),
+                    rows, sampler)
+
+    engine = tiny_engine()
+    for width in engine.config.buckets:
+        args = engine.runner.programs.programs[forward_name(width)].args
+        expected = StepLayout.of(width, engine.cache, engine.config.max_seqs, engine.config.max_sample_rows).size
+        assert len(args) == 4 and args[2].shape == (expected,) and args[2].dtype == np.int32
+
+
+def test_the_exported_signature_lists_the_packed_inputs_in_layout_order():
+    """An artifact's metadata tells callers without glint how to build the host array: the same parts, in the
+    order StepLayout packs them."""
+    from glint.export.exporter import SIGNATURES
+    from glint.runtime.programs import StepLayout
+
+    text = SIGNATURES["forward_W"]["inputs"][2]
+    names = [n if not n.startswith("page_table_") else "page_table" for n, _, _ in StepLayout(1, 1, 1, (2,)).parts]
+    found = [text.index(f"{n} ") for n in names]
+    assert found == sorted(found), names
