@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -82,24 +83,35 @@ class StepLayout:
     def size(self) -> int:
         return sum(int(np.prod(shape)) for _, shape, _ in self.parts)
 
+    @functools.cached_property
+    def _spans(self) -> tuple[tuple[str, int, int, tuple[int, ...], np.dtype], ...]:
+        """(name, start, stop, shape, dtype) of every array `pack` writes, the slots one per layer group."""
+        spans, start = [], 0
+        for name, shape, dtype in self.parts:
+            pieces = [(f"slots[{g}]", shape[1:]) for g in range(shape[0])] if name == "slots" else [(name, shape)]
+            for piece, piece_shape in pieces:
+                n = int(np.prod(piece_shape))
+                spans.append((piece, start, start + n, piece_shape, dtype))
+                start += n
+        return tuple(spans)
+
     def pack(self, tokens, token_src, meta: DeviceMeta, rows, sampler=None, draft_rows=None) -> np.ndarray:
         """The host arrays of one step as one i32[size] (a missing sampler or draft_rows: zeros)."""
-        values = dict(tokens=tokens, token_src=token_src, positions=meta.positions, slots=np.stack(meta.slots),
-                      seq_info=meta.seq_info, rows=rows, draft_rows=draft_rows,
-                      **{f"page_table_{g}": t for g, t in enumerate(meta.page_tables)},
-                      **(_fields_dict(sampler) if sampler is not None else {}))
+        fields = ((sampler.temperature, sampler.top_k, sampler.top_p, sampler.seed, sampler.position)
+                  if sampler is not None else (None,) * 5)
+        values = (tokens, token_src, meta.positions, *meta.slots, meta.seq_info, *meta.page_tables, rows, draft_rows,
+                  *fields)
+        if len(values) != len(self._spans):
+            raise ValueError(f"step inputs for {len(meta.slots)} slot and {len(meta.page_tables)} page-table groups; "
+                             f"the width-{self.width} layout holds {len(self.pages)}")
         out = np.zeros(self.size, np.int32)
-        start = 0
-        for name, shape, dtype in self.parts:
-            n = int(np.prod(shape))
-            value = values.get(name)
-            if value is not None:
-                value = np.asarray(value, dtype)
-                if value.shape != shape:
-                    raise ValueError(f"step input {name}: shape {value.shape}, the width-{self.width} layout "
-                                     f"holds {shape}")
-                out[start:start + n] = value.reshape(-1).view(np.int32)
-            start += n
+        for (name, start, stop, shape, dtype), value in zip(self._spans, values):
+            if value is None:
+                continue
+            value = np.asarray(value, dtype)
+            if value.shape != shape:
+                raise ValueError(f"step input {name}: shape {value.shape}, the width-{self.width} layout holds {shape}")
+            out[start:stop] = value.reshape(-1).view(np.int32)
         return out
 
     def unpack(self, host) -> dict[str, jax.Array]:
@@ -118,10 +130,6 @@ class StepLayout:
 
     def sampler(self, parts: dict[str, jax.Array]) -> tuple:
         return tuple(parts[k] for k in ("temperature", "top_k", "top_p", "seed", "position"))
-
-
-def _fields_dict(x) -> dict:
-    return {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
 
 
 def forward_name(width: int) -> str:
