@@ -30,8 +30,9 @@ _CUSTOM_CALL = re.compile(r'stablehlo\.custom_call @([\w$.]+)|call_target_name =
 
 
 # What each program takes and returns (R = selected_logit_rows, V = vocab_size, W = the width, S = min(W,
-# max_seqs), P_g = cache.groups[g].pages_per_seq), for users who drive an artifact without glint. Every forward
-# returns the selected rows' logits beside the tokens: a caller sampling on the host reads those.
+# max_seqs), G = the number of layer groups, P_g = cache.groups[g].pages_per_seq), for users who drive an
+# artifact without glint. Every forward returns the selected rows' logits beside the tokens: a caller sampling
+# on the host reads those.
 SIGNATURES = {
     "forward_W": {"inputs": ["params {dotted name: array}", "kv ((k per layer), (v per layer))",
                              "host i32[N]: these, flattened and concatenated in this order (f32 and u32 as their "

@@ -254,7 +254,7 @@ def speculative(args, console: Console, oracle_passes: int = 10) -> dict:
     rows = []
     for b in batches:
         drafter = dflash_random(plain.model) if args.draft == "dflash-random" else host_drafter(args.draft, k)
-        engine_fields = {k: v for k, v in settings.items() if k not in ("quantize", "quantize_head")}
+        engine_fields = {k: v for k, v in settings.items() if k not in ("quantize", "quantize_head", "max_seqs")}
         fast = Engine(plain.model, plain.graphdef, plain.params,
                       EngineConfig(**engine_fields, max_seqs=b, num_pages=b * per_seq + 16, num_speculative_tokens=k),
                       drafter=drafter)
@@ -281,18 +281,21 @@ def speculative(args, console: Console, oracle_passes: int = 10) -> dict:
         rows.append(dict(batch=b, plain_tokens_per_s=tokens / t_plain, spec_tokens_per_s=tokens / t_spec,
                          speedup=t_plain / t_spec, mean_acceptance_length=st.mean_acceptance_length,
                          spec_steps=st.spec_steps, ms_per_step=1e3 * t_spec / steps, compile_s=compile_s,
+                         # a speculating engine reads each step before the next: host time adds to the step's
+                         host_ms_per_step=1e3 * st.host_seconds / steps, wait_ms_per_step=1e3 * st.wait_seconds / steps,
                          same_as_plain=sum(o.token_ids == r.token_ids for o, r in zip(outs, ref)),
                          acceptance_per_pass=[s.mean_acceptance_length for _, _, s in timed["speculative"]],
                          steps_per_bucket=dict(sorted(st.steps_per_bucket.items()))))
     t = Table(title=f"speculative decoding ({args.draft}, {k} draft tokens), {args.prompt_len} prompt + "
               f"{args.gen_len} generated, greedy: end to end, prefill included")
     for col in ("batch", "plain tok/s", "speculative tok/s", "speedup", "mean acceptance", "ms/step",
-                "same as plain"):
+                "host / wait ms", "same as plain"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(str(r["batch"]), f"{r['plain_tokens_per_s']:.0f}", f"{r['spec_tokens_per_s']:.0f}",
                   f"{r['speedup']:.2f}x", "→".join(f"{a:.1f}" for a in r["acceptance_per_pass"]),
-                  f"{r['ms_per_step']:.2f}", f"{r['same_as_plain']}/{r['batch']}")
+                  f"{r['ms_per_step']:.2f}", f"{r['host_ms_per_step']:.2f} / {r['wait_ms_per_step']:.2f}",
+                  f"{r['same_as_plain']}/{r['batch']}")
     console.print(t)
     return dict(draft=args.draft, num_speculative_tokens=k, prompt_len=args.prompt_len, gen_len=args.gen_len,
                 rows=rows)

@@ -168,7 +168,7 @@ class Engine:
         self.set_prefix_cache(config.prefix_cache)
         self._drafts_on_device = isinstance(drafter, spec.DFlashDrafter)
         self.scheduler = Scheduler(config, self.control, propose=None if drafter is None else self._propose)
-        self.runner = Runner(programs)
+        self.runner = Runner(programs, cache, config.max_seqs, config.max_sample_rows)
         self.kv = self.runner.kv_init()
         self._requests: dict[int, Request] = {}
         self._children: dict[int, list[Request]] = {}

@@ -79,7 +79,7 @@ class StepLayout:
                 ("rows", (r,), i32), ("draft_rows", (r,), i32), ("temperature", (r,), f32), ("top_k", (r,), i32),
                 ("top_p", (r,), f32), ("seed", (r,), u32), ("position", (r,), i32))
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         return sum(int(np.prod(shape)) for _, shape, _ in self.parts)
 
@@ -285,21 +285,21 @@ class ProgramSet:
         return times
 
 
-def _layout(tokens, meta: DeviceMeta, rows) -> StepLayout:
-    """The layout of a step with these host arrays (the program of its width unpacks the same one)."""
-    return StepLayout(len(tokens), meta.seq_info.shape[0], len(rows), tuple(t.shape[1] for t in meta.page_tables))
-
-
 class Runner:
-    """Calls a ProgramSet with the engine's objects (KVState, DeviceMeta, SamplerInputs)."""
+    """Calls a ProgramSet with the engine's objects (KVState, DeviceMeta, SamplerInputs); packs each step's host
+    inputs with the layout its width's program unpacks (one StepLayout per width, made once)."""
 
-    def __init__(self, programs: ProgramSet):
+    def __init__(self, programs: ProgramSet, cache: CacheConfig, max_seqs: int, rows: int):
         self.programs = programs
+        self._layout_of = functools.cache(lambda width: StepLayout.of(width, cache, max_seqs, rows))
+
+    def layout(self, width: int) -> StepLayout:
+        return self._layout_of(width)
 
     def forward(self, width: int, params: dict, kv: KVState, tokens, token_src, prev_tokens, meta: DeviceMeta, rows,
                 sampler) -> tuple[jax.Array, jax.Array, KVState]:
         """-> (tokens i32[R] drawn without top-k/top-p, logits f32[R, V], kv)."""
-        host = _layout(tokens, meta, rows).pack(tokens, token_src, meta, rows, sampler)
+        host = self.layout(width).pack(tokens, token_src, meta, rows, sampler)
         next_tokens, logits, (k, v) = self.programs[forward_name(width)](params, (kv.k, kv.v), host, prev_tokens)
         return next_tokens, logits, KVState(k=k, v=v)
 
@@ -309,7 +309,7 @@ class Runner:
 
     def draft(self, width: int, params: dict, kv: KVState, tokens, token_src, meta: DeviceMeta, rows):
         """DFlash drafting before a verifying step: (draft tokens i32[R], kv)."""
-        host = _layout(tokens, meta, rows).pack(tokens, token_src, meta, rows, draft_rows=rows)
+        host = self.layout(width).pack(tokens, token_src, meta, rows, draft_rows=rows)
         drafted, (k, v) = self.programs[draft_name(width)](params, (kv.k, kv.v), host)
         return drafted, KVState(k=k, v=v)
 

@@ -30,3 +30,18 @@ def test_bench_shared_prefix_runs(tmp_path):
     assert rows["shared", True]["fed_tokens"] < rows["shared", False]["fed_tokens"]
     assert rows["unique", True]["hit_rate"] == 0
     assert all(r["same_as_off"] == 6 and r["output_tokens_per_s"] > 0 and r["ttft_p90_s"] > 0 for r in rows.values())
+
+
+def test_bench_speculative_runs(tmp_path):
+    """`--draft oracle`: plain and speculative engines on one set of weights; in float32 the oracle (the plain
+    run's tokens) is accepted whole, the output is the plain run's, and host and wait time per step are reported."""
+    out = tmp_path / "spec.json"
+    k, gen = 3, 12
+    assert main(["bench", "tiny", "--draft", "oracle", "--num-speculative-tokens", str(k), "--batch", "2",
+                 "--prompt-len", "8", "--gen-len", str(gen), "--dtype", "float32", "--max-step-tokens", "64",
+                 "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["speculative"]["rows"]
+    assert row["batch"] == 2 and row["same_as_plain"] == 2
+    # every block but the first token's step commits k + 1 tokens until the last, shorter one
+    assert row["spec_steps"] == 2 * -(-(gen - 1) // (k + 1)) and row["mean_acceptance_length"] > k
+    assert row["host_ms_per_step"] > 0 and row["wait_ms_per_step"] >= 0 and row["ms_per_step"] > 0

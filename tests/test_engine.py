@@ -331,6 +331,18 @@ def test_a_step_uploads_its_host_inputs_as_one_array():
         args = engine.runner.programs.programs[forward_name(width)].args
         expected = StepLayout.of(width, engine.cache, engine.config.max_seqs, engine.config.max_sample_rows).size
         assert len(args) == 4 and args[2].shape == (expected,) and args[2].dtype == np.int32
+        assert engine.runner.layout(width).size == expected  # the runner packs with the program's own layout
+    # metadata built for another width is refused by name before anything reaches the device
+    wide, narrow = engine.config.buckets[-1], engine.config.buckets[0]
+    groups = engine.cache.num_groups
+    meta = DeviceMeta(np.zeros(narrow, np.int32), (np.zeros(narrow, np.int32),) * groups,
+                      np.zeros((min(narrow, engine.config.max_seqs), 4), np.int32),
+                      tuple(np.zeros((min(narrow, engine.config.max_seqs), engine.cache.group_pages_per_seq(g)),
+                                     np.int32) for g in range(groups)))
+    rows = np.zeros(engine.config.max_sample_rows, np.int32)
+    with pytest.raises(ValueError, match=rf"step input tokens: shape \({narrow},\), the width-{wide} layout"):
+        engine.runner.forward(wide, engine.params, engine.kv, np.zeros(narrow, np.int32), np.zeros(narrow, np.int32),
+                              rows, meta, rows, SamplerInputs.from_params([], [], rows=len(rows)))
 
 
 def test_the_exported_signature_lists_the_packed_inputs_in_layout_order():

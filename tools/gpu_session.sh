@@ -123,4 +123,17 @@ case "${1:-all}" in
       --prompt-len 512 --gen-len 128 --max-step-tokens 1024 --json "$out/dflash.json" > "$out/dflash.log" 2>&1
     tail -12 "$out/dflash.log"
     ;;
+  decode-profile)  # batch-1 decode profiles (~4 min): bf16; fp8; fp8 with cuBLASLt recorded into XLA's command
+                   # buffers (the fp8 loop idles 2.4 ms a step between kernels; PROFILE_VARIANTS picks)
+    for v in ${PROFILE_VARIANTS:-bf16 fp8 fp8-cublaslt}; do
+      case $v in
+        bf16) env=() ;;
+        fp8) env=(PROFILE_QUANTIZE=fp8) ;;
+        fp8-cublaslt) env=(PROFILE_QUANTIZE=fp8 XLA_FLAGS=--xla_gpu_enable_command_buffer=+CUBLASLT) ;;
+      esac
+      env "${env[@]}" timeout 150 python3 tools/gpu_decode_profile.py "$out/prof_$v" > "$out/prof_$v.log" 2>&1
+      echo "== $v"; grep -E "^(engine_ms|pct_of|gpu_busy|kernels_per|Error)" "$out/prof_$v.log"
+      rm -rf "$out/prof_$v/trace"
+    done
+    ;;
 esac
