@@ -11,9 +11,7 @@ and timing are marked.
 """
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +19,7 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gpu_kernels import bench, contiguous, paged_setup, rel_err  # noqa: E402
+from gpu_quant_kernels import timed  # noqa: E402
 
 from glint.pallas_kernels import varlen_attention  # noqa: E402
 from glint.pallas_kernels.varlen_attention import default_block_sizes, default_num_splits  # noqa: E402
@@ -31,18 +30,6 @@ SHAPES = [  # (batch, context, capacity)
     (1, 512, 768), (1, 4096, 4608), (1, 32768, 33024), (4, 2048, 2304), (8, 1024, 1024), (8, 8192, 8192),
     (32, 4096, 4096), (64, 1024, 1024), (256, 1024, 1024),
 ]
-
-
-def separate(fn, args, repeats=30):
-    """Median seconds of one call dispatched on its own and waited for."""
-    jitted = jax.jit(fn)
-    jax.block_until_ready(jitted(*args))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(jitted(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main():
@@ -66,7 +53,7 @@ def main():
             fn = lambda q_, *a, s=s: varlen_attention(q_, *a, scale=scale, num_splits=s, interpret=cpu)  # noqa: E731
             out = np.asarray(jax.jit(fn)(*paged), np.float32)
             one = out if one is None else one
-            rows.append((s, bench(fn, paged) * 1e6, separate(fn, paged) * 1e6, rel_err(out, one)))
+            rows.append((s, bench(fn, paged) * 1e6, timed(jax.jit(fn), *paged, repeats=30) * 1e6, rel_err(out, one)))
         best_c = min(rows, key=lambda r: r[1])[0]
         best_s = min(rows, key=lambda r: r[2])[0]
         for s, tc, ts, err in rows:
@@ -81,7 +68,7 @@ def main():
             return jax.nn.dot_product_attention(q_, k_, v_, scale=scale, implementation="cudnn")
 
         print(f"{batch:>5} {ctx:>6} {cap:>6} {'':>7} | {'cuDNN':>6} {bench(cudnn, dense) * 1e6:10.1f} "
-              f"{separate(cudnn, dense) * 1e6:11.1f}", flush=True)
+              f"{timed(jax.jit(cudnn), *dense, repeats=30) * 1e6:11.1f}", flush=True)
 
 
 if __name__ == "__main__":
