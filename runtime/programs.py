@@ -80,12 +80,9 @@ class StepLayout:
                 ("top_p", (r,), f32), ("seed", (r,), u32), ("position", (r,), i32))
 
     @functools.cached_property
-    def size(self) -> int:
-        return sum(int(np.prod(shape)) for _, shape, _ in self.parts)
-
-    @functools.cached_property
     def _spans(self) -> tuple[tuple[str, int, int, tuple[int, ...], np.dtype], ...]:
-        """(name, start, stop, shape, dtype) of every array `pack` writes, the slots one per layer group."""
+        """(name, start, stop, shape, dtype) of every array `pack` writes and `unpack` reads, the slots one per
+        layer group."""
         spans, start = [], 0
         for name, shape, dtype in self.parts:
             pieces = [(f"slots[{g}]", shape[1:]) for g in range(shape[0])] if name == "slots" else [(name, shape)]
@@ -94,6 +91,10 @@ class StepLayout:
                 spans.append((piece, start, start + n, piece_shape, dtype))
                 start += n
         return tuple(spans)
+
+    @property
+    def size(self) -> int:
+        return self._spans[-1][2]
 
     def pack(self, tokens, token_src, meta: DeviceMeta, rows, sampler=None, draft_rows=None) -> np.ndarray:
         """The host arrays of one step as one i32[size] (a missing sampler or draft_rows: zeros)."""
@@ -116,17 +117,16 @@ class StepLayout:
 
     def unpack(self, host) -> dict[str, jax.Array]:
         """The named arrays of `pack`'s output, back in their shapes and dtypes (inside a program)."""
-        out, start = {}, 0
-        for name, shape, dtype in self.parts:
-            n = int(np.prod(shape))
-            part = host[start:start + n].reshape(shape)
+        out = {}
+        for name, start, stop, shape, dtype in self._spans:
+            part = host[start:stop].reshape(shape)
             out[name] = part if dtype == np.int32 else jax.lax.bitcast_convert_type(part, dtype)
-            start += n
         return out
 
     def meta(self, parts: dict[str, jax.Array]) -> DeviceMeta:
-        return DeviceMeta(parts["positions"], tuple(parts["slots"]), parts["seq_info"],
-                          tuple(parts[f"page_table_{g}"] for g in range(len(self.pages))))
+        groups = range(len(self.pages))
+        return DeviceMeta(parts["positions"], tuple(parts[f"slots[{g}]"] for g in groups), parts["seq_info"],
+                          tuple(parts[f"page_table_{g}"] for g in groups))
 
     def sampler(self, parts: dict[str, jax.Array]) -> tuple:
         return tuple(parts[k] for k in ("temperature", "top_k", "top_p", "seed", "position"))

@@ -24,16 +24,16 @@ import time
 import jax
 import numpy as np
 
+from glint.pallas_kernels import tuning
 from glint.runtime import weights
 from glint.runtime.bench import pipelined_decode_ms
 from glint.runtime.engine import Engine
+from glint.runtime.params import SamplingParams
 
 MODEL = os.environ.get("PROFILE_MODEL", "llama3-8b")
 CONTEXT = int(os.environ.get("PROFILE_CONTEXT", "512"))
 QUANTIZE = os.environ.get("PROFILE_QUANTIZE")  # a weight format (model/quant.py), e.g. fp8
 if "PROFILE_MAX_SPLITS" in os.environ:  # this process's split-K cap (pallas_kernels/tuning.py), to compare two
-    from glint.pallas_kernels import tuning
-
     tuning.MAX_SPLITS = int(os.environ["PROFILE_MAX_SPLITS"])
 
 
@@ -79,8 +79,6 @@ def main():
     loop = sorted(pipelined_decode_ms(engine, 1, CONTEXT, steps=64) for _ in range(3))[1]
     steps = 16
     rng = np.random.default_rng(1)
-    from glint.runtime.params import SamplingParams
-
     rid = engine.add_request(rng.integers(0, engine.model.vocab_size, CONTEXT).tolist(),
                              SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
     while len(engine.output(rid, text=False).token_ids) < 4:
@@ -96,8 +94,6 @@ def main():
     table = kernel_table(trace_dir, steps, os.path.join(out, "one_step_kernels.txt"))
     with open(os.path.join(out, "forward_1.hlo.txt"), "w") as f:  # the optimized program the loop runs
         f.write(engine.runner.programs["forward_1"].as_text())
-    from glint.pallas_kernels import tuning
-
     result = dict(xla_flags=os.environ.get("XLA_FLAGS", ""), model=MODEL, context=CONTEXT, quantize=QUANTIZE,
                   max_splits=tuning.MAX_SPLITS,
                   weight_GB=weight_bytes / 1e9, engine_ms_per_step=loop,
