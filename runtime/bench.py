@@ -234,7 +234,8 @@ def speculative(args, console: Console, oracle_passes: int = 10) -> dict:
     steps return b x (k + 1) rows of logits). The oracle replays the plain run's tokens, then the speculative
     engine's own from its previous pass, until 90% of each block is accepted or `oracle_passes` passes (the
     last is reported): low precision makes a verify step's argmax differ from a decode step's now and then,
-    and every token after the first difference would be rejected. `dflash-random`: `dflash_random`'s draft."""
+    and every token after the first difference would be rejected. `dflash-random`: `dflash_random`'s draft.
+    `args.quote` > 1: every prompt quotes itself that many times (`quoting_prompt`)."""
     from glint.runtime.config import EngineConfig
 
     batches = [int(b) for b in args.batch.split(",")]
@@ -261,7 +262,7 @@ def speculative(args, console: Console, oracle_passes: int = 10) -> dict:
         t0 = time.perf_counter()
         fast.warmup(progress=False)
         compile_s = time.perf_counter() - t0
-        prompts = [rng.integers(0, plain.model.vocab_size, args.prompt_len).tolist() for _ in range(b)]
+        prompts = [quoting_prompt(rng, plain.model.vocab_size, args.prompt_len, args.quote) for _ in range(b)]
         timed = {}
         passes = oracle_passes if args.draft == "oracle" else 1
         for name, engine in [("plain", plain)] + [("speculative", fast)] * passes:
@@ -298,7 +299,16 @@ def speculative(args, console: Console, oracle_passes: int = 10) -> dict:
                   f"{r['same_as_plain']}/{r['batch']}")
     console.print(t)
     return dict(draft=args.draft, num_speculative_tokens=k, prompt_len=args.prompt_len, gen_len=args.gen_len,
-                rows=rows)
+                quote=args.quote, rows=rows)
+
+
+def quoting_prompt(rng, vocab: int, length: int, times: int = 1) -> list[int]:
+    """`length` random tokens; with `times` > 1 a random passage of length / times tokens (rounded up) written
+    `times` times over, cut to `length`: a prompt that quotes itself, what prompt lookup drafts from."""
+    if times < 1:
+        raise ValueError(f"a prompt quotes itself at least once, got quote={times}")
+    passage = rng.integers(0, vocab, -(-length // times)).tolist()
+    return (passage * times)[:length]
 
 
 def shared_prefix_prompts(vocab: int, page_size: int, seed: int) -> list[list[int]]:

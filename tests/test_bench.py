@@ -45,3 +45,24 @@ def test_bench_speculative_runs(tmp_path):
     # every block but the first token's step commits k + 1 tokens until the last, shorter one
     assert row["spec_steps"] == 2 * -(-(gen - 1) // (k + 1)) and row["mean_acceptance_length"] > k
     assert row["host_ms_per_step"] > 0 and row["wait_ms_per_step"] >= 0 and row["ms_per_step"] > 0
+
+
+def test_quoting_prompt_repeats_one_passage():
+    """`--quote N`: a prompt of the asked length whose tokens repeat with the passage's period, each passage fresh
+    (tokens drawn from the whole vocabulary); N = 1 is random tokens; N < 1 is refused by name."""
+    import numpy as np
+    import pytest
+
+    from glint.runtime.bench import quoting_prompt
+
+    rng = np.random.default_rng(3)
+    for length, times in [(64, 4), (50, 3), (7, 7), (10, 1)]:
+        prompt = quoting_prompt(rng, 1000, length, times)
+        period = -(-length // times)
+        assert len(prompt) == length and all(0 <= t < 1000 for t in prompt)
+        assert all(prompt[i] == prompt[i - period] for i in range(period, length))
+        assert len(set(prompt[:period])) > period // 2  # the passage itself is random, not a constant
+    a, b = quoting_prompt(rng, 1000, 32, 2), quoting_prompt(rng, 1000, 32, 2)
+    assert a != b
+    with pytest.raises(ValueError, match="quote=0"):
+        quoting_prompt(rng, 1000, 32, 0)
