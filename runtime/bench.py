@@ -165,7 +165,9 @@ def end_to_end(engine: Engine, num_requests: int, prompt_len: int, gen_len: int,
 
     prompts = [rng.integers(0, vocab, length(prompt_len)).tolist() for _ in range(num_requests)]
     params = [SamplingParams(max_tokens=length(gen_len), temperature=0.0, ignore_eos=True) for _ in prompts]
-    engine.generate(prompts[: min(4, num_requests)], params[: min(4, num_requests)])  # warm-up
+    # warm up on other prompts of the same lengths: the timed ones must not find their pages in the prefix cache
+    warm = [rng.integers(0, vocab, len(p)).tolist() for p in prompts[: min(4, num_requests)]]
+    engine.generate(warm, params[: len(warm)])
     engine.stats = type(engine.stats)()
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params, progress=True)
@@ -235,9 +237,14 @@ def speculative(args, console: Console, oracle_passes: int = 10) -> dict:
     engine's own from its previous pass, until 90% of each block is accepted or `oracle_passes` passes (the
     last is reported): low precision makes a verify step's argmax differ from a decode step's now and then,
     and every token after the first difference would be rejected. `dflash-random`: `dflash_random`'s draft.
-    `args.quote` > 1: every prompt quotes itself that many times (`quoting_prompt`)."""
+    `args.quote` > 1: every prompt quotes itself that many times (`quoting_prompt`). The prefix cache is off in
+    both engines: every pass prefills its prompts, as a first pass does (with it on, a repeated pass would find
+    them cached and time decoding alone)."""
     from glint.runtime.config import EngineConfig
 
+    if not 1 <= args.quote <= args.prompt_len:
+        raise ValueError(f"--quote {args.quote}: a prompt of {args.prompt_len} tokens quotes a passage 1 to "
+                         f"{args.prompt_len} times")
     batches = [int(b) for b in args.batch.split(",")]
     k = args.num_speculative_tokens
     if args.draft == "dflash-random":
@@ -246,7 +253,7 @@ def speculative(args, console: Console, oracle_passes: int = 10) -> dict:
         k = DEFAULT_SPECULATIVE_TOKENS
     capacity = args.prompt_len + args.gen_len + k + 1
     per_seq = -(-capacity // args.page_size)
-    settings = dict(engine_settings(args), capacity=capacity)
+    settings = dict(engine_settings(args), capacity=capacity, prefix_cache=False)
     plain = Engine.from_pretrained(args.model, dtype=args.dtype,
                                    **dict(settings, num_pages=max(batches) * per_seq + 16))
     plain.warmup(progress=False)
@@ -282,6 +289,7 @@ def speculative(args, console: Console, oracle_passes: int = 10) -> dict:
         rows.append(dict(batch=b, plain_tokens_per_s=tokens / t_plain, spec_tokens_per_s=tokens / t_spec,
                          speedup=t_plain / t_spec, mean_acceptance_length=st.mean_acceptance_length,
                          spec_steps=st.spec_steps, ms_per_step=1e3 * t_spec / steps, compile_s=compile_s,
+                         fed_tokens=st.fed_tokens,
                          # a speculating engine reads each step before the next: host time adds to the step's
                          host_ms_per_step=1e3 * st.host_seconds / steps, wait_ms_per_step=1e3 * st.wait_seconds / steps,
                          same_as_plain=sum(o.token_ids == r.token_ids for o, r in zip(outs, ref)),
@@ -303,8 +311,9 @@ def speculative(args, console: Console, oracle_passes: int = 10) -> dict:
 
 
 def quoting_prompt(rng, vocab: int, length: int, times: int = 1) -> list[int]:
-    """`length` random tokens; with `times` > 1 a random passage of length / times tokens (rounded up) written
-    `times` times over, cut to `length`: a prompt that quotes itself, what prompt lookup drafts from."""
+    """`length` random tokens; with `times` > 1 a random passage of ceil(length / times) tokens written over and
+    over, cut to `length` (`times` copies when `times` divides `length`): a prompt that quotes itself, what
+    prompt lookup drafts from."""
     if times < 1:
         raise ValueError(f"a prompt quotes itself at least once, got quote={times}")
     passage = rng.integers(0, vocab, -(-length // times)).tolist()

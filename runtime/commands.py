@@ -330,8 +330,9 @@ def _register_bench(sub) -> None:
                    "at each --batch, --prompt-len -> --gen-len tokens")
     p.add_argument("--num-speculative-tokens", type=int, help="--draft: draft tokens per step (default 4; "
                    "dflash-random: 15)")
-    p.add_argument("--quote", type=int, default=1, help="--draft: each prompt is a random passage written this "
-                   "many times over (prompts that quote themselves; default 1: random tokens)")
+    p.add_argument("--quote", type=int, default=1, help="--draft: each prompt is a random passage of "
+                   "--prompt-len / N tokens written over and over (prompts that quote themselves; default 1: random "
+                   "tokens)")
     p.add_argument("--server", help="instead: load a running OpenAI-compatible server at this URL (MODEL is the "
                    "served model name): --requests streaming completions of --prompt-len -> --gen-len tokens")
     p.add_argument("--concurrency", type=int, default=0, help="--server: requests in flight at most (0: all)")

@@ -34,14 +34,16 @@ def test_bench_shared_prefix_runs(tmp_path):
 
 def test_bench_speculative_runs(tmp_path):
     """`--draft oracle`: plain and speculative engines on one set of weights; in float32 the oracle (the plain
-    run's tokens) is accepted whole, the output is the plain run's, and host and wait time per step are reported."""
+    run's tokens) is accepted whole, the output is the plain run's, and host and wait time per step are reported.
+    The timed pass prefills every prompt (no prefix cache left over from the passes before it)."""
     out = tmp_path / "spec.json"
-    k, gen = 3, 12
+    k, gen, prompt = 3, 12, 40  # prompts of whole pages, which a prefix cache would hold after a pass
     assert main(["bench", "tiny", "--draft", "oracle", "--num-speculative-tokens", str(k), "--batch", "2",
-                 "--prompt-len", "8", "--gen-len", str(gen), "--dtype", "float32", "--max-step-tokens", "64",
-                 "--json", str(out)]) == 0
+                 "--prompt-len", str(prompt), "--gen-len", str(gen), "--dtype", "float32", "--max-step-tokens", "64",
+                 "--page-size", "8", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["speculative"]["rows"]
     assert row["batch"] == 2 and row["same_as_plain"] == 2
+    assert len(row["acceptance_per_pass"]) >= 1 and row["fed_tokens"] >= 2 * prompt
     # every block but the first token's step commits k + 1 tokens until the last, shorter one
     assert row["spec_steps"] == 2 * -(-(gen - 1) // (k + 1)) and row["mean_acceptance_length"] > k
     assert row["host_ms_per_step"] > 0 and row["wait_ms_per_step"] >= 0 and row["ms_per_step"] > 0
