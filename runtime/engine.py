@@ -512,7 +512,7 @@ class Engine:
         if self._drafts_on_device:  # a whole block, drafted in the step (past max_tokens is cut when committed)
             return self.drafter.propose((), 0, k)
         k = min(k, req.params.max_tokens - len(req.generated) - 1)
-        return self.drafter.propose(req.prompt + req.generated, len(req.prompt), k) if k > 0 else []
+        return self.drafter.propose(req.prompt + req.generated, len(req.prompt), k, owner=req) if k > 0 else []
 
     def _dispatch(self, entries: list[Entry]) -> InFlight:
         width = self.config.bucket_for(sum(e.count for e in entries))

@@ -17,6 +17,7 @@ runs on the device (`glint.model.dflash`, programs in `glint.runtime.step`).
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,23 +40,48 @@ def committed(tokens: np.ndarray, proposed: np.ndarray, row: int, length: int) -
 
 class NgramDrafter:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's last n tokens
-    (n from `max_n` down to `min_n`; the first n with a match wins), as vLLM's ngram proposer does."""
+    (n from `max_n` down to `min_n`; the first n with a match wins), as vLLM's ngram proposer does.
+
+    Given an `owner` (the engine passes the request), the drafter keeps that sequence's tokens as an array and
+    appends only the new ones each call (a sequence's known tokens only grow), so a proposal is one vectorised
+    compare over the tokens rather than a conversion of all of them; the array goes with its owner."""
 
     def __init__(self, num_speculative_tokens: int, min_n: int = 1, max_n: int = 3):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"ngram sizes must satisfy 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.num_speculative_tokens, self.min_n, self.max_n = num_speculative_tokens, min_n, max_n
+        self._arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owner -> (buffer, length)
 
-    def propose(self, tokens: Sequence[int], prompt_len: int, k: int) -> list[int]:
-        arr = np.asarray(tokens, np.int64)
-        for n in range(min(self.max_n, len(arr) - 1), self.min_n - 1, -1):
-            tail = arr[-n:]
-            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # each start but the tail itself
-            hits = np.flatnonzero((windows == tail).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
-                return arr[start:start + k].tolist()
-        return []
+    def propose(self, tokens: Sequence[int], prompt_len: int, k: int, owner=None) -> list[int]:
+        arr = np.asarray(tokens, np.int64) if owner is None else self._append(owner, tokens)
+        last = len(arr) - 1
+        max_n = min(self.max_n, last)
+        if max_n < self.min_n:
+            return []
+        ends = np.flatnonzero(arr[:last] == arr[last])  # earlier positions of the last token
+        matched = np.ones(len(ends), np.int64)  # how many of the last tokens end there too (up to max_n)
+        alive = np.ones(len(ends), bool)
+        for t in range(1, max_n):
+            alive &= ends >= t
+            alive[alive] = arr[ends[alive] - t] == arr[last - t]
+            matched += alive
+        n = int(matched.max()) if len(ends) else 0
+        if n < self.min_n:
+            return []
+        end = int(ends[np.flatnonzero(matched >= n)[-1]])  # the latest occurrence of the longest n-gram
+        return arr[end + 1:end + 1 + k].tolist()
+
+    def _append(self, owner, tokens: Sequence[int]) -> np.ndarray:
+        """`owner`'s tokens as an array, extended by those past its last call's (rebuilt if they are not a
+        continuation of them)."""
+        buf, n = self._arrays.get(owner, (np.empty(0, np.int64), 0))
+        if n > len(tokens) or (n and buf[n - 1] != tokens[n - 1]):
+            n = 0
+        if len(tokens) > len(buf):
+            buf = np.concatenate([buf[:n], np.empty(2 * len(tokens) - n, np.int64)])
+        buf[n:len(tokens)] = tokens[n:]
+        self._arrays[owner] = (buf, len(tokens))
+        return buf[:len(tokens)]
 
 
 class OracleDrafter:
@@ -71,7 +97,7 @@ class OracleDrafter:
     def record(self, prompt: Sequence[int], continuation: Sequence[int]) -> None:
         self.continuations[tuple(int(t) for t in prompt)] = [int(t) for t in continuation]
 
-    def propose(self, tokens: Sequence[int], prompt_len: int, k: int) -> list[int]:
+    def propose(self, tokens: Sequence[int], prompt_len: int, k: int, owner=None) -> list[int]:
         known = self.continuations.get(tuple(tokens[:prompt_len]))
         if known is None:
             return []
@@ -87,7 +113,7 @@ class DFlashDrafter:
         self.cfg, self.params = cfg, params
         self.num_speculative_tokens = cfg.block_size - 1
 
-    def propose(self, tokens: Sequence[int], prompt_len: int, k: int) -> list[int]:
+    def propose(self, tokens: Sequence[int], prompt_len: int, k: int, owner=None) -> list[int]:
         return [DRAFTED_ON_DEVICE] * k if k == self.num_speculative_tokens else []
 
 

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import STORIES
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy import stats
 
 from glint.export.checkpoint import unflatten
@@ -80,6 +82,41 @@ def test_oracle_with_wrong_tokens_keeps_transformers_tokens(hf_fixture):
     assert 1 in lengths and max(lengths) == K + 1  # rejected and fully accepted blocks both happened
     assert engine.stats.mean_acceptance_length == pytest.approx(np.mean(lengths))
     assert all(engine.control.pages_in_use(g) == 0 for g in range(engine.cache.num_groups))
+
+
+def lookup_by_definition(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup spelled out: for n = max_n .. min_n, the latest start j < len - n whose n tokens are the
+    last n, and the k tokens after them; the first n that has one wins."""
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(tokens):
+            continue
+        tail = tokens[-n:]
+        for j in range(len(tokens) - n - 1, -1, -1):
+            if tokens[j:j + n] == tail:
+                return tokens[j + n:j + n + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40), st.integers(1, 5), st.integers(1, 3), st.integers(0, 2))
+def test_ngram_proposals_are_prompt_lookup(tokens, k, min_n, extra):
+    """The drafter's proposals equal prompt lookup by its definition, from a fresh list and from the arrays it
+    keeps per owner as a sequence grows token by token; an owner whose tokens are not a continuation of its last
+    call's is read afresh, and its array goes with it."""
+    max_n = min_n + extra
+    drafter = NgramDrafter(k, min_n, max_n)
+    assert drafter.propose(tokens, 0, k) == lookup_by_definition(tokens, k, min_n, max_n)
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    for end in range(len(tokens) + 1):
+        assert drafter.propose(tokens[:end], 0, k, owner=owner) == lookup_by_definition(tokens[:end], k, min_n, max_n)
+    other = [t ^ 1 for t in tokens]  # every token different: not a continuation
+    assert drafter.propose(other, 0, k, owner=owner) == lookup_by_definition(other, k, min_n, max_n)
+    del owner
+    assert len(drafter._arrays) == 0
 
 
 def test_ngram_on_stories_is_lossless_and_accepts():
