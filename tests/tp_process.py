@@ -5,7 +5,9 @@ import os
 import sys
 
 pid, nproc, ndev, port, path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ndev}"
+# The parent's XLA flags (conftest's compile settings, so both sides compile alike), with this process's devices.
+flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={ndev}"])
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 
