@@ -118,6 +118,18 @@ case "${1:-all}" in
       --json "$out/spec.json" > "$out/spec.log" 2>&1
     tail -14 "$out/spec.log"
     ;;
+  spec-ngram)  # prompt lookup: llama3-8b on random and on self-quoting prompts, stories260K (trained) (~5 min)
+    for q in 1 4; do
+      timeout 150 python3 -m glint.runtime.cli bench llama3-8b --draft ngram --num-speculative-tokens 4 --batch 1,16 \
+        --prompt-len 512 --gen-len 256 --quote $q --max-step-tokens 1024 --json "$out/ngram_q$q.json" \
+        > "$out/ngram_q$q.log" 2>&1
+      tail -9 "$out/ngram_q$q.log"
+    done
+    timeout 100 python3 -m glint.runtime.cli bench .gpu/stories260K --dtype float32 --draft ngram \
+      --num-speculative-tokens 4 --batch 1,16 --prompt-len 2 --gen-len 200 --json "$out/ngram_stories.json" \
+      > "$out/ngram_stories.log" 2>&1
+    tail -9 "$out/ngram_stories.log"
+    ;;
   dflash-time)  # DFlash of Qwen3-8B-DFlash-b16's shape, random weights, on qwen3-8b: draft + verify per step
     timeout 300 python3 -m glint.runtime.cli bench qwen3-8b --draft dflash-random --batch ${SPEC_BATCH:-1,4,16,64} \
       --prompt-len 512 --gen-len 128 --max-step-tokens 1024 --json "$out/dflash.json" > "$out/dflash.log" 2>&1
