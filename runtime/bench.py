@@ -285,13 +285,14 @@ def speculative(args, console: Console, oracle_passes: int = 10) -> dict:
                 break
         (t_plain, ref, _), (t_spec, outs, st) = timed["plain"][0], timed["speculative"][-1]
         # decoding alone: the run less a run of the same prompts to their first token (the prefill, drafting nothing)
-        first = {name: _median_time(lambda: engine.generate(prompts, dataclasses.replace(params, max_tokens=1)), 1)
-                 for name, engine in (("plain", plain), ("speculative", fast))}
+        first = {name: _time_to_first_tokens(engine, prompts, params) for name, engine in (("plain", plain),
+                                                                                          ("speculative", fast))}
+        decode_plain, decode_spec = t_plain - first["plain"], t_spec - first["speculative"]
         tokens = b * args.gen_len
         steps = sum(st.steps_per_bucket.values())
         rows.append(dict(batch=b, plain_tokens_per_s=tokens / t_plain, spec_tokens_per_s=tokens / t_spec,
                          speedup=t_plain / t_spec, prefill_s=first,
-                         decode_speedup=(t_plain - first["plain"]) / (t_spec - first["speculative"]),
+                         decode_speedup=decode_plain / decode_spec if args.gen_len > 1 and decode_spec > 0 else None,
                          mean_acceptance_length=st.mean_acceptance_length,
                          spec_steps=st.spec_steps, ms_per_step=1e3 * t_spec / steps, compile_s=compile_s,
                          fed_tokens=st.fed_tokens,
@@ -308,13 +309,19 @@ def speculative(args, console: Console, oracle_passes: int = 10) -> dict:
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(str(r["batch"]), f"{r['plain_tokens_per_s']:.0f}", f"{r['spec_tokens_per_s']:.0f}",
-                  f"{r['speedup']:.2f}x", f"{r['decode_speedup']:.2f}x",
+                  f"{r['speedup']:.2f}x", "-" if r["decode_speedup"] is None else f"{r['decode_speedup']:.2f}x",
                   "→".join(f"{a:.1f}" for a in r["acceptance_per_pass"]),
                   f"{r['ms_per_step']:.2f}", f"{r['host_ms_per_step']:.2f} / {r['wait_ms_per_step']:.2f}",
                   f"{r['same_as_plain']}/{r['batch']}")
     console.print(t)
     return dict(draft=args.draft, num_speculative_tokens=k, prompt_len=args.prompt_len, gen_len=args.gen_len,
                 quote=args.quote, rows=rows)
+
+
+def _time_to_first_tokens(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> float:
+    """Seconds to run `prompts` to their first token (prefill), on fresh stats: the timed run's stay as they were."""
+    engine.stats = type(engine.stats)()
+    return _median_time(lambda: engine.generate(prompts, dataclasses.replace(params, max_tokens=1)), 1)
 
 
 def quoting_prompt(rng, vocab: int, length: int, times: int = 1) -> list[int]:

@@ -43,8 +43,10 @@ class NgramDrafter:
     (n from `max_n` down to `min_n`; the first n with a match wins), as vLLM's ngram proposer does.
 
     Given an `owner` (the engine passes the request), the drafter keeps that sequence's tokens as an array and
-    appends only the new ones each call (a sequence's known tokens only grow), so a proposal is one vectorised
-    compare over the tokens rather than a conversion of all of them; the array goes with its owner."""
+    appends only the new ones each call, so a proposal is one vectorised compare over the tokens rather than a
+    conversion of all of them; the array goes with its owner. The tokens given with an owner must continue
+    those of its last call (a request's known tokens only grow): the array is read afresh only when they are
+    fewer or end the old part with another token."""
 
     def __init__(self, num_speculative_tokens: int, min_n: int = 1, max_n: int = 3):
         if not 1 <= min_n <= max_n:
@@ -53,7 +55,7 @@ class NgramDrafter:
         self._arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owner -> (buffer, length)
 
     def propose(self, tokens: Sequence[int], prompt_len: int, k: int, owner=None) -> list[int]:
-        arr = np.asarray(tokens, np.int64) if owner is None else self._append(owner, tokens)
+        arr = np.asarray(tokens, np.int32) if owner is None else self._append(owner, tokens)
         last = len(arr) - 1
         max_n = min(self.max_n, last)
         if max_n < self.min_n:
@@ -72,13 +74,12 @@ class NgramDrafter:
         return arr[end + 1:end + 1 + k].tolist()
 
     def _append(self, owner, tokens: Sequence[int]) -> np.ndarray:
-        """`owner`'s tokens as an array, extended by those past its last call's (rebuilt if they are not a
-        continuation of them)."""
-        buf, n = self._arrays.get(owner, (np.empty(0, np.int64), 0))
+        """`owner`'s tokens as an array, extended by those past its last call's (see the class)."""
+        buf, n = self._arrays.get(owner, (np.empty(0, np.int32), 0))
         if n > len(tokens) or (n and buf[n - 1] != tokens[n - 1]):
             n = 0
         if len(tokens) > len(buf):
-            buf = np.concatenate([buf[:n], np.empty(2 * len(tokens) - n, np.int64)])
+            buf = np.concatenate([buf[:n], np.empty(2 * len(tokens) - n, np.int32)])
         buf[n:len(tokens)] = tokens[n:]
         self._arrays[owner] = (buf, len(tokens))
         return buf[:len(tokens)]

@@ -43,8 +43,10 @@ def test_bench_speculative_runs(tmp_path):
                  "--page-size", "8", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["speculative"]["rows"]
     assert row["batch"] == 2 and row["same_as_plain"] == 2
-    assert len(row["acceptance_per_pass"]) >= 1 and row["fed_tokens"] >= 2 * prompt
-    assert 0 < row["prefill_s"]["plain"] and 0 < row["prefill_s"]["speculative"] and row["decode_speedup"] > 0
+    # every prompt token, then each sequence's gen - 1 decoded tokens at least (a prefix cache would feed 70 < 102)
+    assert len(row["acceptance_per_pass"]) >= 1 and row["fed_tokens"] >= 2 * prompt + 2 * (gen - 1)
+    assert 0 < row["prefill_s"]["plain"] and 0 < row["prefill_s"]["speculative"]
+    assert row["decode_speedup"] is None or row["decode_speedup"] > 0
     # every block but the first token's step commits k + 1 tokens until the last, shorter one
     assert row["spec_steps"] == 2 * -(-(gen - 1) // (k + 1)) and row["mean_acceptance_length"] > k
     assert row["host_ms_per_step"] > 0 and row["wait_ms_per_step"] >= 0 and row["ms_per_step"] > 0

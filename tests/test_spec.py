@@ -115,6 +115,8 @@ def test_ngram_proposals_are_prompt_lookup(tokens, k, min_n, extra):
         assert drafter.propose(tokens[:end], 0, k, owner=owner) == lookup_by_definition(tokens[:end], k, min_n, max_n)
     other = [t ^ 1 for t in tokens]  # every token different: not a continuation
     assert drafter.propose(other, 0, k, owner=owner) == lookup_by_definition(other, k, min_n, max_n)
+    shorter = tokens[:len(tokens) // 2]  # fewer tokens than the last call's
+    assert drafter.propose(shorter, 0, k, owner=owner) == lookup_by_definition(shorter, k, min_n, max_n)
     del owner
     assert len(drafter._arrays) == 0
 
