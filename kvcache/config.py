@@ -19,6 +19,10 @@ DTYPE_BYTES: dict[str, int] = {
     "int8": 1,
 }
 
+# Pools of these dtypes carry a float32 scale per row and head beside them (a scaled fp8 cache, state.py).
+SCALED_DTYPES = ("float8_e4m3fn",)
+SCALE_BYTES = 4
+
 # Slots are int32 `page * page_size + offset`, so the pool must stay addressable.
 MAX_SLOTS = 2**31 - 1
 
@@ -52,7 +56,8 @@ class CacheConfig:
       windows: per layer, 0 for full attention (flat), W > 0 for a sliding window
         of W keys (ring storage).
       kv_heads, head_dim: an int for all layers or one per layer.
-      dtype: element type of the pools, e.g. "bfloat16".
+      dtype: element type of the pools, e.g. "bfloat16"; "float8_e4m3fn" pools carry a float32 scale per
+        row and head (`scaled`).
 
     Layers that share a window share one page table: they form a *group*.
     """
@@ -146,9 +151,15 @@ class CacheConfig:
     def itemsize(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
+    @property
+    def scaled(self) -> bool:
+        """Whether every pool row carries a float32 scale per head (float8_e4m3fn pools)."""
+        return self.dtype in SCALED_DTYPES
+
     def page_bytes(self, layer: int) -> int:
-        """Bytes of one page of `layer`, K and V together."""
-        return 2 * self.page_size * self.kv_heads[layer] * self.head_dim[layer] * self.itemsize
+        """Bytes of one page of `layer`, K and V together (and their scales)."""
+        row = self.head_dim[layer] * self.itemsize + (SCALE_BYTES if self.scaled else 0)
+        return 2 * self.page_size * self.kv_heads[layer] * row
 
     @property
     def bytes_per_page_id(self) -> int:

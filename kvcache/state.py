@@ -21,7 +21,9 @@ POOL_GRANULE_BYTES = 1 << 30
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVState:
-    """Per-layer page pools, k[l] and v[l]: [num_pages, page_size, kv_heads, head_dim].
+    """Per-layer page pools, k[l] and v[l]: [num_pages, page_size, kv_heads, head_dim]; in a scaled cache
+    (`CacheConfig.scaled`: float8_e4m3fn pools) also k_scale[l], v_scale[l]: f32[num_pages, page_size,
+    kv_heads], the scale of each row and head (pallas_kernels/reference.py, `quantize_rows`); else empty.
 
     Passed into the jitted step and returned (donated), so XLA updates it in
     place. Page 0 is the scratch page that padding rows write to.
@@ -29,19 +31,36 @@ class KVState:
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
+    k_scale: tuple[jax.Array, ...] = ()
+    v_scale: tuple[jax.Array, ...] = ()
 
     @classmethod
-    def create(cls, cfg: CacheConfig, sharding: jax.sharding.Sharding | None = None) -> KVState:
-        """Zeroed pools for `cfg` (optionally placed with `sharding`)."""
+    def create(cls, cfg: CacheConfig, sharding: jax.sharding.Sharding | None = None,
+               scale_sharding: jax.sharding.Sharding | None = None) -> KVState:
+        """Zeroed pools for `cfg` (optionally placed with `sharding`, the scales with `scale_sharding`)."""
 
         def pool(layer: int) -> jax.Array:
             shape = (cfg.num_pages, cfg.page_size, cfg.kv_heads[layer], cfg.head_dim[layer])
             return jnp.zeros(shape, jnp.dtype(cfg.dtype), device=sharding)
 
-        return cls(
-            k=tuple(pool(layer) for layer in range(cfg.num_layers)),
-            v=tuple(pool(layer) for layer in range(cfg.num_layers)),
-        )
+        def scales(layer: int) -> jax.Array:
+            return jnp.zeros((cfg.num_pages, cfg.page_size, cfg.kv_heads[layer]), jnp.float32, device=scale_sharding)
+
+        layers = range(cfg.num_layers)
+        return cls.from_layers([(pool(l), pool(l), *((scales(l), scales(l)) if cfg.scaled else ())) for l in layers])
+
+    @classmethod
+    def from_layers(cls, layers: Sequence[tuple[jax.Array, ...]]) -> KVState:
+        """From per-layer tuples (k, v) or (k, v, k_scale, v_scale), what `layers` gives."""
+        return cls(*(tuple(part) for part in zip(*layers)))
+
+    def layers(self) -> list[tuple[jax.Array, ...]]:
+        """Per layer (k, v), or (k, v, k_scale, v_scale) in a scaled cache: the attention backend's cache."""
+        return list(zip(*self.parts()))
+
+    def parts(self) -> tuple[tuple[jax.Array, ...], ...]:
+        """(k, v) or (k, v, k_scale, v_scale): the programs' argument; `KVState(*parts)` inverts it."""
+        return (self.k, self.v, self.k_scale, self.v_scale) if self.k_scale else (self.k, self.v)
 
     @property
     def num_layers(self) -> int:
@@ -87,10 +106,7 @@ def apply_copies(state: KVState, cfg: CacheConfig, copies: Sequence[jax.Array | 
         # (0, 0) pads scatter page 0 onto itself; duplicates all carry the same value.
         return pool.at[pairs[:, 1]].set(pool[pairs[:, 0]])
 
-    return KVState(
-        k=tuple(copy(pool, layer) for layer, pool in enumerate(state.k)),
-        v=tuple(copy(pool, layer) for layer, pool in enumerate(state.v)),
-    )
+    return KVState(*(tuple(copy(pool, layer) for layer, pool in enumerate(part)) for part in state.parts()))
 
 
 def free_device_bytes(fraction: float = 0.9, device: jax.Device | None = None) -> int:

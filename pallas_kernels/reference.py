@@ -7,6 +7,8 @@ segment's query rows in blocks of `block_q`.
 
 Layout (shared with the kernels):
   k_pages, v_pages: [num_pages, page_size, Hkv, D]; page 0 is scratch.
+  k_scale, v_scale: f32[num_pages, page_size, Hkv] beside float8_e4m3fn pools (a scaled fp8 cache): row r of
+                    head h holds x / scale[r, h], so x = pool * scale (`quantize_rows`).
   q:                [T, Hq, D], query head h reads kv head h // (Hq // Hkv).
   seq_info:         i32[S, 4] = (q_start, q_len, seq_slot, kv_end).
   page_table:       i32[R, P]; row seq_slot lists the pages of that sequence.
@@ -23,10 +25,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["ring_write_reference", "varlen_attention_reference"]
+__all__ = ["quantize_rows", "ring_write_reference", "varlen_attention_reference"]
 
 
 FP8_MAX = 448.0
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
 def to_pool_dtype(x, dtype):
@@ -36,19 +39,46 @@ def to_pool_dtype(x, dtype):
     return x.astype(dtype)
 
 
+def quantize_rows(x):
+    """x [T, H, D] -> (float8_e4m3fn [T, H, D], f32[T, H]): one scale per row and head, its largest magnitude
+    mapped to 448 (llama.cpp's q8_0 blocks, one block per head), so no value saturates and small rows keep
+    e4m3's relative precision instead of falling into its subnormals. x = q * scale; an all-zero row has
+    scale 1."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return to_pool_dtype(x32 / scale[..., None], FP8), scale
+
+
+def write_scales(scale_pages, scale, slots):
+    """scale_pages f32[num_pages, page_size, Hkv] with row `slots[t]` set to scale[t] (out-of-range slots
+    dropped, as the ring write drops them)."""
+    flat = scale_pages.reshape(-1, scale_pages.shape[-1])
+    return flat.at[slots].set(scale, mode="drop", wrap_negative_indices=False).reshape(scale_pages.shape)
+
+
 @jax.jit
-def ring_write_reference(k_pages, v_pages, k_new, v_new, slots):
+def ring_write_reference(k_pages, v_pages, k_new, v_new, slots, k_scale=None, v_scale=None):
     """Writes `k_new[t], v_new[t]` ([T, Hkv, D]) to flat pool row `slots[t]`.
 
-    `slots` is i32[T], `page * page_size + offset`. Returns the updated pools.
-    Rows sharing a slot (padding rows aimed at the scratch page) leave one of
-    their values there, unspecified which.
+    `slots` is i32[T], `page * page_size + offset` (outside the pool: dropped). Returns the updated pools,
+    and with scale pools (k_scale, v_scale f32[num_pages, page_size, Hkv], beside
+    float8_e4m3fn pools) the rows are quantized by `quantize_rows` and the
+    updated scale pools follow: (k, v, k_scale, v_scale). Rows sharing a slot
+    (padding rows aimed at the scratch page) leave one of their values there,
+    unspecified which.
     """
     num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
     flat_shape = (num_pages * page_size, num_kv_heads, head_dim)
-    k_flat = k_pages.reshape(flat_shape).at[slots].set(to_pool_dtype(k_new, k_pages.dtype))
-    v_flat = v_pages.reshape(flat_shape).at[slots].set(to_pool_dtype(v_new, v_pages.dtype))
-    return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+    if k_scale is not None:
+        (k_new, ks), (v_new, vs) = quantize_rows(k_new), quantize_rows(v_new)
+    drop = {"mode": "drop", "wrap_negative_indices": False}  # slots outside the pool are dropped, as the kernel does
+    k_flat = k_pages.reshape(flat_shape).at[slots].set(to_pool_dtype(k_new, k_pages.dtype), **drop)
+    v_flat = v_pages.reshape(flat_shape).at[slots].set(to_pool_dtype(v_new, v_pages.dtype), **drop)
+    pools = k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+    if k_scale is None:
+        return pools
+    return (*pools, write_scales(k_scale, ks, slots), write_scales(v_scale, vs, slots))
 
 
 def _key_counts(pos, kv_end, num_phys_rows, *, window, causal):
@@ -71,6 +101,8 @@ def varlen_attention_reference(
     page_table,
     seq_info,
     *,
+    k_scale=None,
+    v_scale=None,
     ring_rows=None,
     window=0,
     causal=True,
@@ -83,6 +115,7 @@ def varlen_attention_reference(
     Args:
       q: [T, Hq, D] packed queries.
       k_pages, v_pages: [num_pages, page_size, Hkv, D] page pools.
+      k_scale, v_scale: f32[num_pages, page_size, Hkv], the scales of a scaled fp8 cache (both or neither).
       page_table: i32[R, P].
       seq_info: i32[S, 4] = (q_start, q_len, seq_slot, kv_end).
       ring_rows: ring length in rows (None: flat storage).
@@ -113,6 +146,9 @@ def varlen_attention_reference(
         v_seq = v_pages[pages].reshape(-1, num_kv_heads, head_dim)[:num_phys_rows]
         k_seq = k_seq.astype(jnp.float32)  # [R, Hkv, D]
         v_seq = v_seq.astype(jnp.float32)
+        if k_scale is not None:
+            k_seq = k_seq * k_scale[pages].reshape(-1, num_kv_heads)[:num_phys_rows, :, None]
+            v_seq = v_seq * v_scale[pages].reshape(-1, num_kv_heads)[:num_phys_rows, :, None]
 
         def chunk(c, out):
             local = c * block_q + jnp.arange(block_q, dtype=jnp.int32)  # [B]

@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from glint.pallas_kernels import tuning
-from glint.pallas_kernels.reference import ring_write_reference, to_pool_dtype
+from glint.pallas_kernels.reference import quantize_rows, ring_write_reference, to_pool_dtype, write_scales
 
 __all__ = ["ring_write", "ring_write_reference"]
 
@@ -60,7 +60,7 @@ def _ring_write_call(k_flat, v_flat, k_new, v_new, slots, *, block_c: int, inter
     )(slots, k_new, v_new, k_flat, v_flat)
 
 
-def _check_args(k_pages, v_pages, k_new, v_new, slots):
+def _check_args(k_pages, v_pages, k_new, v_new, slots, k_scale, v_scale):
     def fail(msg):
         raise ValueError(
             f"ring_write: {msg} (k_pages {k_pages.shape} {k_pages.dtype}, v_pages "
@@ -78,10 +78,17 @@ def _check_args(k_pages, v_pages, k_new, v_new, slots):
         fail("k_new's [Hkv, D] must match the pools'")
     if slots.shape != k_new.shape[:1] or slots.dtype != jnp.int32:
         fail("slots must be i32[T]")
+    if (k_scale is None) != (v_scale is None):
+        fail("give both k_scale and v_scale or neither")
+    if k_scale is not None:
+        if k_pages.dtype != jnp.float8_e4m3fn:
+            fail("k_scale and v_scale go with float8_e4m3fn pools")
+        if k_scale.shape != k_pages.shape[:3] or v_scale.shape != k_pages.shape[:3]:
+            fail(f"k_scale {k_scale.shape} and v_scale {v_scale.shape} must be [num_pages, page_size, Hkv]")
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0, 1))
-def ring_write(k_pages, v_pages, k_new, v_new, slots, *, interpret=False):
+@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0, 1, 5, 6))
+def ring_write(k_pages, v_pages, k_new, v_new, slots, k_scale=None, v_scale=None, *, interpret=False):
     """Writes new K/V rows into the page pools in place (the pools are donated).
 
     Args:
@@ -90,16 +97,22 @@ def ring_write(k_pages, v_pages, k_new, v_new, slots, *, interpret=False):
       slots: i32[T], flat row `page * page_size + offset` for each new row;
         padding rows point at the scratch page 0. Slots outside the pool are
         dropped; rows sharing a slot leave one of their values, unspecified which.
+      k_scale, v_scale: f32[num_pages, page_size, Hkv] beside float8_e4m3fn pools (a scaled cache, donated):
+        each row and head is quantized with its own scale (reference.quantize_rows), stored at the row's slot.
       interpret: run the Pallas interpreter (CPU tests).
     Returns:
-      (k_pages, v_pages) updated.
+      (k_pages, v_pages) updated; with scales (k_pages, v_pages, k_scale, v_scale).
     """
-    _check_args(k_pages, v_pages, k_new, v_new, slots)
+    _check_args(k_pages, v_pages, k_new, v_new, slots, k_scale, v_scale)
     num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
     num_rows = k_new.shape[0]
     row_width = num_kv_heads * head_dim
+    scales = ()
+    if k_scale is not None:
+        (k_new, ks), (v_new, vs) = quantize_rows(k_new), quantize_rows(v_new)
+        scales = (write_scales(k_scale, ks, slots), write_scales(v_scale, vs, slots))
     if num_rows == 0:
-        return k_pages, v_pages
+        return k_pages, v_pages, *scales
     flat = (num_pages * page_size, row_width)
     k_out, v_out = _ring_write_call(
         k_pages.reshape(flat),
@@ -110,4 +123,4 @@ def ring_write(k_pages, v_pages, k_new, v_new, slots, *, interpret=False):
         block_c=1 << (row_width - 1).bit_length(),
         interpret=interpret,
     )
-    return k_out.reshape(k_pages.shape), v_out.reshape(v_pages.shape)
+    return k_out.reshape(k_pages.shape), v_out.reshape(v_pages.shape), *scales

@@ -31,7 +31,8 @@ __all__ = ["BlockSizes", "varlen_attention", "varlen_attention_reference", "defa
 
 _LOG2E = math.log2(math.e)
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# A pool may also hold float8_e4m3fn (half the bytes a decode step reads); the kernel widens its tiles to q's dtype.
+# A pool may also hold float8_e4m3fn (half the bytes a decode step reads); the kernel widens its tiles to q's dtype
+# and, in a scaled cache, applies each key's scale to its logits and each value's to its softmax weights.
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
@@ -75,7 +76,7 @@ def _attention_kernel(
     q_ref,  # [T, Hq, D]
     k_ref,  # [num_pages * page_size, Hkv, D]
     v_ref,  # [num_pages * page_size, Hkv, D]
-    *out_refs,  # flash: (o_init, o) [T, Hq, D]; split-K: acc f32[NS, T, Hq, D], m, l f32[NS, T, Hq]
+    *refs,  # scaled: k_scale, v_scale f32[num_pages * page_size, Hkv]; then the outputs (below)
     block_q: int,
     group: int,
     group_pad: int,
@@ -89,7 +90,10 @@ def _attention_kernel(
     softcap: float,
     scale: float,
     num_splits: int,
+    scaled: bool,
 ):
+    # flash: (o_init, o) [T, Hq, D]; split-K: acc f32[NS, T, Hq, D], m, l f32[NS, T, Hq]
+    (ks_ref, vs_ref), out_refs = (refs[:2], refs[2:]) if scaled else ((None, None), refs)
     # Reversed so the longest tiles (last rows of each segment) start first.
     tile = pl.num_programs(0) - 1 - pl.program_id(0)
     kv_head, split = pl.program_id(1), pl.program_id(2)
@@ -155,6 +159,9 @@ def _attention_kernel(
                 k = plgpu.load(k_ref.at[kv_row[:, None], kv_head, d[None, :]], mask=kv_mask, other=kv_other)  # [bk, Dp]
                 k = k.astype(q.dtype)  # an fp8 pool: widened in registers
                 s = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * logit_scale
+                if scaled:  # q . (k * ks) = (q . k) * ks: one scale per key column
+                    key_mask = key_ok if masked else None
+                    s = s * plgpu.load(ks_ref.at[kv_row, kv_head], mask=key_mask, other=0.0 if masked else None)
                 if softcap > 0:
                     s = (softcap * _LOG2E) * jnp.tanh(s / softcap)  # f32[M, bk]
                 if masked:
@@ -172,6 +179,8 @@ def _attention_kernel(
                 l = l * alpha + jnp.sum(p, axis=1)
                 v = plgpu.load(v_ref.at[kv_row[:, None], kv_head, d[None, :]], mask=kv_mask, other=kv_other)  # [bk, Dp]
                 v = v.astype(q.dtype)
+                if scaled:  # p @ (v * vs) = (p * vs) @ v; the row sum l keeps the unscaled p
+                    p = p * plgpu.load(vs_ref.at[kv_row, kv_head], mask=key_mask, other=0.0 if masked else None)
                 acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, allow_tf32=False)
                 return acc, m_new, l
 
@@ -202,6 +211,7 @@ def _varlen_attention_call(
     v_flat,
     page_table,
     seq_info,
+    scales,
     *,
     blocks: BlockSizes,
     num_splits: int,
@@ -213,7 +223,8 @@ def _varlen_attention_call(
     scale: float,
     interpret: bool,
 ):
-    """pallas_call for one BlockSizes; returns [T, Hq, D] in q's dtype."""
+    """pallas_call for one BlockSizes; returns [T, Hq, D] in q's dtype. `scales`: (k_scale, v_scale)
+    f32[num_pages * page_size, Hkv] of a scaled fp8 cache, or ()."""
     num_rows, num_q_heads, head_dim = q.shape
     num_kv_heads = k_flat.shape[1]
     num_segments = seq_info.shape[0]
@@ -239,11 +250,12 @@ def _varlen_attention_call(
         softcap=softcap,
         scale=scale,
         num_splits=num_splits,
+        scaled=bool(scales),
     )
     params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
     name = f"varlen_attention_m{block_m}_k{blocks.block_k}_s{num_splits}"
     grid = (num_tiles, num_kv_heads, num_splits)
-    args = (tiles, seq_info, page_table, q, k_flat, v_flat)
+    args = (tiles, seq_info, page_table, q, k_flat, v_flat, *scales)
 
     if num_splits == 1:
         # Rows no segment covers keep the zeros of the aliased output buffer.
@@ -335,7 +347,8 @@ def _use_mosaic(backend, *, q, k_pages, seq_info, ring_rows, window, softcap, nu
     return backend == "auto" and tuning.PREFILL_BACKEND == "mosaic" and prefill and runnable
 
 
-def _check_args(q, k_pages, v_pages, page_table, seq_info, ring_rows, window, softcap, num_splits, backend):
+def _check_args(q, k_pages, v_pages, page_table, seq_info, k_scale, v_scale, ring_rows, window, softcap, num_splits,
+                backend):
     def fail(msg):
         raise ValueError(
             f"varlen_attention: {msg} (q {q.shape} {q.dtype}, k_pages {k_pages.shape} "
@@ -353,6 +366,15 @@ def _check_args(q, k_pages, v_pages, page_table, seq_info, ring_rows, window, so
     if q.dtype not in _SUPPORTED_DTYPES:
         fail(f"dtype must be one of {[str(t) for t in _SUPPORTED_DTYPES]}")
     _, page_size, num_kv_heads, head_dim = k_pages.shape
+    if (k_scale is None) != (v_scale is None):
+        fail("give both k_scale and v_scale or neither")
+    if k_scale is not None:
+        if k_pages.dtype != _FP8:
+            fail("k_scale and v_scale go with float8_e4m3fn pools")
+        for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if sc.shape != k_pages.shape[:3] or sc.dtype != jnp.float32:
+                fail(f"{name} {sc.shape} {sc.dtype} must be f32[num_pages, page_size, Hkv] = "
+                     f"f32{list(k_pages.shape[:3])}")
     if q.shape[2] != head_dim:
         fail(f"q head_dim {q.shape[2]} != pool head_dim {head_dim}")
     if q.shape[1] % num_kv_heads:
@@ -388,6 +410,8 @@ def varlen_attention(
     page_table,
     seq_info,
     *,
+    k_scale=None,
+    v_scale=None,
     ring_rows=None,
     window=0,
     causal=True,
@@ -405,6 +429,8 @@ def varlen_attention(
         h // (Hq // Hkv).
       k_pages, v_pages: [num_pages, page_size, Hkv, D], q's dtype or float8_e4m3fn (an fp8 KV cache, read
         at half the bytes and widened to q's dtype in the kernel; the Triton kernel serves it).
+      k_scale, v_scale: f32[num_pages, page_size, Hkv] with float8_e4m3fn pools: a scaled cache, key or value
+        row r of head h is pool[r, h] * scale[r, h] (reference.quantize_rows); None: unscaled.
       page_table: i32[R, P]; row seq_slot lists that sequence's pages.
       seq_info: i32[S, 4] = (q_start, q_len, seq_slot, kv_end) per segment; rows
         q_start .. q_start + q_len - 1 sit at positions kv_end - q_len + i.
@@ -428,7 +454,8 @@ def varlen_attention(
       [T, Hq, D] in q's dtype; rows outside every segment and rows that see no
       key are zero.
     """
-    _check_args(q, k_pages, v_pages, page_table, seq_info, ring_rows, window, softcap, num_splits, backend)
+    _check_args(q, k_pages, v_pages, page_table, seq_info, k_scale, v_scale, ring_rows, window, softcap, num_splits,
+                backend)
     mosaic = _use_mosaic(
         backend,
         q=q,
@@ -442,7 +469,8 @@ def varlen_attention(
         interpret=interpret,
     )
     run_triton = functools.partial(
-        _triton_attention, q, k_pages, v_pages, page_table, ring_rows=ring_rows, window=window, causal=causal,
+        _triton_attention, q, k_pages, v_pages, page_table, scales=(k_scale, v_scale), ring_rows=ring_rows,
+        window=window, causal=causal,
         softcap=softcap, scale=scale, num_splits=num_splits, block_sizes=block_sizes, interpret=interpret,
     )
     if not mosaic:
@@ -476,8 +504,8 @@ def _mosaic_segments(seq_info, triton_tile_rows: int):
 
 
 def _triton_attention(
-    q, k_pages, v_pages, page_table, seq_info, *, ring_rows, window, causal, softcap, scale, num_splits, block_sizes,
-    interpret,
+    q, k_pages, v_pages, page_table, seq_info, *, scales, ring_rows, window, causal, softcap, scale, num_splits,
+    block_sizes, interpret,
 ):
     num_rows, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
@@ -489,12 +517,14 @@ def _triton_attention(
             max_kv_len = min(max_kv_len, window + blocks.block_m)
         num_splits = default_num_splits(num_rows, seq_info.shape[0], num_q_heads, num_kv_heads, max_kv_len, blocks)
     flat = (num_pages * page_size, num_kv_heads, head_dim)
+    scales = () if scales[0] is None else tuple(s.reshape(flat[:2]) for s in scales)
     return _varlen_attention_call(
         q,
         k_pages.reshape(flat),
         v_pages.reshape(flat),
         page_table,
         seq_info,
+        scales,
         blocks=blocks,
         num_splits=num_splits,
         page_size=page_size,

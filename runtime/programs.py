@@ -156,9 +156,14 @@ def num_segments(width: int, max_seqs: int) -> int:
     return min(width, max_seqs)
 
 
-def kv_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
-    """The KV pools [num_pages, page_size, kv_heads, head_dim] over a tensor-parallel mesh: split by KV head."""
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, mesh.axis_names[0], None))
+def kv_sharding(cache: CacheConfig, mesh: jax.sharding.Mesh) -> tuple[jax.sharding.NamedSharding, ...]:
+    """Per part of KVState.parts(), how its pools lie over a tensor-parallel mesh: split by KV head (k and v
+    [num_pages, page_size, kv_heads, head_dim]; a scaled cache's k_scale and v_scale [num_pages, page_size,
+    kv_heads])."""
+    P = jax.sharding.PartitionSpec
+    pools = jax.sharding.NamedSharding(mesh, P(None, None, mesh.axis_names[0], None))
+    scales = jax.sharding.NamedSharding(mesh, P(None, None, mesh.axis_names[0]))
+    return (pools, pools, scales, scales) if cache.scaled else (pools, pools)
 
 
 def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, rows: int, vocab_size: int,
@@ -168,15 +173,16 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
     With a tensor-parallel `mesh` every argument carries its sharding: the KV pools split by KV head
     (`kv_sharding`), the parameters their own (model/tp.py), the rest replicated.
 
-    forward_W: (params, (k, v), host i32[N], prev_tokens i32[R]); host: the step's inputs packed by
+    forward_W: (params, kv, host i32[N], prev_tokens i32[R]); kv: KVState.parts(), (k, v) or in a scaled
+               cache (k, v, k_scale, v_scale); host: the step's inputs packed by
                `StepLayout.of(W, ...)`: tokens, token_src, the metadata (positions, slots, seq_info, page
                tables), the sampled rows and the sampler (temperature, top_k, top_p, seed, position)
     sample:    (logits f32[R, V], sampler tuple)
     sample_argmax: (logits f32[R, V],)
     logprobs:  (logits f32[R, V], tokens i32[R])
-    draft_W:   (params, (k, v), host i32[N]): the same layout, its draft_rows the output rows
-    copy:      ((k, v), per group i32[COPY_ROWS, 2])
-    kv_init:   () -> the zeroed pools (k, v)
+    draft_W:   (params, kv, host i32[N]): the same layout, its draft_rows the output rows
+    copy:      (kv, per group i32[COPY_ROWS, 2])
+    kv_init:   () -> the zeroed pools, kv
     """
     replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
@@ -184,9 +190,12 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
         return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=sharding)
 
     i32 = lambda *shape: _spec(shape, np.int32)  # noqa: E731
-    pools = None if mesh is None else kv_sharding(mesh)
-    kv = (tuple(_spec((cache.num_pages, cache.page_size, cache.kv_heads[l], cache.head_dim[l]), cache.dtype, pools)
-                for l in range(cache.num_layers)),) * 2
+    placed = (None,) * 4 if mesh is None else kv_sharding(cache, mesh)
+    pages = [(cache.num_pages, cache.page_size, cache.kv_heads[l]) for l in range(cache.num_layers)]
+    kv = tuple(tuple(_spec((*shape, cache.head_dim[l]), cache.dtype, placed[part]) for l, shape in enumerate(pages))
+               for part in range(2))
+    if cache.scaled:
+        kv += tuple(tuple(_spec(shape, np.float32, placed[part]) for shape in pages) for part in (2, 3))
     sampler = (_spec((rows,), np.float32), i32(rows), _spec((rows,), np.float32), _spec((rows,), np.uint32), i32(rows))
     logits = _spec((rows, vocab_size), np.float32)
     if name == "sample":
@@ -300,8 +309,8 @@ class Runner:
                 sampler) -> tuple[jax.Array, jax.Array, KVState]:
         """-> (tokens i32[R] drawn without top-k/top-p, logits f32[R, V], kv)."""
         host = self.layout(width).pack(tokens, token_src, meta, rows, sampler)
-        next_tokens, logits, (k, v) = self.programs[forward_name(width)](params, (kv.k, kv.v), host, prev_tokens)
-        return next_tokens, logits, KVState(k=k, v=v)
+        next_tokens, logits, parts = self.programs[forward_name(width)](params, kv.parts(), host, prev_tokens)
+        return next_tokens, logits, KVState(*parts)
 
     def sample(self, logits, sampler) -> jax.Array:
         """Tokens i32[R] with every row's top-k / top-p applied."""
@@ -310,16 +319,15 @@ class Runner:
     def draft(self, width: int, params: dict, kv: KVState, tokens, token_src, meta: DeviceMeta, rows):
         """DFlash drafting before a verifying step: (draft tokens i32[R], kv)."""
         host = self.layout(width).pack(tokens, token_src, meta, rows, draft_rows=rows)
-        drafted, (k, v) = self.programs[draft_name(width)](params, (kv.k, kv.v), host)
-        return drafted, KVState(k=k, v=v)
+        drafted, parts = self.programs[draft_name(width)](params, kv.parts(), host)
+        return drafted, KVState(*parts)
 
     def logprobs(self, logits, tokens):
         """(chosen f32[R], top f32[R, k], top_ids i32[R, k])."""
         return self.programs["logprobs"](logits, tokens)
 
     def kv_init(self) -> KVState:
-        k, v = self.programs["kv_init"]()
-        return KVState(k=k, v=v)
+        return KVState(*self.programs["kv_init"]())
 
     def copy(self, kv: KVState, copies: tuple[np.ndarray, ...]) -> KVState:
         """Apply per-group (src, dst) page copies, COPY_ROWS at a time; pads (0, 0) copy scratch onto itself.
@@ -328,7 +336,7 @@ class Runner:
         source of another copy of the same step.
         """
         longest = max(len(c) for c in copies)
-        state = (kv.k, kv.v)
+        state = kv.parts()
         for start in range(0, longest, COPY_ROWS):
             chunk = []
             for c in copies:
@@ -337,4 +345,4 @@ class Runner:
                 part[:len(rows)] = rows
                 chunk.append(part)
             state = self.programs["copy"](state, tuple(chunk))
-        return KVState(k=state[0], v=state[1])
+        return KVState(*state)

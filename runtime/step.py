@@ -39,24 +39,26 @@ class PagedAttention:
     impl: str
     causal: bool = True
 
-    def write(self, index: int, pages, k, v, meta: DeviceMeta):
-        """Layer `index`'s pools (k, v) with this step's rows written at their slots."""
+    def write(self, index: int, pages: tuple, k, v, meta: DeviceMeta) -> tuple:
+        """Layer `index`'s pools (k, v), or (k, v, k_scale, v_scale) in a scaled cache (KVState.layers), with
+        this step's rows written at their slots."""
         slots = meta.slots[self.cache.layer_group[index]]
         if self.impl == "reference":
-            return ring_write_reference(*pages, k, v, slots)
-        return ring_write(*pages, k, v, slots, interpret=self.impl == "interpret")
+            return ring_write_reference(*pages[:2], k, v, slots, *pages[2:])
+        return ring_write(*pages[:2], k, v, slots, *pages[2:], interpret=self.impl == "interpret")
 
-    def __call__(self, layer: LayerAttention, q, k, v, cache, meta: DeviceMeta):
-        k_pages, v_pages = self.write(layer.index, cache, k, v, meta)
+    def __call__(self, layer: LayerAttention, q, k, v, cache: tuple, meta: DeviceMeta):
+        pages = self.write(layer.index, cache, k, v, meta)
         group = self.cache.layer_group[layer.index]
         if self.impl == "reference":
             attend = varlen_attention_reference
         else:
             attend = functools.partial(varlen_attention, interpret=self.impl == "interpret")
-        out = attend(q, k_pages, v_pages, meta.page_tables[group], meta.seq_info,
+        scales = dict(zip(("k_scale", "v_scale"), pages[2:]))
+        out = attend(q, *pages[:2], meta.page_tables[group], meta.seq_info, **scales,
                      ring_rows=self.cache.group_ring_rows(group), window=layer.window, causal=self.causal,
                      softcap=layer.softcap, scale=layer.scale)
-        return out, (k_pages, v_pages)
+        return out, pages
 
 
 def run_model(graphdef, backend, params, kv: KVState, tokens, meta: DeviceMeta, rows,
@@ -70,22 +72,23 @@ def run_model(graphdef, backend, params, kv: KVState, tokens, meta: DeviceMeta, 
     again."""
     n = len(kv.k) - (draft.num_layers if draft is not None else 0)  # the target's layers come first
     taps = draft.target_layer_ids if draft is not None else ()
-    hidden, layers, *tapped = transformer.forward(graphdef, params, tokens, meta.positions, backend,
-                                                  list(zip(kv.k[:n], kv.v[:n])), meta, taps=taps, axis=axis)
+    pools = kv.layers()
+    hidden, layers, *tapped = transformer.forward(graphdef, params, tokens, meta.positions, backend, pools[:n], meta,
+                                                  taps=taps, axis=axis)
     if draft is not None:
         dp = dflash.unflatten_params(flat, draft)
         features = dflash.context_features(dp, draft, tapped[0])
         for i in range(draft.num_layers):
-            layers.append(backend.write(n + i, (kv.k[n + i], kv.v[n + i]),
+            layers.append(backend.write(n + i, pools[n + i],
                                         *dflash.context_kv(dp, draft, i, features, meta.positions), meta))
-    kv = KVState(k=tuple(k for k, _ in layers), v=tuple(v for _, v in layers))
+    kv = KVState.from_layers(layers)
     return transformer.compute_logits(graphdef, params, hidden[rows], axis), kv
 
 
 @functools.lru_cache(maxsize=64)
 def make_draft_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: DraftConfig, layout: StepLayout):
     """The DFlash drafting program (one per width), run before a step that verifies blocks: (flat params,
-    (k, v), host i32[N] packed by `layout`) -> (draft tokens i32[R], (k, v)).
+    KVState.parts(), host i32[N] packed by `layout`) -> (draft tokens i32[R], KVState.parts()).
 
     Over the very step the target then runs: rows with token_src >= 0 (draft positions) become mask tokens,
     every row goes through the draft layers, whose block K/V are written at the step's slots (the target's
@@ -100,16 +103,16 @@ def make_draft_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: Draf
         parts = layout.unpack(host)
         tokens, token_src, meta, rows = parts["tokens"], parts["token_src"], layout.meta(parts), parts["draft_rows"]
         target = transformer.merge(graphdef, unflatten(params, like))
-        k, v = list(kv[0]), list(kv[1])
+        pools = KVState(*kv).layers()
 
         def attend(i, q, k_block, v_block):
             spec = LayerAttention(n + i, 0, 0.0, draft.scale)
-            out, (k[n + i], v[n + i]) = backend(spec, q, k_block, v_block, (k[n + i], v[n + i]), meta)
+            out, pools[n + i] = backend(spec, q, k_block, v_block, pools[n + i], meta)
             return out
 
         block = target.embed_tokens(jnp.where(token_src >= 0, draft.mask_token_id, tokens))
         hidden = dflash.draft_block(dflash.unflatten_params(params, draft), draft, block, meta.positions, attend)
-        return sample_argmax(target.logits(hidden[rows])), (tuple(k), tuple(v))
+        return sample_argmax(target.logits(hidden[rows])), KVState.from_layers(pools).parts()
 
     return jax.jit(run, donate_argnums=FORWARD_DONATE_ARGNUMS)
 
@@ -117,9 +120,9 @@ def make_draft_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: Draf
 @functools.lru_cache(maxsize=64)
 def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str, layout: StepLayout,
                  draft: DraftConfig | None = None, tensor_parallel: int = 1):
-    """The engine's step (one program per width): (flat params, (k, v), host i32[N], prev_tokens i32[R]) ->
-    (tokens i32[R], logits f32[R, V], (k, v)), where `host` holds the step's tokens, token_src, metadata, rows
-    and sampler packed by `layout` (one upload per step; programs.StepLayout). With a DFlash `draft`,
+    """The engine's step (one program per width): (flat params, KVState.parts(), host i32[N], prev_tokens i32[R])
+    -> (tokens i32[R], logits f32[R, V], KVState.parts()), where `host` holds the step's tokens, token_src,
+    metadata, rows and sampler packed by `layout` (one upload per step; programs.StepLayout). With a DFlash `draft`,
     the step also writes the draft's context (`run_model`). With `tensor_parallel` N > 1 it runs under
     shard_map over N devices, each on its shard of the model (model/tp.py) and of the KV pools; what it
     returns besides the pools is the same on every device.
@@ -142,12 +145,12 @@ def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str, layout: Step
         logits, kv = run_model(graphdef, backend, unflatten(params, like), KVState(*kv), tokens, layout.meta(parts),
                                parts["rows"], draft, params, axis)
         logits = logits[:, :model.vocab_size]  # under tensor parallelism, the vocabulary's padding cut off
-        return sample(logits, SamplerInputs(*layout.sampler(parts)), is_filtered=False), logits, (kv.k, kv.v)
+        return sample(logits, SamplerInputs(*layout.sampler(parts)), is_filtered=False), logits, kv.parts()
 
     if n > 1:
         from jax.sharding import PartitionSpec as P
 
-        pools = (tuple(kv_sharding(tp.mesh(n)).spec for _ in range(cache.num_layers)),) * 2
+        pools = tuple(tuple(s.spec for _ in range(cache.num_layers)) for s in kv_sharding(cache, tp.mesh(n)))
         # check_vma off: the Pallas calls declare no varying axes; the replicated outputs are replicated by
         # construction (everything after the logits' all-gather is the same computation on every device).
         step = jax.shard_map(step, mesh=tp.mesh(n), in_specs=(tp.param_specs(model, flatten(like)), pools, P(), P()),
@@ -174,16 +177,16 @@ def _pools_placed(cache: CacheConfig, tensor_parallel: int) -> dict:
     """jit's out_shardings for programs that return the pools: split by KV head over the mesh (one device: none)."""
     if tensor_parallel == 1:
         return {}
-    return {"out_shardings": (tuple(kv_sharding(tp.mesh(tensor_parallel)) for _ in range(cache.num_layers)),) * 2}
+    return {"out_shardings": tuple((s,) * cache.num_layers for s in kv_sharding(cache, tp.mesh(tensor_parallel)))}
 
 
 @functools.lru_cache(maxsize=16)
 def make_kv_init_fn(cache: CacheConfig, tensor_parallel: int = 1):
-    """The zeroed KV pools, (k, v): a program, so an engine (an artifact too) creates them without compiling."""
+    """The zeroed KV pools, KVState.parts(): a program, so an engine (an artifact too) creates them without
+    compiling."""
 
     def kv_init():
-        state = KVState.create(cache)
-        return state.k, state.v
+        return KVState.create(cache).parts()
 
     return jax.jit(kv_init, **_pools_placed(cache, tensor_parallel))
 
@@ -193,8 +196,7 @@ def make_copy_fn(cache: CacheConfig, tensor_parallel: int = 1):
     """Copy-on-write page copies, run before a step that writes into shared pages (each device its heads')."""
 
     def copy(kv, copies):
-        out = apply_copies(KVState(*kv), cache, copies)
-        return out.k, out.v
+        return apply_copies(KVState(*kv), cache, copies).parts()
 
     return jax.jit(copy, donate_argnums=COPY_DONATE_ARGNUMS, **_pools_placed(cache, tensor_parallel))
 

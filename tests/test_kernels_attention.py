@@ -120,11 +120,12 @@ FP8_CASES = ["decode-g4-p16-bf16", "mixed-g4-p16-gaps-padding", "ring-window-mix
              "decode-g1-p32-softcap"]
 
 
-@pytest.mark.parametrize("path", SPLITS)
+@pytest.mark.parametrize("path", ["flash"])  # split-K over fp8 pools: the scaled test below
 @pytest.mark.parametrize("name", FP8_CASES)
 def test_kernel_reads_fp8_pools(name, path, request):
-    """An fp8 KV cache: the kernel widens float8_e4m3fn tiles to q's dtype and matches the reference over the
-    same fp8 pools; against the full-precision pools the output moves by what e4m3 storage costs (stated)."""
+    """Unscaled fp8 pools (the kernel serves them; the engine's fp8 cache is scaled, below): the kernel widens
+    float8_e4m3fn tiles to q's dtype and matches the reference over the same fp8 pools; against the
+    full-precision pools the output moves by what e4m3 storage costs (stated)."""
     from glint.pallas_kernels.reference import to_pool_dtype
 
     case = CASES[name]
@@ -143,6 +144,76 @@ def test_kernel_reads_fp8_pools(name, path, request):
     error = np.abs(want - full).max() / np.abs(full).max()
     print(f"{name}: fp8 KV moves the attention output by {error:.4f} of its largest value")
     assert error < 0.08  # e4m3 keeps 3 mantissa bits: each K/V element within 1/16 of itself
+
+
+def _numpy_row_quantized(pages: np.ndarray):
+    """A scaled fp8 pool by the definition, in NumPy: per row and head, scale = max |x| / 448 (1 for a zero row),
+    the row divided by it and rounded to e4m3 (ml_dtypes). NaN rows stay NaN."""
+    import ml_dtypes
+
+    amax = np.abs(pages.astype(np.float32)).max(-1)
+    scale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
+    return (pages / scale[..., None]).astype(ml_dtypes.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("name,path,magnitude", [(name, path, 0.003) for name in FP8_CASES for path in SPLITS]
+                         + [(FP8_CASES[0], "flash", 1.0)])
+def test_kernel_reads_scaled_fp8_pools(name, path, magnitude, request):
+    """A scaled fp8 cache (a float32 scale per row and head): the kernel matches the reference over the same
+    pools, the reference matches the spec's NumPy loop over the dequantized pools, and the output stays within
+    e4m3's precision of the full-precision pools whatever the values' `magnitude` (V's; K's stays, or the
+    softmax would go flat and hide K's error). Unscaled e4m3 loses small values to its subnormals (below
+    2^-6): at values ~0.003 its error is several times the scaled one (both stated)."""
+    from glint.pallas_kernels.reference import to_pool_dtype
+
+    case = CASES[name]
+    inputs = make_attention_inputs(case, np.random.default_rng(_seed(request)))
+    inputs["v_pages"] *= np.float32(magnitude)
+    args = _to_jax(inputs, case.dtype)
+    (k8, ks), (v8, vs) = (_numpy_row_quantized(np.asarray(args[n], np.float32)) for n in ("k_pages", "v_pages"))
+    scaled = dict(args, k_pages=jnp.asarray(k8), v_pages=jnp.asarray(v8), k_scale=jnp.asarray(ks),
+                  v_scale=jnp.asarray(vs))
+    want = np.asarray(varlen_attention_reference(**scaled, **_options(case)), np.float32)
+    got = varlen_attention(**scaled, **_options(case), num_splits=SPLITS[path], block_sizes=BlockSizes(16, 16),
+                           interpret=INTERPRET)
+    assert got.dtype == args["q"].dtype
+    got = np.asarray(got, np.float32)
+    assert np.isfinite(got).all() and not got[~_covered(inputs["seq_info"], got.shape[0])].any()
+    np.testing.assert_allclose(got, want, rtol=TOLERANCE[case.dtype]["rtol"],
+                               atol=TOLERANCE[case.dtype]["atol"] * magnitude)
+    covered = _covered(inputs["seq_info"], got.shape[0])
+    dequantized = {n: p.astype(np.float32) * sc[..., None] for n, p, sc in (("k", k8, ks), ("v", v8, vs))}
+    loop = attention_numpy_loop(np.asarray(args["q"], np.float32), dequantized["k"], dequantized["v"],
+                                inputs["page_table"], inputs["seq_info"], **_options(case))
+    np.testing.assert_allclose(want[covered], loop[covered], rtol=TOLERANCE[case.dtype]["rtol"],
+                               atol=TOLERANCE[case.dtype]["atol"] * magnitude)
+
+    full = np.asarray(varlen_attention_reference(**args, **_options(case)), np.float32)
+    unscaled = dict(args, k_pages=to_pool_dtype(args["k_pages"], jnp.float8_e4m3fn),
+                    v_pages=to_pool_dtype(args["v_pages"], jnp.float8_e4m3fn))
+    plain = np.asarray(varlen_attention_reference(**unscaled, **_options(case)), np.float32)
+    covered_full = full[covered]
+    error, plain_error = (np.sqrt(np.mean((out[covered] - covered_full) ** 2) / np.mean(covered_full ** 2))
+                          for out in (want, plain))
+    print(f"{name}, V x{magnitude}: relative RMS error of the attention output against full-precision pools: "
+          f"scaled fp8 {error:.4f}, unscaled fp8 {plain_error:.4f}")
+    assert error < 0.05  # e4m3 keeps 3 mantissa bits (each element within 1/16) at every magnitude
+    if magnitude < 0.1:
+        assert plain_error > 3 * error
+
+
+def test_scaled_fp8_pools_are_checked():
+    case = CASES["decode-g4-p16-bf16"]
+    args = _to_jax(make_attention_inputs(case, np.random.default_rng(0)), case.dtype)
+    scales = jnp.ones(args["k_pages"].shape[:3], jnp.float32)
+    with pytest.raises(ValueError, match=r"k_scale and v_scale go with float8_e4m3fn pools.*bfloat16"):
+        varlen_attention(**args, k_scale=scales, v_scale=scales, scale=1.0, interpret=INTERPRET)
+    fp8 = dict(args, k_pages=args["k_pages"].astype(jnp.float8_e4m3fn), v_pages=args["v_pages"].astype(
+        jnp.float8_e4m3fn))
+    with pytest.raises(ValueError, match=r"both k_scale and v_scale or neither"):
+        varlen_attention(**fp8, k_scale=scales, scale=1.0, interpret=INTERPRET)
+    with pytest.raises(ValueError, match=r"v_scale \(3,\) float32 must be f32\[num_pages, page_size, Hkv\]"):
+        varlen_attention(**fp8, k_scale=scales, v_scale=jnp.ones(3), scale=1.0, interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("name", ["decode-g4-p16-bf16", "mixed-g4-p16-gaps-padding", "ring-window-p32-d128"])

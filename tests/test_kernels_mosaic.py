@@ -158,8 +158,8 @@ def test_auto_splits_segments_between_the_kernels(monkeypatch):
 
     def fake_mosaic(q, k_pages, v_pages, page_table, info, *, causal, scale, **_):
         handed.append(info)
-        return va._triton_attention(q, k_pages, v_pages, page_table, info, ring_rows=None, window=0, causal=causal,
-                                    softcap=0.0, scale=scale, num_splits=None, block_sizes=None, interpret=True)
+        return va._triton_attention(q, k_pages, v_pages, page_table, info, scales=(None, None), ring_rows=None,
+                                    window=0, causal=causal, softcap=0.0, scale=scale, num_splits=None, block_sizes=None, interpret=True)
 
     monkeypatch.setattr(va, "_use_mosaic", lambda backend, **_: backend == "auto")  # as on a Hopper GPU
     monkeypatch.setattr(mg, "varlen_attention_mgpu", fake_mosaic)

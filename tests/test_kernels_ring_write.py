@@ -189,3 +189,46 @@ def test_ring_write_into_fp8_pools_saturates_and_matches_reference(request):
         np.testing.assert_allclose(written, np.clip(rows, -448, 448), rtol=2 ** -4, atol=2 ** -10)  # e4m3 steps
     assert list(np.asarray(k_out, np.float32).reshape(-1, num_kv_heads, head_dim)[int(slots[0]), 0, :4]) == [
         448.0, -448.0, 448.0, 448.0]
+
+
+def test_ring_write_into_scaled_fp8_pools_quantizes_each_row_and_head(request):
+    """A scaled fp8 cache: each row and head is stored as x / scale in e4m3 with scale = max |x| / 448 (NumPy,
+    below), so nothing saturates; the scales land at the rows' slots, out-of-range slots are dropped, the other
+    rows keep theirs; the kernel writes what the reference writes."""
+    import ml_dtypes
+
+    rng = _rng(request)
+    page_size, num_kv_heads, head_dim, num_pages = 8, 3, 64, 6
+    k_pages, v_pages = (p.astype(jnp.float8_e4m3fn) for p in _pools(rng, num_pages, page_size, num_kv_heads,
+                                                                      head_dim, "float32"))
+    k_scale, v_scale = (jnp.asarray(rng.uniform(0.5, 2.0, (num_pages, page_size, num_kv_heads)), jnp.float32)
+                        for _ in range(2))
+    real = rng.choice(np.arange(page_size, num_pages * page_size), 9, replace=False)
+    slots = np.concatenate([real, [-1, num_pages * page_size]]).astype(np.int32)  # two rows dropped
+    k_new = rng.standard_normal((len(slots), num_kv_heads, head_dim)).astype(np.float32) * 3
+    k_new[0, 0, :2] = [1e4, -2e3]  # beyond e4m3's 448: scaled, not clipped
+    k_new[1, 1] = 0.0  # an all-zero row
+    v_new = rng.standard_normal((len(slots), num_kv_heads, head_dim)).astype(np.float32) * 1e-3  # subnormal range
+    before = [np.asarray(x) for x in (k_scale, v_scale)]
+    args = (*(jnp.asarray(x) for x in (k_new, v_new)), jnp.asarray(slots))
+    want = ring_write_reference(k_pages, v_pages, *args, k_scale, v_scale)
+    got = ring_write(k_pages, v_pages, *args, k_scale, v_scale, interpret=INTERPRET)
+    assert [x.dtype for x in got] == [jnp.float8_e4m3fn] * 2 + [jnp.float32] * 2
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    rows = np.arange(len(real))
+    for pool, scales, new, old in ((got[0], got[2], k_new, before[0]), (got[1], got[3], v_new, before[1])):
+        amax = np.abs(new[rows]).max(-1)
+        want_scale = np.where(amax > 0, amax / np.float32(448), 1).astype(np.float32)
+        flat_scales = np.asarray(scales).reshape(-1, num_kv_heads)
+        np.testing.assert_allclose(flat_scales[real], want_scale, rtol=1e-6)
+        untouched = np.ones(len(flat_scales), bool)
+        untouched[real] = False
+        np.testing.assert_array_equal(flat_scales[untouched], old.reshape(-1, num_kv_heads)[untouched])
+        stored = np.asarray(pool, np.float32).reshape(-1, num_kv_heads, head_dim)[real]
+        by_definition = (new[rows] / want_scale[..., None]).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        # a value on a rounding boundary may land one e4m3 step away (x / s computed as x * (1 / s))
+        np.testing.assert_allclose(stored, by_definition, rtol=2 ** -3, atol=2 ** -9)
+        assert np.abs(stored).max() <= 448 and np.isfinite(stored).all()
+        np.testing.assert_allclose(stored * want_scale[..., None], new[rows], rtol=2 ** -4,
+                                   atol=1e-6 * np.abs(new).max())

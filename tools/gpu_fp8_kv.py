@@ -1,6 +1,7 @@
-"""Decode attention over bf16 and fp8 (float8_e4m3fn) KV pools on the GPU: the Triton kernel checked against the
-jnp reference on the same pools, then timed chained inside one jit and as separate calls, as % of 4.3 TB/s of
-the K/V bytes it must read. llama3-8b's attention shape (32 query / 8 KV heads of 128, page 16).
+"""Decode attention over bf16, fp8 (float8_e4m3fn) and scaled fp8 (a float32 scale per row and head, the engine's
+fp8 cache) KV pools on the GPU: the Triton kernel checked against the jnp reference on the same pools, then timed
+chained inside one jit and as separate calls, as % of 4.3 TB/s of the K/V bytes (and scales) it must read.
+llama3-8b's attention shape (32 query / 8 KV heads of 128, page 16).
 
   python tools/gpu_fp8_kv.py [BATCH CONTEXT]
 """
@@ -14,7 +15,7 @@ import numpy as np
 from jax import lax
 
 from glint.pallas_kernels import varlen_attention, varlen_attention_reference
-from glint.pallas_kernels.reference import to_pool_dtype
+from glint.pallas_kernels.reference import quantize_rows, to_pool_dtype
 
 PEAK, REPS, PAGE, HKV, GROUP, D = 4.3e12, 20, 16, 8, 4, 128
 
@@ -40,21 +41,25 @@ def main(batch: int, context: int) -> None:
     shape = (num_pages, PAGE, HKV, D)
     k = jax.random.normal(jax.random.key(1), shape, jnp.bfloat16)
     v = jax.random.normal(jax.random.key(2), shape, jnp.bfloat16)
-    pools = {"bf16": (k, v), "fp8": (to_pool_dtype(k, jnp.float8_e4m3fn), to_pool_dtype(v, jnp.float8_e4m3fn))}
-    attend = jax.jit(lambda q, k, v: varlen_attention(q, k, v, page_table, seq_info, scale=D ** -0.5))
+    (k8, ks), (v8, vs) = (quantize_rows(x.reshape(-1, HKV, D)) for x in (k, v))
+    pools = {"bf16": (k, v), "fp8": (to_pool_dtype(k, jnp.float8_e4m3fn), to_pool_dtype(v, jnp.float8_e4m3fn)),
+             "fp8-scaled": (k8.reshape(shape), v8.reshape(shape), ks.reshape(shape[:3]), vs.reshape(shape[:3]))}
+    attend = jax.jit(lambda q, k, v, *s: varlen_attention(q, k, v, page_table, seq_info, scale=D ** -0.5,
+                                                           **dict(zip(("k_scale", "v_scale"), s))))
     rows = []
-    for name, (kp, vp) in pools.items():
-        got = np.asarray(attend(q, kp, vp), np.float32)
-        want = np.asarray(varlen_attention_reference(q, kp, vp, page_table, seq_info, scale=D ** -0.5), np.float32)
+    for name, pool in pools.items():
+        got = np.asarray(attend(q, *pool), np.float32)
+        want = np.asarray(varlen_attention_reference(q, *pool[:2], page_table, seq_info, scale=D ** -0.5,
+                                                     **dict(zip(("k_scale", "v_scale"), pool[2:]))), np.float32)
         err = float(np.abs(got - want).max() / np.abs(want).max())
-        nbytes = 2 * batch * context * HKV * D * kp.dtype.itemsize
+        nbytes = 2 * batch * context * HKV * (D * pool[0].dtype.itemsize + 4 * (len(pool) > 2))
 
         @jax.jit
-        def chained(q, kp, vp):
-            return lax.fori_loop(0, REPS, lambda i, q: q + 0 * attend(q, kp, vp), q)
+        def chained(q, *pool):
+            return lax.fori_loop(0, REPS, lambda i, q: q + 0 * attend(q, *pool), q)
 
-        t_chain = timed(chained, q, kp, vp) / REPS
-        t_sep = timed(lambda q, kp, vp: [attend(q, kp, vp) for _ in range(REPS)][-1], q, kp, vp) / REPS
+        t_chain = timed(chained, q, *pool) / REPS
+        t_sep = timed(lambda q, *pool: [attend(q, *pool) for _ in range(REPS)][-1], q, *pool) / REPS
         rows.append((name, err, t_chain, t_sep, nbytes))
         print(rows[-1], flush=True)
     full = pools["bf16"]
@@ -66,6 +71,10 @@ def main(batch: int, context: int) -> None:
               f"{100 * nbytes / ts / PEAK:.0f}")
     print(f"fp8 / bf16 time: chained {rows[0][2] / rows[1][2]:.2f}x faster, separate {rows[0][3] / rows[1][3]:.2f}x; "
           f"fp8 output vs bf16 output max |diff| {fp8_vs_bf16.max():.4f}")
+    scaled_vs_bf16 = np.abs(np.asarray(attend(q, *pools["fp8-scaled"]), np.float32) - np.asarray(attend(q, *full),
+                                                                                                 np.float32))
+    print(f"scaled fp8 / bf16 time: chained {rows[0][2] / rows[2][2]:.2f}x faster, separate "
+          f"{rows[0][3] / rows[2][3]:.2f}x; scaled fp8 output vs bf16 output max |diff| {scaled_vs_bf16.max():.4f}")
 
 
 if __name__ == "__main__":
