@@ -34,7 +34,8 @@ _CUSTOM_CALL = re.compile(r'stablehlo\.custom_call @([\w$.]+)|call_target_name =
 # artifact without glint. Every forward returns the selected rows' logits beside the tokens: a caller sampling
 # on the host reads those.
 SIGNATURES = {
-    "forward_W": {"inputs": ["params {dotted name: array}", "kv ((k per layer), (v per layer))",
+    "forward_W": {"inputs": ["params {dotted name: array}", "kv ((k per layer), (v per layer)), and with an fp8 "
+                             "cache ((k_scale per layer), (v_scale per layer)) after them",
                              "host i32[N]: these, flattened and concatenated in this order (f32 and u32 as their "
                              "bits): tokens i32[W], token_src i32[W] (>= 0: take prev_tokens[token_src]), "
                              "positions i32[W], slots i32[G, W], seq_info i32[S, 4], page_table i32[S, P_g] for each "

@@ -156,10 +156,13 @@ class CacheConfig:
         """Whether every pool row carries a float32 scale per head (float8_e4m3fn pools)."""
         return self.dtype in SCALED_DTYPES
 
+    def head_row_bytes(self, layer: int) -> int:
+        """Bytes one position of one KV head of `layer` takes, for K or for V (its scale included)."""
+        return self.head_dim[layer] * self.itemsize + (SCALE_BYTES if self.scaled else 0)
+
     def page_bytes(self, layer: int) -> int:
         """Bytes of one page of `layer`, K and V together (and their scales)."""
-        row = self.head_dim[layer] * self.itemsize + (SCALE_BYTES if self.scaled else 0)
-        return 2 * self.page_size * self.kv_heads[layer] * row
+        return 2 * self.page_size * self.kv_heads[layer] * self.head_row_bytes(layer)
 
     @property
     def bytes_per_page_id(self) -> int:

@@ -35,16 +35,14 @@ class KVState:
     v_scale: tuple[jax.Array, ...] = ()
 
     @classmethod
-    def create(cls, cfg: CacheConfig, sharding: jax.sharding.Sharding | None = None,
-               scale_sharding: jax.sharding.Sharding | None = None) -> KVState:
-        """Zeroed pools for `cfg` (optionally placed with `sharding`, the scales with `scale_sharding`)."""
+    def create(cls, cfg: CacheConfig) -> KVState:
+        """Zeroed pools for `cfg` (placed by the caller: under jit, its out_shardings)."""
 
         def pool(layer: int) -> jax.Array:
-            shape = (cfg.num_pages, cfg.page_size, cfg.kv_heads[layer], cfg.head_dim[layer])
-            return jnp.zeros(shape, jnp.dtype(cfg.dtype), device=sharding)
+            return jnp.zeros((cfg.num_pages, cfg.page_size, cfg.kv_heads[layer], cfg.head_dim[layer]), cfg.dtype)
 
         def scales(layer: int) -> jax.Array:
-            return jnp.zeros((cfg.num_pages, cfg.page_size, cfg.kv_heads[layer]), jnp.float32, device=scale_sharding)
+            return jnp.zeros((cfg.num_pages, cfg.page_size, cfg.kv_heads[layer]), jnp.float32)
 
         layers = range(cfg.num_layers)
         return cls.from_layers([(pool(l), pool(l), *((scales(l), scales(l)) if cfg.scaled else ())) for l in layers])

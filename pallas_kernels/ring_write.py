@@ -83,8 +83,10 @@ def _check_args(k_pages, v_pages, k_new, v_new, slots, k_scale, v_scale):
     if k_scale is not None:
         if k_pages.dtype != jnp.float8_e4m3fn:
             fail("k_scale and v_scale go with float8_e4m3fn pools")
-        if k_scale.shape != k_pages.shape[:3] or v_scale.shape != k_pages.shape[:3]:
-            fail(f"k_scale {k_scale.shape} and v_scale {v_scale.shape} must be [num_pages, page_size, Hkv]")
+        f32 = jnp.dtype(jnp.float32)
+        if {k_scale.shape, v_scale.shape} != {k_pages.shape[:3]} or {k_scale.dtype, v_scale.dtype} != {f32}:
+            fail(f"k_scale {k_scale.shape} {k_scale.dtype} and v_scale {v_scale.shape} {v_scale.dtype} must be "
+                 f"f32[num_pages, page_size, Hkv]")
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0, 1, 5, 6))

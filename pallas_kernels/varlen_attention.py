@@ -178,9 +178,13 @@ def _attention_kernel(
                 p = jnp.exp2(s - m_base[:, None])
                 l = l * alpha + jnp.sum(p, axis=1)
                 v = plgpu.load(v_ref.at[kv_row[:, None], kv_head, d[None, :]], mask=kv_mask, other=kv_other)  # [bk, Dp]
+                if scaled:
+                    vs = plgpu.load(vs_ref.at[kv_row, kv_head], mask=key_mask, other=0.0 if masked else None)
+                    if q.dtype == jnp.float16:  # p * vs would fall into float16's subnormals: widen v scaled
+                        v = v.astype(jnp.float32) * vs[:, None]
+                    else:  # p @ (v * vs) = (p * vs) @ v, one multiply per key; the row sum l keeps the unscaled p
+                        p = p * vs[None, :]
                 v = v.astype(q.dtype)
-                if scaled:  # p @ (v * vs) = (p * vs) @ v; the row sum l keeps the unscaled p
-                    p = p * plgpu.load(vs_ref.at[kv_row, kv_head], mask=key_mask, other=0.0 if masked else None)
                 acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, allow_tf32=False)
                 return acc, m_new, l
 

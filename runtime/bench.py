@@ -81,7 +81,7 @@ class StepBench:
         for layer in range(cache.num_layers):
             window = cache.windows[layer]
             keys = min(context, window) if window else context
-            total += 2 * batch * keys * cache.kv_heads[layer] * cache.head_dim[layer] * jnp.dtype(cache.dtype).itemsize
+            total += 2 * batch * keys * cache.kv_heads[layer] * cache.head_row_bytes(layer)
         return total
 
     def time_step(self, batch: int, context: int, q_len: int, repeats: int) -> StepTiming:

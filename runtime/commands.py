@@ -49,8 +49,8 @@ def _engine_args(p) -> None:
     p.add_argument("--quantize-head", action="store_true", help=QUANTIZE_HEAD_HELP + " (HF folders and presets)")
     p.add_argument("--group-size", type=int, help="--quantize int4: input rows per scale (default 128)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_CHOICES,
-                   help="the KV cache's element type (default auto: the model's dtype; fp8: float8_e4m3fn, half a "
-                   "bf16 cache's bytes, unscaled and saturating at +-448)")
+                   help="the KV cache's element type (default auto: the model's dtype; fp8: float8_e4m3fn with a "
+                   "float32 scale per row and head, 0.52x a bf16 cache's bytes at head_dim 128)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="do not share the KV pages of prompt prefixes between requests (automatic prefix caching)")
     p.add_argument("--tp", "--tensor-parallel", dest="tensor_parallel", type=int,

@@ -232,3 +232,16 @@ def test_ring_write_into_scaled_fp8_pools_quantizes_each_row_and_head(request):
         assert np.abs(stored).max() <= 448 and np.isfinite(stored).all()
         np.testing.assert_allclose(stored * want_scale[..., None], new[rows], rtol=2 ** -4,
                                    atol=1e-6 * np.abs(new).max())
+
+
+def test_ring_write_checks_scale_pools():
+    pages = jnp.zeros((4, 8, 2, 64), jnp.float8_e4m3fn)
+    new, slots = jnp.ones((3, 2, 64), jnp.float32), jnp.arange(3, dtype=jnp.int32) + 8
+    scales = jnp.ones((4, 8, 2), jnp.float32)
+    with pytest.raises(ValueError, match=r"k_scale \(4, 8, 2\) bfloat16 and v_scale \(4, 8, 2\) float32 must be f32"):
+        ring_write(pages, pages, new, new, slots, scales.astype(jnp.bfloat16), scales, interpret=INTERPRET)
+    with pytest.raises(ValueError, match=r"both k_scale and v_scale or neither"):
+        ring_write(pages, pages, new, new, slots, scales, interpret=INTERPRET)
+    with pytest.raises(ValueError, match=r"go with float8_e4m3fn pools.*float32"):
+        ring_write(pages.astype(jnp.float32), pages.astype(jnp.float32), new, new, slots, scales, scales,
+                   interpret=INTERPRET)

@@ -23,9 +23,9 @@ def make_config(**overrides) -> CacheConfig:
 
 
 def random_state(cfg: CacheConfig, seed: int) -> KVState:
-    keys = jax.random.split(jax.random.key(seed), 2 * cfg.num_layers)
     empty = KVState.create(cfg)
-    leaves = [jax.random.normal(key, leaf.shape, leaf.dtype) for key, leaf in zip(keys, jax.tree.leaves(empty))]
+    keys = jax.random.split(jax.random.key(seed), len(jax.tree.leaves(empty)))
+    leaves = [jax.random.normal(key, leaf.shape).astype(leaf.dtype) for key, leaf in zip(keys, jax.tree.leaves(empty))]
     return jax.tree.unflatten(jax.tree.structure(empty), leaves)
 
 
@@ -41,6 +41,27 @@ def test_create_shapes_and_pytree():
             assert not pool.any()
     doubled = jax.tree.map(lambda x: x + 1, state)
     assert isinstance(doubled, KVState) and float(doubled.v[1][3, 2, 0, 5]) == 1.0
+
+
+def test_a_scaled_fp8_state_carries_a_float32_scale_per_row_and_head():
+    """float8_e4m3fn pools come with k_scale / v_scale [num_pages, page_size, kv_heads] in float32, counted in the
+    page bytes (1 byte per element + 4 per row and head, K and V); parts / layers / from_layers round-trip."""
+    cfg = make_config(dtype="float8_e4m3fn")
+    state = KVState.create(cfg)
+    assert cfg.scaled and not make_config(dtype="bfloat16").scaled
+    assert len(jax.tree.leaves(state)) == 4 * cfg.num_layers and len(state.parts()) == 4
+    for layer in range(cfg.num_layers):
+        assert state.k[layer].dtype == jnp.float8_e4m3fn
+        for scale in (state.k_scale[layer], state.v_scale[layer]):
+            assert scale.shape == (12, 4, cfg.kv_heads[layer]) and scale.dtype == jnp.float32
+        assert cfg.page_bytes(layer) == 2 * 4 * cfg.kv_heads[layer] * (cfg.head_dim[layer] + 4)
+    layers = state.layers()
+    assert [len(parts) for parts in layers] == [4] * cfg.num_layers
+    again = KVState.from_layers(layers)
+    assert all(a is b for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(state)))
+    assert KVState(*state.parts()) == state
+    plain = KVState.create(make_config())
+    assert len(plain.parts()) == 2 and plain.k_scale == () and [len(p) for p in plain.layers()] == [2] * 3
 
 
 def test_roundtrip_through_jit_with_donation():
@@ -75,9 +96,11 @@ def test_pad_copies_power_of_two():
     assert pad_copies([np.ones((5, 2), np.int32)])[0].shape == (8, 2)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn"])
 @pytest.mark.parametrize("jit", [False, True])
-def test_apply_copies_copies_whole_pages_per_group(jit):
-    cfg = make_config()  # layers 0, 2 in flat group 0; layer 1 in ring group 1
+def test_apply_copies_copies_whole_pages_per_group(jit, dtype):
+    """Pages are copied whole in every layer of each group: pools and, in a scaled fp8 cache, their scales."""
+    cfg = make_config(dtype=dtype)  # layers 0, 2 in flat group 0; layer 1 in ring group 1
     state = random_state(cfg, 2)
     before = jax.tree.map(np.asarray, state)
     copies = pad_copies([np.array([[2, 5], [3, 6], [2, 7]], np.int32), np.array([[4, 1]], np.int32)])
@@ -85,7 +108,7 @@ def test_apply_copies_copies_whole_pages_per_group(jit):
     out = jax.tree.map(np.asarray, fn(state, cfg, copies))
     for layer in range(cfg.num_layers):
         pairs = [(2, 5), (3, 6), (2, 7)] if cfg.layer_group[layer] == 0 else [(4, 1)]
-        for name in ("k", "v"):
+        for name in ("k", "v", "k_scale", "v_scale") if cfg.scaled else ("k", "v"):
             want = getattr(before, name)[layer].copy()
             for src, dst in pairs:
                 want[dst] = getattr(before, name)[layer][src]

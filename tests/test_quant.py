@@ -347,9 +347,9 @@ def test_fp8_kv_cache_serves_batched_as_alone_and_close_to_full_precision(source
 def test_stories260k_fp8_kv_cache_teacher_forced():
     """Trained weights, float32, an fp8 KV cache (a scale per row and head): the next greedy token of every third
     prefix of llama2.c's continuation of [1] (each prefix prefilled through the paged fp8 cache) against that
-    continuation; the float32 cache gets all of them (reported both). Seen 2026-12-02: 57 of 67 scaled, 52 of 67
-    unscaled (the cache before the scales). Free-running greedy diverges at the first token either way (a
-    near-tie, as with int8 weights)."""
+    continuation; the float32 cache gets all of them (reported both). Seen 2026-12-02 on the CPU: 57 of 67
+    scaled, 52 of 67 unscaled (the cache before the scales), which the floor below fails. Free-running greedy
+    diverges at the first token either way (a near-tie, as with int8 weights)."""
     ref = json.loads((STORIES / "reference.json").read_text())["cases"][0]
     greedy = ref["greedy"]
     at = list(range(0, len(greedy) - 1, 3))
@@ -362,7 +362,7 @@ def test_stories260k_fp8_kv_cache_teacher_forced():
     assert engine.kv.k_scale and all(s.dtype == jnp.float32 for s in engine.kv.k_scale + engine.kv.v_scale)
     print(f"stories260K fp8 KV: teacher-forced top-1 {agree['fp8']} of {len(at)} (float32 cache {agree['auto']})")
     assert agree["auto"] == len(at)
-    assert agree["fp8"] >= 0.75 * len(at)
+    assert agree["fp8"] >= 0.8 * len(at)
 
 
 def _quantized_head_cases():
