@@ -62,6 +62,9 @@ class EngineStats:
     preemptions: int = 0
     page_copies: int = 0  # copy-on-write page copies (n > 1 clones writing into a shared page)
     host_seconds: float = 0.0  # host busy: scheduling, metadata, dispatch, postprocessing
+    # of it, by phase: "schedule" (the scheduler and page bookkeeping), "dispatch" (packing and launching the
+    # step's programs), "postprocess" (committing, accepting and delivering a step's tokens)
+    host_phase_seconds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     wait_seconds: float = 0.0  # host blocked on the device's results
     spec_steps: int = 0  # speculative blocks verified
     spec_tokens: int = 0  # tokens they committed (accepted drafts + the target's own)
@@ -434,8 +437,13 @@ class Engine:
             self._read(self._unread)
         with interrupts.deferred():
             try:
+                t_schedule = time.perf_counter()
                 entries = self._schedule()
+                t_dispatch = time.perf_counter()
                 dispatched = self._dispatch(entries) if entries else None
+                phases = self.stats.host_phase_seconds
+                phases["schedule"] += t_dispatch - t_schedule
+                phases["dispatch"] += time.perf_counter() - t_dispatch
             except BaseException:  # whatever failed before the commit, the declared step is undone
                 if self.control.has_pending_step:
                     self.control.abort_step()
@@ -462,8 +470,10 @@ class Engine:
         with interrupts.deferred():
             self._postprocess(step, next_tokens, lp, proposed)
             self._unread = None
+        t2 = time.perf_counter()
         self.stats.wait_seconds += t1 - t0
-        self.stats.host_seconds += time.perf_counter() - t1
+        self.stats.host_seconds += t2 - t1
+        self.stats.host_phase_seconds["postprocess"] += t2 - t1
 
     @staticmethod
     def _fetch(step: InFlight):

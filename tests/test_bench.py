@@ -50,6 +50,10 @@ def test_bench_speculative_runs(tmp_path):
     # every block but the first token's step commits k + 1 tokens until the last, shorter one
     assert row["spec_steps"] == 2 * -(-(gen - 1) // (k + 1)) and row["mean_acceptance_length"] > k
     assert row["host_ms_per_step"] > 0 and row["wait_ms_per_step"] >= 0 and row["ms_per_step"] > 0
+    # the host's time split by phase: each of them spent, together no more than all of it
+    phases = row["host_ms_per_step_by_phase"]
+    assert sorted(phases) == ["dispatch", "postprocess", "schedule"] and min(phases.values()) > 0
+    assert sum(phases.values()) <= row["host_ms_per_step"] * (1 + 1e-9)
 
 
 def test_quoting_prompt_repeats_one_passage():
