@@ -30,6 +30,7 @@ __all__ = ["quantize_rows", "ring_write_reference", "varlen_attention_reference"
 
 FP8_MAX = 448.0
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
+F32 = jnp.dtype(jnp.float32)
 
 
 def to_pool_dtype(x, dtype):
@@ -50,11 +51,32 @@ def quantize_rows(x):
     return to_pool_dtype(x32 / scale[..., None], FP8), scale
 
 
-def write_scales(scale_pages, scale, slots):
-    """scale_pages f32[num_pages, page_size, Hkv] with row `slots[t]` set to scale[t] (out-of-range slots
-    dropped, as the ring write drops them)."""
-    flat = scale_pages.reshape(-1, scale_pages.shape[-1])
-    return flat.at[slots].set(scale, mode="drop", wrap_negative_indices=False).reshape(scale_pages.shape)
+def quantize_into(k_new, v_new, slots, k_scale, v_scale):
+    """A scaled cache's share of a ring write: (k_new and v_new quantized by `quantize_rows`, (k_scale, v_scale)
+    f32[num_pages, page_size, Hkv] with each row's scales at its slot; out-of-range slots dropped, as the ring
+    write drops them)."""
+    (k_new, ks), (v_new, vs) = quantize_rows(k_new), quantize_rows(v_new)
+
+    def write(pages, scale):
+        flat = pages.reshape(-1, pages.shape[-1])
+        return flat.at[slots].set(scale, mode="drop", wrap_negative_indices=False).reshape(pages.shape)
+
+    return k_new, v_new, (write(k_scale, ks), write(v_scale, vs))
+
+
+def scales_error(k_pages, k_scale, v_scale) -> str | None:
+    """What is wrong with a scaled cache's scale pools beside `k_pages` (None: nothing, or no scales at all): the
+    ring write's and the attention's argument check."""
+    if (k_scale is None) != (v_scale is None):
+        return "give both k_scale and v_scale or neither"
+    if k_scale is None:
+        return None
+    if k_pages.dtype != FP8:
+        return "k_scale and v_scale go with float8_e4m3fn pools"
+    if {k_scale.shape, v_scale.shape} != {k_pages.shape[:3]} or {k_scale.dtype, v_scale.dtype} != {F32}:
+        return (f"k_scale {k_scale.shape} {k_scale.dtype} and v_scale {v_scale.shape} {v_scale.dtype} must be "
+                f"f32[num_pages, page_size, Hkv] = f32{list(k_pages.shape[:3])}")
+    return None
 
 
 @jax.jit
@@ -70,15 +92,13 @@ def ring_write_reference(k_pages, v_pages, k_new, v_new, slots, k_scale=None, v_
     """
     num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
     flat_shape = (num_pages * page_size, num_kv_heads, head_dim)
+    scales = ()
     if k_scale is not None:
-        (k_new, ks), (v_new, vs) = quantize_rows(k_new), quantize_rows(v_new)
+        k_new, v_new, scales = quantize_into(k_new, v_new, slots, k_scale, v_scale)
     drop = {"mode": "drop", "wrap_negative_indices": False}  # slots outside the pool are dropped, as the kernel does
     k_flat = k_pages.reshape(flat_shape).at[slots].set(to_pool_dtype(k_new, k_pages.dtype), **drop)
     v_flat = v_pages.reshape(flat_shape).at[slots].set(to_pool_dtype(v_new, v_pages.dtype), **drop)
-    pools = k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
-    if k_scale is None:
-        return pools
-    return (*pools, write_scales(k_scale, ks, slots), write_scales(v_scale, vs, slots))
+    return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape), *scales
 
 
 def _key_counts(pos, kv_end, num_phys_rows, *, window, causal):

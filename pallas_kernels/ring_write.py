@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from glint.pallas_kernels import tuning
-from glint.pallas_kernels.reference import quantize_rows, ring_write_reference, to_pool_dtype, write_scales
+from glint.pallas_kernels.reference import quantize_into, ring_write_reference, scales_error, to_pool_dtype
 
 __all__ = ["ring_write", "ring_write_reference"]
 
@@ -78,15 +78,8 @@ def _check_args(k_pages, v_pages, k_new, v_new, slots, k_scale, v_scale):
         fail("k_new's [Hkv, D] must match the pools'")
     if slots.shape != k_new.shape[:1] or slots.dtype != jnp.int32:
         fail("slots must be i32[T]")
-    if (k_scale is None) != (v_scale is None):
-        fail("give both k_scale and v_scale or neither")
-    if k_scale is not None:
-        if k_pages.dtype != jnp.float8_e4m3fn:
-            fail("k_scale and v_scale go with float8_e4m3fn pools")
-        f32 = jnp.dtype(jnp.float32)
-        if {k_scale.shape, v_scale.shape} != {k_pages.shape[:3]} or {k_scale.dtype, v_scale.dtype} != {f32}:
-            fail(f"k_scale {k_scale.shape} {k_scale.dtype} and v_scale {v_scale.shape} {v_scale.dtype} must be "
-                 f"f32[num_pages, page_size, Hkv]")
+    if error := scales_error(k_pages, k_scale, v_scale):
+        fail(error)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0, 1, 5, 6))
@@ -111,8 +104,7 @@ def ring_write(k_pages, v_pages, k_new, v_new, slots, k_scale=None, v_scale=None
     row_width = num_kv_heads * head_dim
     scales = ()
     if k_scale is not None:
-        (k_new, ks), (v_new, vs) = quantize_rows(k_new), quantize_rows(v_new)
-        scales = (write_scales(k_scale, ks, slots), write_scales(v_scale, vs, slots))
+        k_new, v_new, scales = quantize_into(k_new, v_new, slots, k_scale, v_scale)
     if num_rows == 0:
         return k_pages, v_pages, *scales
     flat = (num_pages * page_size, row_width)

@@ -22,7 +22,7 @@ import math
 import jax
 import jax.numpy as jnp
 from glint.pallas_kernels import segments, tuning, varlen_attention_mgpu
-from glint.pallas_kernels.reference import varlen_attention_reference
+from glint.pallas_kernels.reference import scales_error, varlen_attention_reference
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -370,15 +370,8 @@ def _check_args(q, k_pages, v_pages, page_table, seq_info, k_scale, v_scale, rin
     if q.dtype not in _SUPPORTED_DTYPES:
         fail(f"dtype must be one of {[str(t) for t in _SUPPORTED_DTYPES]}")
     _, page_size, num_kv_heads, head_dim = k_pages.shape
-    if (k_scale is None) != (v_scale is None):
-        fail("give both k_scale and v_scale or neither")
-    if k_scale is not None:
-        if k_pages.dtype != _FP8:
-            fail("k_scale and v_scale go with float8_e4m3fn pools")
-        for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if sc.shape != k_pages.shape[:3] or sc.dtype != jnp.float32:
-                fail(f"{name} {sc.shape} {sc.dtype} must be f32[num_pages, page_size, Hkv] = "
-                     f"f32{list(k_pages.shape[:3])}")
+    if error := scales_error(k_pages, k_scale, v_scale):
+        fail(error)
     if q.shape[2] != head_dim:
         fail(f"q head_dim {q.shape[2]} != pool head_dim {head_dim}")
     if q.shape[1] % num_kv_heads:
