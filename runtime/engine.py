@@ -493,7 +493,8 @@ class Engine:
     def _schedule(self) -> list[Entry]:
         entries = self.scheduler.schedule()
         stats, control = self.stats, self.control
-        while entries and not self.control.declare_step([e.req.seq for e in entries for _ in range(e.count)]):
+        while entries and not self.control.declare_step(np.repeat([e.req.seq for e in entries],
+                                                                  [e.count for e in entries])):
             if any(e.draft for e in entries):  # pages run out: drop the drafts before preempting anyone
                 for e in entries:
                     if e.draft:
@@ -527,8 +528,8 @@ class Engine:
     def _dispatch(self, entries: list[Entry]) -> InFlight:
         width = self.config.bucket_for(sum(e.count for e in entries))
         meta = self.control.prepare_step(width=width, num_segments=num_segments(width, self.config.max_seqs))
-        tokens, token_src, rows, sample_reqs, proposed, draft_rows = self._pack(entries, width)
-        next_tokens, lp, drafted = self._run(width, meta, tokens, token_src, rows, sample_reqs, draft_rows)
+        tokens, token_src, rows, samples, proposed, draft_rows = self._pack(entries, width)
+        next_tokens, lp, drafted = self._run(width, meta, tokens, token_src, rows, samples, draft_rows)
         self.control.commit_step()
         self.stats.steps_per_bucket[width] += 1
         sampled, row = [], 0
@@ -546,7 +547,7 @@ class Engine:
                 row += e.samples
         return InFlight(sampled, next_tokens, lp, proposed, drafted)
 
-    def _run(self, width: int, meta, tokens, token_src, rows, sample_reqs, draft_rows):
+    def _run(self, width: int, meta, tokens, token_src, rows, samples, draft_rows):
         """Launch the step's programs: page copies, drafting, the forward, and top-k/top-p or logprobs when
         asked. -> (tokens, logprobs, the device drafter's tokens or None)."""
         rows_out = self.config.max_sample_rows
@@ -560,9 +561,9 @@ class Engine:
             drafted, self.kv = self.runner.draft(width, self.params, self.kv, tokens, token_src, device_meta,
                                                  draft_rows)
             prev = drafted
-        params = [r.params for r, _, _ in sample_reqs]
-        sampler = SamplerInputs.from_params(params, [p for _, _, p in sample_reqs], rows=rows_out,
-                                            seeds=[s for _, s, _ in sample_reqs])
+        params, seeds, positions = samples
+        sampler = SamplerInputs.from_params(params, positions, rows=rows_out, seeds=seeds)
+        params = list({id(p): p for p in params}.values())  # a block's rows share their request's
         padded_rows = np.zeros(rows_out, np.int32)
         padded_rows[:len(rows)] = rows
         next_tokens, logits, self.kv = self.runner.forward(width, self.params, self.kv, tokens, token_src, prev,
@@ -573,10 +574,11 @@ class Engine:
         return next_tokens, lp, drafted
 
     def _pack(self, entries: list[Entry], width: int):
-        """Token ids (from the host, or `token_src` rows of the previous step's output), sampled rows as
-        (request, seed, position), the draft token each row verifies (None: no speculative block), and the step
-        row whose draft the device drafter puts in each output row (None: no device drafts)."""
-        chunks, rows, sample_reqs, start = [], [], [], 0
+        """Token ids (from the host, or `token_src` rows of the previous step's output), the sampled rows and
+        their (params, seed, position) lists, the draft token each row verifies (None: no speculative block), and
+        the step row whose draft the device drafter puts in each output row (None: no device drafts)."""
+        chunks, rows, start = [], [], 0
+        params, seeds, positions = samples = [], [], []
         rows_out = self.config.max_sample_rows
         proposed = np.full(rows_out, -1, np.int32) if any(e.draft for e in entries) else None
         draft_rows = np.zeros(rows_out, np.int32) if self._drafts_on_device and proposed is not None else None
@@ -584,25 +586,28 @@ class Engine:
             position = len(e.req.prompt) + len(e.req.generated)  # of the token its (first) row draws
             if e.draft:  # the last known token, then the draft; row i draws position + i and verifies draft[i]
                 r0, draft = len(rows), list(e.draft)
-                for j, t in enumerate(draft):
+                for j, t in enumerate(draft if draft_rows is not None else ()):
                     if t == spec.DRAFTED_ON_DEVICE:  # output row r0 + j drafts block token j + 1 (step row)
                         draft[j], draft_rows[r0 + j] = -(r0 + j) - 1, start + j + 1
                 chunks.append(e.req.token_slice(e.req.num_cached, 1) + draft)
                 proposed[r0:r0 + len(draft)] = e.draft
                 rows.extend(range(start, start + e.count))
-                sample_reqs.extend((e.req, e.req.seed, position + i) for i in range(e.count))
+                params += [e.req.params] * e.count
+                seeds += [e.req.seed] * e.count
+                positions.extend(range(position, position + e.count))
                 start += e.count
                 continue
             chunks.append(e.req.token_slice(e.req.num_cached, e.count))
             start += e.count
-            for i in range(e.samples):
-                rows.append(start - 1)
-                sample_reqs.append((e.req, self._child_seed(e.req, i), position))
+            rows += [start - 1] * e.samples
+            params += [e.req.params] * e.samples
+            seeds.extend(self._child_seed(e.req, i) for i in range(e.samples))
+            positions += [position] * e.samples
         ids = np.zeros(width, np.int32)
         ids[:start] = [t for chunk in chunks for t in chunk]
         tokens, token_src = np.maximum(ids, 0), np.where(ids < 0, -ids - 1, -1).astype(np.int32)
         token_src[start:] = -1
-        return tokens, token_src, rows, sample_reqs, proposed, draft_rows
+        return tokens, token_src, rows, samples, proposed, draft_rows
 
     def _postprocess(self, step: InFlight, next_tokens: np.ndarray, lp, proposed) -> None:
         """Apply a step's tokens (into `_undelivered`); resumable: a request already applied is skipped."""
@@ -623,7 +628,7 @@ class Engine:
                 self._spawn_child(s, i + 1, token, lps[i + 1], new)
                 s.num_spawned += 1
             s.req.generated[s.index] = drawn[0]
-            self._accept(s.req, drawn[0], s.index + 1, lps[0], new)
+            self._accept(s.req, drawn[:1], s.index + 1, lps[:1], new)
             s.is_applied = True
 
     def _commit_block(self, s: Sampled, next_tokens, lp, proposed, new: dict[int, list[int]]) -> None:
@@ -638,12 +643,10 @@ class Engine:
         req.acceptance_lengths.append(len(tokens))
         self.stats.spec_steps += 1
         self.stats.spec_tokens += len(tokens)
-        del req.generated[s.index:]  # the placeholder
-        for i, token in enumerate(tokens):
-            req.generated.append(token)
-            self._accept(req, token, s.index + 1 + i, self._row_logprobs(lp, s.row + i, k, token) if k else None, new)
-            if req.status is Status.FINISHED:
-                return
+        req.generated[s.index:] = tokens  # over the placeholder
+        lps = [self._row_logprobs(lp, s.row + i, k, t) if k else None for i, t in enumerate(tokens)]
+        n = self._accept(req, tokens, s.index + 1, lps, new)  # (a stop may replace req.generated)
+        del req.generated[s.index + n:]  # past a stop
 
     def _spawn_child(self, s: Sampled, i: int, token: int, lp, new: dict[int, list[int]]) -> None:
         """Completion i of an n > 1 request: a clone of the prompt's pages, with its own first token."""
@@ -659,20 +662,31 @@ class Engine:
         else:
             child.seq, child.num_cached, child.status = seq, s.num_cached, Status.RUNNING
             self.scheduler.running.append(child)
-        self._accept(child, token, s.index + 1, lp, new)
+        self._accept(child, [token], s.index + 1, [lp], new)
 
-    def _accept(self, req: Request, token: int, num_generated: int, lp, new: dict[int, list[int]]) -> None:
-        """Record a sampled token (the request's `num_generated`-th) and apply the stop rules."""
-        if lp is not None:
-            req.logprobs.append(lp)
-        if self._extend_keys(req, len(req.prompt) + num_generated) and req.status is Status.RUNNING:
+    def _accept(self, req: Request, tokens: list[int], num_generated: int, lps: list,
+                new: dict[int, list[int]]) -> int:
+        """Record sampled tokens (the first is the request's `num_generated`-th; `lps` their logprobs or Nones)
+        up to the first the stop rules end the request at; returns how many were recorded."""
+        params, reason = req.params, None
+        stops = params.stop_token_ids if params.ignore_eos else (*params.stop_token_ids, *self.model.eos_token_ids)
+        n = len(tokens)
+        for i, token in enumerate(tokens):
+            if token in stops:
+                n, reason = i + 1, "stop"
+                break
+        length = max(params.max_tokens - num_generated + 1, 1)  # tokens up to max_tokens
+        if length < n or length == n and reason is None:
+            n, reason = length, "length"
+        if params.logprobs:
+            req.logprobs += lps[:n]
+        if self._extend_keys(req, len(req.prompt) + num_generated + n - 1) and req.status is Status.RUNNING:
             self.control.cache_pages(req.seq, req.page_keys)
-        self.stats.generated_tokens += 1
-        new.setdefault(req.rid, []).append(token)
-        if token in req.params.stop_token_ids or (not req.params.ignore_eos and token in self.model.eos_token_ids):
-            self._finish(req, "stop")
-        elif num_generated >= req.params.max_tokens:
-            self._finish(req, "length")
+        self.stats.generated_tokens += n
+        new.setdefault(req.rid, []).extend(tokens[:n])
+        if reason is not None:
+            self._finish(req, reason)
+        return n
 
     def _extend_keys(self, req: Request, num_known: int) -> bool:
         """Prefix cache keys for the full pages of `req`'s first `num_known` tokens; whether any were added."""

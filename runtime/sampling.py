@@ -72,7 +72,7 @@ class SamplerInputs:
         if seeds is not None and len(seeds) != num_used:
             raise ValueError(f"got {len(seeds)} seeds for {num_used} requests")
         row_seeds = [p.seed for p in params_list] if seeds is None else list(seeds)
-        for i, params in enumerate(params_list):
+        for i, params in enumerate(params_list) if None in row_seeds else ():
             if row_seeds[i] is None:
                 if not params.is_greedy:
                     raise ValueError(
@@ -80,10 +80,10 @@ class SamplerInputs:
                         "seed: draw one for seed=None requests and pass it in seeds"
                     )
                 row_seeds[i] = 0
-            if not 0 <= row_seeds[i] < SEED_LIMIT:
-                raise ValueError(f"row {i}: seed must be in [0, 2**32), got {row_seeds[i]!r}")
-            if not 0 <= positions[i] < _POSITION_LIMIT:
-                raise ValueError(f"row {i}: position must be in [0, 2**31), got {positions[i]!r}")
+        for name, values, limit in (("seed", row_seeds, SEED_LIMIT), ("position", positions, _POSITION_LIMIT)):
+            if len(values) and not 0 <= min(values) <= max(values) < limit:  # the row named below, found only then
+                i = next(i for i, v in enumerate(values) if not 0 <= v < limit)
+                raise ValueError(f"row {i}: {name} must be in [0, 2**{limit.bit_length() - 1}), got {values[i]!r}")
 
         def column(values, dtype, pad):
             out = np.full(rows, pad, dtype)
@@ -91,7 +91,10 @@ class SamplerInputs:
             return out
 
         temperature = column([p.temperature for p in params_list], np.float32, 0.0)
-        top_k = column([min(p.top_k, _INT32_MAX) for p in params_list], np.int32, 0)
+        top_k = [p.top_k for p in params_list]
+        if top_k and max(top_k) > _INT32_MAX:  # as good as keeping every token
+            top_k = [min(k, _INT32_MAX) for k in top_k]
+        top_k = column(top_k, np.int32, 0)
         top_p = column([p.top_p for p in params_list], np.float32, 1.0)
         seed = column(row_seeds, np.uint32, 0)
         position = column(positions, np.int32, 0)

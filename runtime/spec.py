@@ -30,12 +30,9 @@ DRAFTED_ON_DEVICE = -2  # a proposal the device drafter makes in the step itself
 def committed(tokens: np.ndarray, proposed: np.ndarray, row: int, length: int) -> list[int]:
     """The tokens a block of `length` rows from `row` commits: each row's drawn token, up to and including the
     first row whose draw is not the proposal it verifies (`proposed[i]`, -1 for the block's last row)."""
-    out = []
-    for i in range(row, row + length):
-        out.append(int(tokens[i]))
-        if tokens[i] != proposed[i]:
-            break
-    return out
+    block = slice(row, row + length)
+    rejected = np.flatnonzero(tokens[block] != proposed[block])
+    return tokens[row:row + (rejected[0] + 1 if len(rejected) else length)].tolist()
 
 
 class NgramDrafter:
@@ -92,14 +89,20 @@ class OracleDrafter:
     def __init__(self, num_speculative_tokens: int, continuations: dict | None = None):
         self.num_speculative_tokens = num_speculative_tokens
         self.continuations: dict[tuple[int, ...], list[int]] = {}
+        self._known: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owner -> its continuation
         for prompt, tokens in (continuations or {}).items():
             self.record(prompt, tokens)
 
     def record(self, prompt: Sequence[int], continuation: Sequence[int]) -> None:
         self.continuations[tuple(int(t) for t in prompt)] = [int(t) for t in continuation]
+        self._known.clear()
 
     def propose(self, tokens: Sequence[int], prompt_len: int, k: int, owner=None) -> list[int]:
-        known = self.continuations.get(tuple(tokens[:prompt_len]))
+        known = self._known.get(owner) if owner is not None else None
+        if known is None:
+            known = self.continuations.get(tuple(tokens[:prompt_len]))
+            if owner is not None and known is not None:
+                self._known[owner] = known  # a request's prompt does not change: looked up once
         if known is None:
             return []
         done = len(tokens) - prompt_len
