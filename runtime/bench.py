@@ -121,8 +121,9 @@ class StepBench:
 
             jax.block_until_ready(run())
             device = _median_time(run, repeats)
-            control.abort_step()
         finally:
+            if control.has_pending_step:  # (raising: the step's own error, not seq_rm's about the pending step)
+                control.abort_step()
             for seq in seqs:
                 control.seq_rm(seq)
         # over N devices (tensor parallel) each reads its 1/N: the roofline is their summed bandwidth

@@ -48,6 +48,12 @@ class DeviceMeta:
         return cls(meta.positions, tuple(meta.slots), meta.seq_info, tuple(meta.page_tables))
 
 
+# Every array starts 256 bytes into the upload from the last such boundary: XLA hands a kernel its slice in place,
+# and a Mosaic GPU kernel under a command buffer refuses an input that is not 256-byte aligned (the H200 bench
+# failed so on the page table of some widths: "Input buffer 2 is not 256-byte aligned").
+SPAN_ALIGN = 64
+
+
 @dataclass(frozen=True)
 class StepLayout:
     """Where a step's host inputs sit in its one int32 upload: `pack` (NumPy, the host) concatenates them in a
@@ -88,6 +94,7 @@ class StepLayout:
             pieces = [(f"slots[{g}]", shape[1:]) for g in range(shape[0])] if name == "slots" else [(name, shape)]
             for piece, piece_shape in pieces:
                 n = int(np.prod(piece_shape))
+                start = -(-start // SPAN_ALIGN) * SPAN_ALIGN
                 spans.append((piece, start, start + n, piece_shape, dtype))
                 start += n
         return tuple(spans)

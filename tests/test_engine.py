@@ -312,6 +312,8 @@ def test_a_step_uploads_its_host_inputs_as_one_array():
     tokens, token_src, rows = ints(6), ints(6), ints(5)
     host = layout.pack(tokens, token_src, meta, rows, sampler)
     assert host.dtype == np.int32 and host.shape == (layout.size,)
+    starts = [start for _, start, _, _, _ in layout._spans]
+    assert all(4 * start % 256 == 0 for start in starts)  # Mosaic GPU kernels take 256-byte aligned inputs
     parts = jax.device_get(jax.jit(layout.unpack)(host))
     back = layout.meta(parts)
     for got, want in [(parts["tokens"], tokens), (parts["token_src"], token_src), (parts["rows"], rows),
