@@ -122,7 +122,7 @@ class StepBench:
             jax.block_until_ready(run())
             device = _median_time(run, repeats)
         finally:
-            if control.has_pending_step:  # (raising: the step's own error, not seq_rm's about the pending step)
+            if control.has_pending_step:  # so a failing step raises its own error, not seq_rm's about a pending step
                 control.abort_step()
             for seq in seqs:
                 control.seq_rm(seq)

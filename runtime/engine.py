@@ -320,7 +320,7 @@ class Engine:
         outs = []
         for r in self._completions(rid):
             tokens = r.known_tokens
-            outs.append(Completion(tokens, r.finish_reason, self._decode(tokens) if text else None,
+            outs.append(Completion(list(tokens), r.finish_reason, self._decode(tokens) if text else None,
                                    r.logprobs if r.params.logprobs else None,
                                    list(r.acceptance_lengths) if self.drafter is not None else None))
         return RequestOutput(rid, self._requests[rid].prompt, outs)
@@ -586,9 +586,10 @@ class Engine:
             position = len(e.req.prompt) + len(e.req.generated)  # of the token its (first) row draws
             if e.draft:  # the last known token, then the draft; row i draws position + i and verifies draft[i]
                 r0, draft = len(rows), list(e.draft)
-                for j, t in enumerate(draft if draft_rows is not None else ()):
-                    if t == spec.DRAFTED_ON_DEVICE:  # output row r0 + j drafts block token j + 1 (step row)
-                        draft[j], draft_rows[r0 + j] = -(r0 + j) - 1, start + j + 1
+                if draft_rows is not None:
+                    for j, t in enumerate(draft):
+                        if t == spec.DRAFTED_ON_DEVICE:  # output row r0 + j drafts block token j + 1 (step row)
+                            draft[j], draft_rows[r0 + j] = -(r0 + j) - 1, start + j + 1
                 chunks.append(e.req.token_slice(e.req.num_cached, 1) + draft)
                 proposed[r0:r0 + len(draft)] = e.draft
                 rows.extend(range(start, start + e.count))
@@ -643,10 +644,10 @@ class Engine:
         req.acceptance_lengths.append(len(tokens))
         self.stats.spec_steps += 1
         self.stats.spec_tokens += len(tokens)
+        tokens = tokens[:self._num_kept(req, tokens, s.index + 1)[0]]  # none past a stop
         req.generated[s.index:] = tokens  # over the placeholder
         lps = [self._row_logprobs(lp, s.row + i, k, t) if k else None for i, t in enumerate(tokens)]
-        n = self._accept(req, tokens, s.index + 1, lps, new)  # (a stop may replace req.generated)
-        del req.generated[s.index + n:]  # past a stop
+        self._accept(req, tokens, s.index + 1, lps, new)
 
     def _spawn_child(self, s: Sampled, i: int, token: int, lp, new: dict[int, list[int]]) -> None:
         """Completion i of an n > 1 request: a clone of the prompt's pages, with its own first token."""
@@ -664,20 +665,26 @@ class Engine:
             self.scheduler.running.append(child)
         self._accept(child, [token], s.index + 1, [lp], new)
 
-    def _accept(self, req: Request, tokens: list[int], num_generated: int, lps: list,
-                new: dict[int, list[int]]) -> int:
-        """Record sampled tokens (the first is the request's `num_generated`-th; `lps` their logprobs or Nones)
-        up to the first the stop rules end the request at; returns how many were recorded."""
-        params, reason = req.params, None
+    def _num_kept(self, req: Request, tokens: list[int], num_generated: int) -> tuple[int, str | None]:
+        """How many of `tokens` (the first is the request's `num_generated`-th) the request keeps, up to the first
+        the stop rules end it at, and the finish reason then (None: it goes on)."""
+        params, n, reason = req.params, len(tokens), None
         stops = params.stop_token_ids if params.ignore_eos else (*params.stop_token_ids, *self.model.eos_token_ids)
-        n = len(tokens)
         for i, token in enumerate(tokens):
             if token in stops:
                 n, reason = i + 1, "stop"
                 break
-        length = max(params.max_tokens - num_generated + 1, 1)  # tokens up to max_tokens
-        if length < n or length == n and reason is None:
-            n, reason = length, "length"
+        num_allowed = max(params.max_tokens - num_generated + 1, 1)  # tokens up to max_tokens
+        if num_allowed < n or (num_allowed == n and reason is None):
+            n, reason = num_allowed, "length"
+        return n, reason
+
+    def _accept(self, req: Request, tokens: list[int], num_generated: int, lps: list,
+                new: dict[int, list[int]]) -> None:
+        """Record sampled tokens (the first is the request's `num_generated`-th; `lps` their logprobs or Nones)
+        up to the first the stop rules end the request at (`_num_kept`), and finish it there."""
+        params = req.params
+        n, reason = self._num_kept(req, tokens, num_generated)
         if params.logprobs:
             req.logprobs += lps[:n]
         if self._extend_keys(req, len(req.prompt) + num_generated + n - 1) and req.status is Status.RUNNING:
@@ -686,7 +693,6 @@ class Engine:
         new.setdefault(req.rid, []).extend(tokens[:n])
         if reason is not None:
             self._finish(req, reason)
-        return n
 
     def _extend_keys(self, req: Request, num_known: int) -> bool:
         """Prefix cache keys for the full pages of `req`'s first `num_known` tokens; whether any were added."""

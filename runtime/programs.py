@@ -48,10 +48,10 @@ class DeviceMeta:
         return cls(meta.positions, tuple(meta.slots), meta.seq_info, tuple(meta.page_tables))
 
 
-# Every array starts 256 bytes into the upload from the last such boundary: XLA hands a kernel its slice in place,
-# and a Mosaic GPU kernel under a command buffer refuses an input that is not 256-byte aligned (the H200 bench
-# failed so on the page table of some widths: "Input buffer 2 is not 256-byte aligned").
-SPAN_ALIGN = 64
+# Every array of the upload starts at a multiple of 256 bytes: XLA hands a kernel its slice in place, and a Mosaic
+# GPU kernel under a command buffer refuses an input that is not 256-byte aligned (the H200 bench failed so on the
+# page table at some widths: "Input buffer 2 is not 256-byte aligned").
+SPAN_ALIGN = 256 // 4  # int32 elements
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class StepLayout:
                 ("top_p", (r,), f32), ("seed", (r,), u32), ("position", (r,), i32))
 
     @functools.cached_property
-    def _spans(self) -> tuple[tuple[str, int, int, tuple[int, ...], np.dtype], ...]:
+    def spans(self) -> tuple[tuple[str, int, int, tuple[int, ...], np.dtype], ...]:
         """(name, start, stop, shape, dtype) of every array `pack` writes and `unpack` reads, the slots one per
         layer group."""
         spans, start = [], 0
@@ -101,7 +101,7 @@ class StepLayout:
 
     @property
     def size(self) -> int:
-        return self._spans[-1][2]
+        return self.spans[-1][2]
 
     def pack(self, tokens, token_src, meta: DeviceMeta, rows, sampler=None, draft_rows=None) -> np.ndarray:
         """The host arrays of one step as one i32[size] (a missing sampler or draft_rows: zeros)."""
@@ -109,11 +109,11 @@ class StepLayout:
                   if sampler is not None else (None,) * 5)
         values = (tokens, token_src, meta.positions, *meta.slots, meta.seq_info, *meta.page_tables, rows, draft_rows,
                   *fields)
-        if len(values) != len(self._spans):
+        if len(values) != len(self.spans):
             raise ValueError(f"step inputs for {len(meta.slots)} slot and {len(meta.page_tables)} page-table groups; "
                              f"the width-{self.width} layout holds {len(self.pages)}")
         out = np.zeros(self.size, np.int32)
-        for (name, start, stop, shape, dtype), value in zip(self._spans, values):
+        for (name, start, stop, shape, dtype), value in zip(self.spans, values):
             if value is None:
                 continue
             value = np.asarray(value, dtype)
@@ -125,7 +125,7 @@ class StepLayout:
     def unpack(self, host) -> dict[str, jax.Array]:
         """The named arrays of `pack`'s output, back in their shapes and dtypes (inside a program)."""
         out = {}
-        for name, start, stop, shape, dtype in self._spans:
+        for name, start, stop, shape, dtype in self.spans:
             part = host[start:stop].reshape(shape)
             out[name] = part if dtype == np.int32 else jax.lax.bitcast_convert_type(part, dtype)
         return out

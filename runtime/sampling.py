@@ -72,17 +72,20 @@ class SamplerInputs:
         if seeds is not None and len(seeds) != num_used:
             raise ValueError(f"got {len(seeds)} seeds for {num_used} requests")
         row_seeds = [p.seed for p in params_list] if seeds is None else list(seeds)
-        for i, params in enumerate(params_list) if None in row_seeds else ():
-            if row_seeds[i] is None:
-                if not params.is_greedy:
-                    raise ValueError(
-                        f"row {i} samples (temperature={params.temperature}) but has no "
-                        "seed: draw one for seed=None requests and pass it in seeds"
-                    )
-                row_seeds[i] = 0
+        if None in row_seeds:
+            for i, params in enumerate(params_list):
+                if row_seeds[i] is None:
+                    if not params.is_greedy:
+                        raise ValueError(
+                            f"row {i} samples (temperature={params.temperature}) but has no "
+                            "seed: draw one for seed=None requests and pass it in seeds"
+                        )
+                    row_seeds[i] = 0
         for name, values, limit in (("seed", row_seeds, SEED_LIMIT), ("position", positions, _POSITION_LIMIT)):
-            if len(values) and not 0 <= min(values) <= max(values) < limit:  # the row named below, found only then
-                i = next(i for i, v in enumerate(values) if not 0 <= v < limit)
+            as_float = np.asarray(values, np.float64)  # one compare for all rows; NaN fails it too
+            bad = np.flatnonzero(~((as_float >= 0) & (as_float < limit)))
+            if len(bad):
+                i = int(bad[0])
                 raise ValueError(f"row {i}: {name} must be in [0, 2**{limit.bit_length() - 1}), got {values[i]!r}")
 
         def column(values, dtype, pad):

@@ -84,23 +84,25 @@ class NgramDrafter:
 
 class OracleDrafter:
     """Replays known continuations (e.g. a plain greedy run's output) of given prompts: the acceptance
-    ceiling, for benchmarks. A prompt it was not given gets no proposals."""
+    ceiling, for benchmarks. A prompt it was not given gets no proposals. Given an `owner` (the engine passes the
+    request, whose prompt does not change), the continuation is looked up once and kept with its owner until
+    `record` gives any prompt a new one."""
 
     def __init__(self, num_speculative_tokens: int, continuations: dict | None = None):
         self.num_speculative_tokens = num_speculative_tokens
-        self.continuations: dict[tuple[int, ...], list[int]] = {}
+        self._continuations: dict[tuple[int, ...], list[int]] = {}
         self._known: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owner -> its continuation
         for prompt, tokens in (continuations or {}).items():
             self.record(prompt, tokens)
 
     def record(self, prompt: Sequence[int], continuation: Sequence[int]) -> None:
-        self.continuations[tuple(int(t) for t in prompt)] = [int(t) for t in continuation]
+        self._continuations[tuple(int(t) for t in prompt)] = [int(t) for t in continuation]
         self._known.clear()
 
     def propose(self, tokens: Sequence[int], prompt_len: int, k: int, owner=None) -> list[int]:
         known = self._known.get(owner) if owner is not None else None
         if known is None:
-            known = self.continuations.get(tuple(tokens[:prompt_len]))
+            known = self._continuations.get(tuple(tokens[:prompt_len]))
             if owner is not None and known is not None:
                 self._known[owner] = known  # a request's prompt does not change: looked up once
         if known is None:

@@ -75,3 +75,23 @@ def test_quoting_prompt_repeats_one_passage():
     assert a != b
     with pytest.raises(ValueError, match="quote=0"):
         quoting_prompt(rng, 1000, 32, 0)
+
+
+def test_a_failing_timed_step_raises_its_own_error_and_leaves_the_engine_clean(monkeypatch):
+    """The step bench's cleanup aborts the step it declared before freeing its sequences, so the step's own
+    error is what reaches the caller (not the control's complaint about a pending step)."""
+    import pytest
+
+    from glint.runtime.bench import StepBench
+    from glint.runtime.engine import Engine
+
+    engine = Engine.from_pretrained("tiny", max_seqs=2, max_step_tokens=16, forward_sizes=(1, 2, 4, 8, 16),
+                                    capacity=64)
+
+    def fail(*args):
+        raise RuntimeError("the device refused the step")
+
+    monkeypatch.setattr(engine.runner, "forward", fail)
+    with pytest.raises(RuntimeError, match="the device refused the step"):
+        StepBench(engine, bandwidth=1e12).time_step(batch=2, context=8, q_len=1, repeats=1)
+    assert not engine.control.has_pending_step and engine.control.active_seqs() == []

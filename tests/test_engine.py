@@ -312,7 +312,7 @@ def test_a_step_uploads_its_host_inputs_as_one_array():
     tokens, token_src, rows = ints(6), ints(6), ints(5)
     host = layout.pack(tokens, token_src, meta, rows, sampler)
     assert host.dtype == np.int32 and host.shape == (layout.size,)
-    starts = [start for _, start, _, _, _ in layout._spans]
+    starts = [start for _, start, _, _, _ in layout.spans]
     assert all(4 * start % 256 == 0 for start in starts)  # Mosaic GPU kernels take 256-byte aligned inputs
     parts = jax.device_get(jax.jit(layout.unpack)(host))
     back = layout.meta(parts)
@@ -351,9 +351,10 @@ def test_the_exported_signature_lists_the_packed_inputs_in_layout_order():
     """An artifact's metadata tells callers without glint how to build the host array: the same parts, in the
     order StepLayout packs them."""
     from glint.export.exporter import SIGNATURES
-    from glint.runtime.programs import StepLayout
+    from glint.runtime.programs import SPAN_ALIGN, StepLayout
 
     text = SIGNATURES["forward_W"]["inputs"][2]
     names = [n if not n.startswith("page_table_") else "page_table" for n, _, _ in StepLayout(1, 1, 1, (2,)).parts]
     found = [text.index(f"{n} ") for n in names]
     assert found == sorted(found), names
+    assert f"a multiple of {SPAN_ALIGN} elements ({4 * SPAN_ALIGN} bytes" in text  # the alignment StepLayout packs with

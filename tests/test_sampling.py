@@ -129,6 +129,10 @@ def test_from_params_seeds_override_and_errors():
         SamplerInputs.from_params(params, [0, -1], rows=2, seeds=[1, 2])
     with pytest.raises(ValueError, match="4294967296"):
         SamplerInputs.from_params(params, [0, 1], rows=2, seeds=[1, 2**32])
+    with pytest.raises(ValueError, match="row 1: seed must be in .* got nan"):
+        SamplerInputs.from_params(params, [0, 1], rows=2, seeds=[1, float("nan")])
+    with pytest.raises(ValueError, match=r"row 2: position must be in \[0, 2\*\*31\), got np.int64\(2147483648\)"):
+        SamplerInputs.from_params(params * 2, np.array([0, 1, 2**31, -1]), rows=4, seeds=[1, 2, 3, 4])
 
 
 # --- greedy -------------------------------------------------------------------------

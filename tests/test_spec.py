@@ -436,10 +436,39 @@ def test_logprobs_and_stop_tokens_inside_blocks_match_plain_runs():
     for got, want in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs, strict=True):
         assert got.keys() == want.keys()
         np.testing.assert_allclose([got[t] for t in want], list(want.values()), rtol=1e-5, atol=1e-6)
-    stopped = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
-                                                       stop_token_ids=(stop,)))[0]
-    assert stopped.token_ids == cut.token_ids and stopped.finish_reason == cut.finish_reason == "stop"
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                    stop_token_ids=(stop,), logprobs=2))
+    held, streamed = [], []
+    while not engine.is_finished(rid):
+        held.append(engine.output(rid))
+        streamed += engine.step().get(rid, [])
+    stopped = engine.output(rid)
+    assert stopped.token_ids == cut.token_ids == streamed and stopped.finish_reason == cut.finish_reason == "stop"
+    assert any(len(h.token_ids) < len(cut.token_ids) for h in held)
+    for h in held:  # an output taken before the block that stopped is not changed by it
+        assert h.token_ids == cut.token_ids[:len(h.token_ids)]
+    assert len(stopped.outputs[0].logprobs) == len(cut.token_ids)
+    engine.release(rid)
     assert all(engine.control.pages_in_use(g) == 0 for g in range(engine.cache.num_groups))
+
+
+def test_committed_stops_at_the_first_rejected_row_of_its_block():
+    tokens, proposed = np.array([9, 4, 5, 6, 7, 8]), np.array([-1, 4, 5, 0, 7, -1])
+    assert committed(tokens, proposed, 1, 4) == [4, 5, 6]  # rows 1 and 2 drew their proposals, row 3 did not
+    assert committed(tokens, proposed, 4, 2) == [7, 8]  # every proposal accepted, then the last row's own token
+    assert committed(tokens, proposed, 0, 1) == [9]
+
+
+def test_oracle_record_replaces_a_continuation_a_request_already_looked_up():
+    class Request:  # an owner, as the engine passes one
+        pass
+
+    drafter, owner = OracleDrafter(3), Request()
+    drafter.record([1, 2], [5, 6, 7, 8])
+    assert drafter.propose([1, 2, 5], 2, 3, owner=owner) == [6, 7, 8]
+    drafter.record([1, 2], [5, 9, 9, 9])
+    assert drafter.propose([1, 2, 5], 2, 3, owner=owner) == [9, 9, 9]
+    assert drafter.propose([3, 5], 1, 3, owner=Request()) == []  # a prompt it was not given
 
 
 def test_exported_artifact_speculates_with_a_host_drafter(tmp_path):
