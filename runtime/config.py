@@ -11,12 +11,15 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "float8_e4m3fn": "float
 WINDOWED_PREFILL_CHUNK = 512  # the default max_prefill_chunk of models with sliding-window layers
 
 
+DEFAULT_FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine batches and where the KV cache lives.
 
-    `forward_sizes` are the narrow step widths; wider steps get power-of-two buckets up to
-    `max_step_tokens`. `capacity` is the most positions a sequence may hold (default: the model's
+    `forward_sizes` are the narrow step widths (default: DEFAULT_FORWARD_SIZES up to `max_step_tokens`); wider
+    steps get power-of-two buckets up to `max_step_tokens`. `capacity` is the most positions a sequence may hold (default: the model's
     context, capped at 32768; beyond the model's context only with `allow_long_context`). `num_pages`
     defaults to `memory_fraction` of free device memory.
     """
@@ -24,7 +27,7 @@ class EngineConfig:
     max_seqs: int = 64
     page_size: int = 16
     max_step_tokens: int = 4096
-    forward_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    forward_sizes: tuple[int, ...] | None = None
     max_sample_rows: int | None = None  # rows of logits a step returns; default max_seqs x speculative block
     min_prefill_chunk: int = 16
     # Most prompt tokens one sequence feeds per step. Sliding-window layers keep window + this - 1 rows per
@@ -55,7 +58,11 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be an int >= 0, got {k!r}")
         if self.max_sample_rows is None:  # every running sequence can sample (verify its whole block) in one step
             object.__setattr__(self, "max_sample_rows", self.max_seqs * (1 + k))
-        object.__setattr__(self, "forward_sizes", tuple(sorted(set(int(w) for w in self.forward_sizes))))
+        sizes = self.forward_sizes
+        if sizes is None:  # the defaults a smaller max_step_tokens leaves (a wrong one is refused below)
+            top = self.max_step_tokens if isinstance(self.max_step_tokens, int) else 0
+            sizes = [w for w in DEFAULT_FORWARD_SIZES if w <= top]
+        object.__setattr__(self, "forward_sizes", tuple(sorted(set(int(w) for w in sizes))))
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic must be a bool, got {self.deterministic!r}")
         if self.deterministic and self.forward_sizes:  # one width: the widest narrow one

@@ -146,7 +146,7 @@ def test_default_pool_size_is_stable_across_small_changes_in_free_memory():
 def test_bench_cold_start_three_ways(tmp_path, capsys):
     out = tmp_path / "cold.json"
     assert main(["bench", "tiny", "--cold-start", "--batch", "2", "--prompt-len", "300", "--gen-len", "16",
-                 "--max-step-tokens", "64", "--workdir", str(tmp_path), "--json", str(out)]) == 0
+                 "--max-step-tokens", "16", "--workdir", str(tmp_path), "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["cold_start"]
     assert [r["way"] for r in rows] == ["no cache", "warm cache", "exported artifact"]
     assert len({tuple(r["token_ids"]) for r in rows}) == 1 and len(rows[0]["token_ids"]) == 16

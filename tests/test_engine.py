@@ -278,6 +278,18 @@ def test_unschedulable_configurations_are_refused_up_front():
 
     with pytest.raises(ValueError, match="min_prefill_chunk 16 exceeds max_step_tokens 8"):
         EngineConfig(max_step_tokens=8, forward_sizes=(1, 2, 4, 8))
+    with pytest.raises(ValueError, match=r"forward_sizes \(1, 32\) exceed max_step_tokens 16"):
+        EngineConfig(max_step_tokens=16, forward_sizes=(1, 32))  # given ones are kept as given
+
+
+def test_default_forward_sizes_stop_at_max_step_tokens():
+    from glint.runtime.config import DEFAULT_FORWARD_SIZES, EngineConfig
+
+    assert EngineConfig().forward_sizes == DEFAULT_FORWARD_SIZES
+    small = EngineConfig(max_step_tokens=16)
+    assert small.forward_sizes == tuple(w for w in DEFAULT_FORWARD_SIZES if w <= 16)
+    assert small.buckets[-1] == 16 and all(w <= 16 for w in small.buckets)
+    assert EngineConfig(max_step_tokens=100).buckets[-1] == 100  # the widest step holds max_step_tokens
 
 
 def test_pallas_kernels_give_the_reference_tokens():
