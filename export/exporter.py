@@ -34,13 +34,15 @@ _CUSTOM_CALL = re.compile(r'stablehlo\.custom_call @([\w$.]+)|call_target_name =
 # artifact without glint. Every forward returns the selected rows' logits beside the tokens: a caller sampling
 # on the host reads those.
 SIGNATURES = {
-    "forward_W": {"inputs": ["params {dotted name: array}", "kv ((k per layer), (v per layer)), and with an fp8 "
-                             "cache ((k_scale per layer), (v_scale per layer)) after them",
-                             "host i32[N]: these, flattened, in this order, each starting at a multiple of 64 "
-                             "elements (256 bytes; zeros between; f32 and u32 as their bits): tokens i32[W], "
-                             "token_src i32[W] (>= 0: take prev_tokens[token_src]), positions i32[W], slots i32[G, W], seq_info i32[S, 4], page_table i32[S, P_g] for each "
-                             "group g, rows i32[R], draft_rows i32[R] (zeros), temperature f32[R], top_k i32[R], "
-                             "top_p f32[R], seed u32[R], position i32[R]",
+    "forward_W": {"inputs": ["params {dotted name: array}",
+                             ("kv ((k per layer), (v per layer)), and with an fp8 cache ((k_scale per layer), "
+                              "(v_scale per layer)) after them"),
+                             ("host i32[N]: these, flattened, in this order, each starting at a multiple of 64 "
+                              "elements (256 bytes; zeros between; f32 and u32 as their bits): tokens i32[W], "
+                              "token_src i32[W] (>= 0: take prev_tokens[token_src]), positions i32[W], slots i32[G, W], "
+                              "seq_info i32[S, 4], page_table i32[S, P_g] for each group g, rows i32[R], draft_rows "
+                              "i32[R] (zeros), temperature f32[R], top_k i32[R], top_p f32[R], seed u32[R], "
+                              "position i32[R]"),
                              "prev_tokens i32[R]"],
                   "outputs": ["tokens i32[R] (argmax, or drawn without top-k/top-p)", "logits f32[R, V]", "kv"],
                   "donated": ["kv"]},

@@ -299,7 +299,8 @@ def speculative(args, console: Console, oracle_passes: int = 10) -> dict:
                          fed_tokens=st.fed_tokens,
                          # a speculating engine reads each step before the next: host time adds to the step's
                          host_ms_per_step=1e3 * st.host_seconds / steps, wait_ms_per_step=1e3 * st.wait_seconds / steps,
-                         host_ms_per_step_by_phase={k: 1e3 * v / steps for k, v in sorted(st.host_phase_seconds.items())},
+                         host_ms_per_step_by_phase={k: 1e3 * v / steps
+                                                    for k, v in sorted(st.host_phase_seconds.items())},
                          same_as_plain=sum(o.token_ids == r.token_ids for o, r in zip(outs, ref)),
                          acceptance_per_pass=[s.mean_acceptance_length for _, _, s in timed["speculative"]],
                          steps_per_bucket=dict(sorted(st.steps_per_bucket.items()))))

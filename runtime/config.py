@@ -19,9 +19,9 @@ class EngineConfig:
     """How the engine batches and where the KV cache lives.
 
     `forward_sizes` are the narrow step widths (default: DEFAULT_FORWARD_SIZES up to `max_step_tokens`); wider
-    steps get power-of-two buckets up to `max_step_tokens`. `capacity` is the most positions a sequence may hold (default: the model's
-    context, capped at 32768; beyond the model's context only with `allow_long_context`). `num_pages`
-    defaults to `memory_fraction` of free device memory.
+    steps get power-of-two buckets up to `max_step_tokens`. `capacity` is the most positions a sequence may hold
+    (default: the model's context, capped at 32768; beyond the model's context only with `allow_long_context`).
+    `num_pages` defaults to `memory_fraction` of free device memory.
     """
 
     max_seqs: int = 64

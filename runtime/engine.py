@@ -644,10 +644,11 @@ class Engine:
         req.acceptance_lengths.append(len(tokens))
         self.stats.spec_steps += 1
         self.stats.spec_tokens += len(tokens)
-        tokens = tokens[:self._num_kept(req, tokens, s.index + 1)[0]]  # none past a stop
+        n, reason = self._num_kept(req, tokens, s.index + 1)
+        tokens = tokens[:n]  # none past a stop
         req.generated[s.index:] = tokens  # over the placeholder
         lps = [self._row_logprobs(lp, s.row + i, k, t) if k else None for i, t in enumerate(tokens)]
-        self._accept(req, tokens, s.index + 1, lps, new)
+        self._record(req, tokens, s.index + 1, lps, new, reason)
 
     def _spawn_child(self, s: Sampled, i: int, token: int, lp, new: dict[int, list[int]]) -> None:
         """Completion i of an n > 1 request: a clone of the prompt's pages, with its own first token."""
@@ -683,14 +684,18 @@ class Engine:
                 new: dict[int, list[int]]) -> None:
         """Record sampled tokens (the first is the request's `num_generated`-th; `lps` their logprobs or Nones)
         up to the first the stop rules end the request at (`_num_kept`), and finish it there."""
-        params = req.params
         n, reason = self._num_kept(req, tokens, num_generated)
-        if params.logprobs:
-            req.logprobs += lps[:n]
-        if self._extend_keys(req, len(req.prompt) + num_generated + n - 1) and req.status is Status.RUNNING:
+        self._record(req, tokens[:n], num_generated, lps[:n], new, reason)
+
+    def _record(self, req: Request, tokens: list[int], num_generated: int, lps: list, new: dict[int, list[int]],
+                reason: str | None) -> None:
+        """Record tokens the stop rules keep (`_num_kept`), then finish the request for `reason` if any."""
+        if req.params.logprobs:
+            req.logprobs += lps
+        if self._extend_keys(req, len(req.prompt) + num_generated + len(tokens) - 1) and req.status is Status.RUNNING:
             self.control.cache_pages(req.seq, req.page_keys)
-        self.stats.generated_tokens += n
-        new.setdefault(req.rid, []).extend(tokens[:n])
+        self.stats.generated_tokens += len(tokens)
+        new.setdefault(req.rid, []).extend(tokens)
         if reason is not None:
             self._finish(req, reason)
 

@@ -158,7 +158,8 @@ def _numpy_row_quantized(pages: np.ndarray):
 
 
 @pytest.mark.parametrize("name,path,magnitude,dtype",
-                         [(name, path, 0.003, None) for name in FP8_CASES for path in SPLITS] + [(FP8_CASES[0], "flash", 1.0, None), (FP8_CASES[0], "splitk", 1e-4, "float16")])
+                         [(name, path, 0.003, None) for name in FP8_CASES for path in SPLITS]
+                         + [(FP8_CASES[0], "flash", 1.0, None), (FP8_CASES[0], "splitk", 1e-4, "float16")])
 def test_kernel_reads_scaled_fp8_pools(name, path, magnitude, dtype, request):
     """A scaled fp8 cache (a float32 scale per row and head): the kernel matches the reference over the same
     pools, the reference matches the spec's NumPy loop over the dequantized pools, and the output stays within
