@@ -455,3 +455,47 @@ def test_kv_cache_dtype_choices():
     assert EngineConfig().kv_dtype("float32") == "float32"
     with pytest.raises(ValueError, match=r"kv_cache_dtype 'bfloat16' is not one of \('auto', 'fp8', 'float8_e4m3fn'\)"):
         EngineConfig(kv_cache_dtype="bfloat16")
+
+
+def test_mosaic_int8_matmul_plans_its_splits_from_the_shapes():
+    from glint.pallas_kernels import quant_matmul_mgpu as qm
+
+    blocks = qm.QuantBlocks(block_m=64, block_k=128, min_ctas=264)
+    for n, k in [(6144, 4096), (28672, 4096), (4096, 14336), (256, 128)]:
+        splits = qm.num_splits(n, k, blocks)
+        tiles, steps = n // blocks.cta_m, k // blocks.block_k
+        assert steps % splits == 0, (n, k, splits)
+        # the fewest splits that reach min_ctas, or every K step its own split
+        assert tiles * splits >= blocks.min_ctas or splits == steps, (n, k, splits)
+        assert splits == 1 or tiles * max(d for d in range(1, splits) if steps % d == 0) < blocks.min_ctas
+    assert qm.supports(64, 256, 128, jnp.bfloat16) and not qm.supports(65, 256, 128, jnp.bfloat16)
+    assert not qm.supports(8, 192, 128, jnp.bfloat16) and not qm.supports(8, 256, 128, jnp.float32)
+    with pytest.raises(ValueError, match=r"x float32\[2, 128\] against q \[256, 128\] is not covered"):
+        qm.int8_matmul_t(jnp.zeros((2, 128)), jnp.zeros((256, 128), jnp.int8), jnp.ones((256,)))
+    with pytest.raises(ValueError, match=r"q int8 \[N, K\], scale \[N\] expected, got x \(2, 128\), q int8\[256, 64\]"):
+        qm.int8_matmul_t(jnp.zeros((2, 128), jnp.bfloat16), jnp.zeros((256, 64), jnp.int8), jnp.ones((256,)))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
+@pytest.mark.parametrize("m", [1, 5, 8, 33, 64])
+@pytest.mark.parametrize("block_m,stages", [(64, 3), (128, 2)])
+def test_mosaic_int8_matmul_matches_the_float64_product(m, block_m, stages):
+    from glint.pallas_kernels import quant_matmul_mgpu as qm
+    from glint.pallas_kernels.varlen_attention_mgpu import is_hopper
+
+    if not is_hopper():
+        pytest.skip("needs a Hopper GPU (compute capability 9.0)")
+    k, n = 768, 512
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+    q, scale = reference_int8(rng.standard_normal((k, n)).astype(np.float32))
+    want = x.astype(np.float64) @ (q.astype(np.float64) * scale)
+    # K split in two ranges of three pipeline steps each (min_ctas twice the N tiles)
+    blocks = qm.QuantBlocks(block_m=block_m, block_k=128, stages=stages, min_ctas=2 * n // (2 * block_m))
+    assert qm.num_splits(n, k, blocks) == 2
+    got = qm.int8_matmul_t(jnp.asarray(x), jnp.asarray(q.T), jnp.asarray(scale), blocks=blocks)
+    # float32 accumulation, one bfloat16 rounding of the result
+    err = np.abs(np.asarray(got, np.float64) - want)
+    bound = 2 ** -8 * np.abs(want) + k * np.finfo(np.float32).eps * (np.abs(x.astype(np.float64)) @ np.abs(
+        q.astype(np.float64) * scale)) + 1e-6
+    assert np.all(err <= bound), (err.max(), err[err > bound][:4], bound[err > bound][:4])

@@ -4,7 +4,8 @@ the plain bf16 dot. Each is checked against its reference, then timed as % of 4.
 (weights + scales), two ways: chained inside one jit (a loop over enough distinct weight copies that they do not
 fit in L2) and as separate calls.
 
-  python tools/gpu_quant_kernels.py [--quick] [--shapes gate_up,down] [--ways "xla int4,bf16 dot"]
+  python tools/gpu_quant_kernels.py [--quick] [--shapes gate_up,down] [--ways "xla int4,bf16 dot,mosaic"]
+  (--ways: name prefixes)
 """
 import functools
 import statistics
@@ -18,12 +19,16 @@ from jax import lax
 
 from glint.model import quant
 from glint.pallas_kernels.int8_matmul import Int8Blocks, int8_matmul, int8_matmul_reference
+from glint.pallas_kernels.quant_matmul_mgpu import QuantBlocks, int8_matmul_t
 
 PEAK = 4.3e12
 SHAPES = [(4096, 6144, "wqkv"), (4096, 4096, "wo"), (4096, 28672, "gate_up"), (14336, 4096, "down")]
 ROWS = [1, 8, 64]
 # The best two of 10 configs on 2026-12-01 (docs/perf.md); wider tiles and a gemv way (no dot) were slower.
 CONFIGS = [Int8Blocks(128, 128, 4, loads="block"), Int8Blocks(128, 128, 4)]
+# The Mosaic GPU int8 kernel (weights stored [N, K], A operand in registers): block_m, block_k, stages, min_ctas.
+MOSAIC = [QuantBlocks(64, 128, 4, 132), QuantBlocks(64, 128, 4, 132, probe=True), QuantBlocks(64, 128, 4, 264),
+          QuantBlocks(64, 256, 4, 132), QuantBlocks(128, 128, 4, 132)]
 REPS = 20
 
 
@@ -79,8 +84,9 @@ def main(quick: bool, shapes: set[str] | None = None, only: set[str] | None = No
 
         int8_bytes, int4_bytes = k * n + 4 * n, k * n // 2 + 2 * n * -(-k // quant.DEFAULT_GROUP)
         qs, q4s, q8s = copies(q, int8_bytes), copies(q4, int4_bytes), copies(q8, int8_bytes)
+        qts = [a.T for a in qs] if not only or any(w.startswith("mosaic") for w in only) else []
         bf = copies(w, 2 * k * n)[:4]
-        for m in ROWS:
+        for m in sorted(int(r) for r in _option("--rows") or ROWS):
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
             want = np.asarray(int8_matmul_reference(x, q, s), np.float32)
             want4 = np.asarray(quant.int4_matmul(x.astype(jnp.float32), q4, s4, quant.DEFAULT_GROUP))
@@ -93,8 +99,12 @@ def main(quick: bool, shapes: set[str] | None = None, only: set[str] | None = No
             for c in configs:
                 ways[f"pallas {c.loads} n{c.block_n} k{c.block_k} w{c.num_warps}"] = (
                     lambda x, q, s, c=c: int8_matmul(x, q, s, blocks=c), qs, [s] * len(qs), int8_bytes, want)
+            for c in MOSAIC:
+                name = f"mosaic int8 m{c.block_m} k{c.block_k} st{c.stages} c{c.min_ctas}{' probe' * c.probe}"
+                ways[name] = (lambda x, q, s, c=c: int8_matmul_t(x, q, s, blocks=c), qts, [s] * len(qts),
+                              int8_bytes, None if c.probe else want)
             for way, (fn, ws, scales, nbytes, ref) in ways.items():
-                if only and way not in only:
+                if only and not any(way.startswith(o) for o in only):
                     continue
                 try:
                     got = np.asarray(fn(x, ws[0], scales[0]), np.float32)
@@ -115,9 +125,9 @@ def main(quick: bool, shapes: set[str] | None = None, only: set[str] | None = No
         print(f"{name} | {k} x {n} | {m} | {way} | {tc:.1f} | {pc:.0f} | {ts:.1f} | {ps:.0f}")
     best = {}
     for name, k, n, m, way, tc, pc, ts, ps in rows:
-        if way.startswith("pallas") and pc > best.get((name, m), ("", 0))[1]:
+        if way.startswith(("pallas", "mosaic")) and pc > best.get((name, m), ("", 0))[1]:
             best[name, m] = (way, pc)
-    print("best pallas config per shape and M (chained):", best)
+    print("best kernel config per shape and M (chained):", best)
 
 
 def _option(name: str) -> set[str] | None:
