@@ -21,7 +21,7 @@ from glint.export.checkpoint import SIDE_FILES
 from glint.runtime import executables
 from glint.runtime.artifact import FORMAT, FORMAT_VERSION, METADATA, PARAMS_DIR, PROGRAM_ABI, platform_name
 from glint.runtime.params import MAX_LOGPROBS
-from glint.runtime.programs import COPY_ROWS
+from glint.runtime.programs import COPY_ROWS, TABLE_ROWS
 
 # The Pallas Triton custom call is not among jax.export's stable targets (Mosaic GPU's is): we export it
 # knowingly, and the artifact pins the jax/jaxlib versions that load it.
@@ -37,22 +37,30 @@ SIGNATURES = {
     "forward_W": {"inputs": ["params {dotted name: array}",
                              ("kv ((k per layer), (v per layer)), and with an fp8 cache ((k_scale per layer), "
                               "(v_scale per layer)) after them"),
+                             ("tables: per group g the page table i32[max_seqs, P_g] (row s: sequence s's pages; "
+                              "kv_init gives them zeroed, each forward returns them updated)"),
                              ("host i32[N]: these, flattened, in this order, each starting at a multiple of 64 "
                               "elements (256 bytes; zeros between; f32 and u32 as their bits): tokens i32[W], "
                               "token_src i32[W] (>= 0: take prev_tokens[token_src]), positions i32[W], slots i32[G, W], "
-                              "seq_info i32[S, 4], page_table i32[S, P_g] for each group g, rows i32[R], draft_rows "
+                              "seq_info i32[S, 4] (q_start, q_len, sequence, kv_end), table_changes i32[C_W, 3] (sequence, "
+                              "page index, page; each (sequence, index) once; pads name sequence max_seqs) for each "
+                              "group g, rows i32[R], draft_rows "
                               "i32[R] (zeros), temperature f32[R], top_k i32[R], top_p f32[R], seed u32[R], "
                               "position i32[R]"),
                              "prev_tokens i32[R]"],
-                  "outputs": ["tokens i32[R] (argmax, or drawn without top-k/top-p)", "logits f32[R, V]", "kv"],
-                  "donated": ["kv"]},
+                  "outputs": ["tokens i32[R] (argmax, or drawn without top-k/top-p)", "logits f32[R, V]", "kv",
+                              "tables (the changes applied)"],
+                  "donated": ["kv", "tables"]},
     "sample": {"inputs": ["logits f32[R, V]", "sampler"], "outputs": ["tokens i32[R] (top-k/top-p applied)"]},
     "sample_argmax": {"inputs": ["logits f32[R, V]"], "outputs": ["tokens i32[R]"]},
     "logprobs": {"inputs": ["logits f32[R, V]", "tokens i32[R]"],
                  "outputs": ["chosen f32[R]", f"top f32[R, {MAX_LOGPROBS}]", f"top_ids i32[R, {MAX_LOGPROBS}]"]},
     "copy": {"inputs": ["kv", f"per group (src, dst) page pairs i32[{COPY_ROWS}, 2] ((0, 0) pads)"], "outputs": ["kv"],
              "donated": ["kv"]},
-    "kv_init": {"inputs": [], "outputs": ["kv, zeroed"]},
+    "tables": {"inputs": ["tables", (f"per group (sequence, page index, page) i32[{TABLE_ROWS}, 3] (pads: "
+                                     "sequence max_seqs)")],
+               "outputs": ["tables"], "donated": ["tables"]},
+    "kv_init": {"inputs": [], "outputs": ["kv, zeroed", "tables, zeroed"]},
 }
 
 

@@ -9,7 +9,12 @@ refcounts; entry 0 means "no page" (page 0 is the scratch page for padding).
 Step protocol: `declare_step` reserves pages and applies the step's page-table
 changes at once, recording them in an undo log; `prepare_step` builds the device
 metadata; `commit_step` makes the positions permanent, `abort_step` replays the
-undo log backwards. While a step is pending, its sequences may not be cloned,
+undo log backwards.
+
+The device keeps its own copy of the page tables, and a step carries only the entries set since
+the last step (`StepMetadata.table_changes`). Entries cleared on the host (a removed, rewound or
+aborted sequence's) are not sent: the kernels read a sequence's pages only below its kv_end,
+where every entry was set and sent, and a stale entry elsewhere still names a valid page. While a step is pending, its sequences may not be cloned,
 removed or rewound (ValueError): commit or abort first. A page a step copies
 away from keeps its writer's reference until commit, so outside a pending step
 every refcount equals the number of page-table entries naming the page.
@@ -41,8 +46,10 @@ class StepMetadata(NamedTuple):
     slots: per group, i32[T] flat row `page * page_size + offset` to write
       (pads land in scratch page 0).
     seq_info: i32[S, 4] = (q_start, q_len, seq_slot, kv_end) per segment, in order
-      of first token; seq_slot = s indexes `page_tables`; pad segments all 0.
-    page_tables: per group, i32[S, pages_per_seq] page-table row of segment s.
+      of first token; seq_slot = the sequence id, its row of the page tables; pad segments all 0.
+    table_changes: per group, i32[n, 3] (seq, page index, page): the page-table entries set since
+      the last committed step, each (seq, index) once (its latest page), to apply to the device's
+      copy of the tables before this step reads them.
     copies: per group, i32[n, 2] (src_page, dst_page) copy-on-write copies to
       apply to every layer of the group BEFORE this step's writes.
     token_seq: i32[T] sequence id per token, -1 for pads.
@@ -52,7 +59,7 @@ class StepMetadata(NamedTuple):
     positions: np.ndarray
     slots: tuple[np.ndarray, ...]
     seq_info: np.ndarray
-    page_tables: tuple[np.ndarray, ...]
+    table_changes: tuple[np.ndarray, ...]
     copies: tuple[np.ndarray, ...]
     token_seq: np.ndarray
     num_tokens: int
@@ -71,6 +78,7 @@ class _Step:
     # old_page 0 = growth, else a copy-on-write source whose reference the
     # sequence keeps until commit.
     changes: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+    sent: int = 0  # table entries logged when prepare_step ran: the ones its metadata carries
 
 
 class BatchControl:
@@ -104,6 +112,8 @@ class BatchControl:
         self._pos = np.zeros(cfg.max_seqs, np.int64)
         self._hw = np.zeros(cfg.max_seqs, np.int64)
         self._step: _Step | None = None
+        # Page-table entries set since the device last got them, in order: (group, i64[n, 3] (seq, index, page)).
+        self._unsent: list[tuple[int, np.ndarray]] = []
 
     # ---- queries ----------------------------------------------------------
 
@@ -196,7 +206,7 @@ class BatchControl:
         num_pages = min(len(run) for run in runs) if runs else 0
         for g, run in enumerate(runs):
             pages = np.array(run[:num_pages], np.int64)
-            self._tables[g][seq, :num_pages] = pages
+            self._set_entries(g, np.full(num_pages, seq), np.arange(num_pages), pages)
             self._refcounts[g][pages] += 1
             for page in pages[self._refcounts[g][pages] == 1].tolist():
                 self._index[g].acquire(page)
@@ -246,8 +256,9 @@ class BatchControl:
             if self._ring_rows[g] is None:
                 row = row[: -(-upto // self._page_size)]
             # Ring groups share every stored row: the window ends anywhere in the ring.
-            pages = row[row > 0]
-            self._tables[g][seq, : len(row)] = row
+            index = np.flatnonzero(row)
+            pages = row[index]
+            self._set_entries(g, np.full(len(index), seq), index, pages)
             self._refcounts[g][pages] += 1  # pages within a row are distinct
         self._pos[seq] = upto
         self._hw[seq] = self._hw[src]
@@ -326,7 +337,7 @@ class BatchControl:
             seqs, index, old = seqs[need], index[need], pages[need]
             new = self._take_pages(g, len(old))
             self._refcounts[g][new] = 1
-            self._tables[g][seqs, index] = new
+            self._set_entries(g, seqs, index, new)
             changes.append((seqs, index, new, old))
         self._step = _Step(ids, token_pos, seg_seq, seg_start, seg_len, changes)
         return True
@@ -354,16 +365,14 @@ class BatchControl:
         token_seq[:num_tokens] = step.seq_ids
         # Pads write to distinct rows of the scratch page while width allows.
         pad_slots = np.arange(width - num_tokens, dtype=np.int32) % cfg.page_size
-        slots, page_tables, copies = [], [], []
+        slots, copies = [], []
+        step.sent = len(self._unsent)
         for g in range(self._num_groups):
             table = self._tables[g]
             ring_rows = self._ring_rows[g]
             rows = step.token_pos if ring_rows is None else step.token_pos % ring_rows
             pages = table[step.seq_ids, rows // cfg.page_size]
             slots.append(np.concatenate([pages * cfg.page_size + rows % cfg.page_size, pad_slots]).astype(np.int32))
-            seg_table = np.zeros((num_segments, table.shape[1]), np.int32)
-            seg_table[:num_seqs] = table[step.seg_seq]
-            page_tables.append(seg_table)
             _, _, new, old = step.changes[g]
             is_copy = old > 0
             copies.append(np.stack([old[is_copy], new[is_copy]], axis=1).astype(np.int32))
@@ -371,15 +380,39 @@ class BatchControl:
         seq_info = np.zeros((num_segments, 4), np.int32)
         seq_info[:num_seqs, 0] = step.seg_start
         seq_info[:num_seqs, 1] = step.seg_len
-        seq_info[:num_seqs, 2] = np.arange(num_seqs)
+        seq_info[:num_seqs, 2] = step.seg_seq
         seq_info[:num_seqs, 3] = self._pos[step.seg_seq] + step.seg_len
         return StepMetadata(
-            positions, tuple(slots), seq_info, tuple(page_tables), tuple(copies), token_seq, num_tokens
+            positions, tuple(slots), seq_info, self.table_changes(), tuple(copies), token_seq, num_tokens
         )
 
+    def table_changes(self) -> tuple[np.ndarray, ...]:
+        """Per group i32[n, 3] (seq, page index, page): the entries set and not yet sent to the device, each
+        (seq, index) once with its latest page, in (seq, index) order."""
+        out = []
+        for g in range(self._num_groups):
+            logged = [entries for group, entries in self._unsent if group == g]
+            if not logged:
+                out.append(np.zeros((0, 3), np.int32))
+                continue
+            entries = np.concatenate(logged)
+            keys = entries[::-1, 0] * self._tables[g].shape[1] + entries[::-1, 1]
+            _, last = np.unique(keys, return_index=True)  # the first of the reversed log: the latest write
+            out.append(entries[::-1][last].astype(np.int32))
+        return tuple(out)
+
+    def resend_tables(self) -> None:
+        """Log every nonzero entry again, so the next step sends the whole tables (after the device's copy
+        may have missed changes: a step that failed after its metadata was taken)."""
+        for g, table in enumerate(self._tables):
+            seqs, index = np.nonzero(table)
+            self._set_entries(g, seqs, index, table[seqs, index], store=False)
+
     def commit_step(self) -> None:
-        """Make the pending step's positions permanent (after the device ran it)."""
+        """Make the pending step's positions permanent (after the device ran it, with the table changes its
+        prepared metadata carried: those are no longer pending)."""
         step = self._require_step("commit_step")
+        del self._unsent[:step.sent]
         for g, (_, _, _, old) in enumerate(step.changes):
             old = old[old > 0]
             if len(old):
@@ -402,6 +435,8 @@ class BatchControl:
         step = self._require_step("abort_step")
         for g, (seqs, index, new, old) in enumerate(step.changes):
             self._tables[g][seqs, index] = old
+            copied = old > 0  # the device may hold the new page already: name the old one again
+            self._set_entries(g, seqs[copied], index[copied], old[copied], store=False)
             self._refcounts[g][new] = 0
             self._free_pages[g].extend(new[::-1].tolist())  # back in the order declare took them (evicted ones too)
         if self._has_ring:
@@ -500,6 +535,13 @@ class BatchControl:
         """Pages whose last reference went: cached ones become evictable (in this order), the rest free."""
         index = self._index[group]
         self._free_pages[group].extend(p for p in pages.tolist() if not index.release(p))
+
+    def _set_entries(self, group: int, seqs, index, pages, store: bool = True) -> None:
+        """Set (store=False: only log) page-table entries, logged for the device's copy."""
+        if store:
+            self._tables[group][seqs, index] = pages
+        if len(pages):
+            self._unsent.append((group, np.stack([seqs, index, pages], axis=1).astype(np.int64)))
 
     def _release_pages(self, group: int, seq: int, keep: int) -> None:
         """Drop `seq`'s references to its pages at indices >= keep (the last page first: evicted first)."""

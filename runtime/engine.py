@@ -447,6 +447,9 @@ class Engine:
             except BaseException:  # whatever failed before the commit, the declared step is undone
                 if self.control.has_pending_step:
                     self.control.abort_step()
+                    # the device may have taken table changes of the step (or a `tables` call) before the failure
+                    # or not: the next step sends the whole tables
+                    self.control.resend_tables()
                 raise
             if self.drafter is None:
                 self._unread, self._inflight = self._inflight, dispatched

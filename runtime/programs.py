@@ -1,8 +1,8 @@
 """The engine's device programs, whoever built them: the live model (jit) or an exported artifact.
 
 A `ProgramSet` is a table of named programs, each a jitted function with the abstract arguments it is
-compiled for: `forward_{W}` for every step width W, `sample` (top-k / top-p draws), `logprobs` and
-`copy` (copy-on-write pages). Each compiles once: `compile_all` lowers them one by one (decode widths
+compiled for: `forward_{W}` for every step width W, `sample` (top-k / top-p draws), `logprobs`,
+`copy` (copy-on-write pages) and `tables` (page-table entries past what a step's upload carries). Each compiles once: `compile_all` lowers them one by one (decode widths
 first) and compiles in parallel threads; a program not yet compiled compiles on first use.
 
 Arguments cross the program boundary as plain tuples and a flat `{"dotted.name": array}` parameter dict,
@@ -21,31 +21,42 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from glint.kvcache import CacheConfig, KVState, StepMetadata
 from glint.runtime import executables
 
 COPY_ROWS = 64  # page copies per `copy` call; a step needing more runs it again
-# Arguments a program donates (the KV state), so XLA updates it in place: the live jit and the exported call.
-FORWARD_DONATE_ARGNUMS, COPY_DONATE_ARGNUMS = (1,), (0,)
-RUNTIME_PROGRAMS = ("sample", "logprobs", "copy")  # besides one forward per width, what an engine runs
+TABLE_ROWS = 1024  # page-table entries per `tables` call (per group)
+# Arguments a program donates (the KV state and the page tables), so XLA updates them in place: the live jit and
+# the exported call.
+FORWARD_DONATE_ARGNUMS, DRAFT_DONATE_ARGNUMS, COPY_DONATE_ARGNUMS, TABLES_DONATE_ARGNUMS = (1, 2), (1,), (0,), (0,)
+RUNTIME_PROGRAMS = ("sample", "logprobs", "copy", "tables")  # besides one forward per width, what an engine runs
 START_PROGRAMS = ("kv_init",)  # run once, when an engine starts
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class DeviceMeta:
-    """The int32 metadata of one step, as the jitted function sees it."""
+    """The int32 metadata of one step: on the host, what the step uploads (`table_changes`, no tables); inside
+    the program, what the layers read (`page_tables`: the device's tables with the changes applied)."""
 
     positions: jax.Array  # i32[W]
     slots: tuple[jax.Array, ...]  # per layer group, i32[W]
-    seq_info: jax.Array  # i32[S, 4]
-    page_tables: tuple[jax.Array, ...]  # per layer group, i32[S, P_g]
+    seq_info: jax.Array  # i32[S, 4]; column 2: the sequence id, its row of the page tables
+    page_tables: tuple[jax.Array, ...] = ()  # per layer group, i32[max_seqs, P_g] (inside the program)
+    table_changes: tuple[jax.Array, ...] = ()  # per layer group, i32[n, 3] (seq, index, page) (on the host)
 
     @classmethod
     def from_host(cls, meta: StepMetadata) -> DeviceMeta:
-        return cls(meta.positions, tuple(meta.slots), meta.seq_info, tuple(meta.page_tables))
+        return cls(meta.positions, tuple(meta.slots), meta.seq_info, table_changes=tuple(meta.table_changes))
+
+
+def apply_table_changes(tables: tuple, changes: tuple) -> tuple:
+    """Per group, the page table i32[max_seqs, P] with the changes i32[n, 3] (seq, index, page) set; pad rows name
+    a sequence past the table (dropped). Each (seq, index) appears at most once (the host dedupes)."""
+    return tuple(jnp.asarray(t).at[c[:, 0], c[:, 1]].set(c[:, 2], mode="drop") for t, c in zip(tables, changes))
 
 
 # Every array of the upload starts at a multiple of 256 bytes: XLA hands a kernel its slice in place, and a Mosaic
@@ -60,28 +71,31 @@ class StepLayout:
     fixed order, `unpack` (inside the program) slices them out again. The layout is fixed per step width, so a
     step costs one host-to-device copy instead of a dozen; floats and uint32 seeds travel as their bits.
 
-    Per token row (width W): tokens, token_src, positions, slots [G, W]; per segment (S): seq_info [S, 4] and
-    each layer group's page table [S, P_g]; per sampled row (R): rows, draft_rows (the DFlash drafting
-    program's output rows), then the sampler's temperature, top_k, top_p, seed and position.
+    Per token row (width W): tokens, token_src, positions, slots [G, W]; per segment (S): seq_info [S, 4]; per
+    layer group, up to `changes` page-table entries set since the last step, table_changes_g [changes, 3]
+    (seq, index, page; pads name sequence `max_seqs`, past the table); per sampled row (R): rows, draft_rows (the
+    DFlash drafting program's output rows), then the sampler's temperature, top_k, top_p, seed and position.
     """
 
     width: int
     segments: int
     rows: int
-    pages: tuple[int, ...]  # page-table width of each layer group
+    groups: int  # layer groups (each its page table)
+    changes: int  # page-table entries per group the upload carries (`Runner.forward` sends more separately)
+    max_seqs: int  # a pad change names this sequence (out of the tables: dropped)
 
     @classmethod
     def of(cls, width: int, cache: CacheConfig, max_seqs: int, rows: int) -> StepLayout:
-        return cls(width, num_segments(width, max_seqs), rows,
-                   tuple(cache.group_pages_per_seq(g) for g in range(cache.num_groups)))
+        segments = num_segments(width, max_seqs)
+        return cls(width, segments, rows, cache.num_groups, step_changes(width, segments, cache.page_size), max_seqs)
 
     @property
     def parts(self) -> tuple[tuple[str, tuple[int, ...], np.dtype], ...]:
         w, s, r = self.width, self.segments, self.rows
         i32, f32, u32 = np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.uint32)
         return (("tokens", (w,), i32), ("token_src", (w,), i32), ("positions", (w,), i32),
-                ("slots", (len(self.pages), w), i32), ("seq_info", (s, 4), i32),
-                *((f"page_table_{g}", (s, p), i32) for g, p in enumerate(self.pages)),
+                ("slots", (self.groups, w), i32), ("seq_info", (s, 4), i32),
+                *((f"table_changes_{g}", (self.changes, 3), i32) for g in range(self.groups)),
                 ("rows", (r,), i32), ("draft_rows", (r,), i32), ("temperature", (r,), f32), ("top_k", (r,), i32),
                 ("top_p", (r,), f32), ("seed", (r,), u32), ("position", (r,), i32))
 
@@ -104,14 +118,23 @@ class StepLayout:
         return self.spans[-1][2]
 
     def pack(self, tokens, token_src, meta: DeviceMeta, rows, sampler=None, draft_rows=None) -> np.ndarray:
-        """The host arrays of one step as one i32[size] (a missing sampler or draft_rows: zeros)."""
+        """The host arrays of one step as one i32[size] (a missing sampler or draft_rows: zeros); each group's
+        table changes (at most `changes`) padded with entries past the tables."""
         fields = ((sampler.temperature, sampler.top_k, sampler.top_p, sampler.seed, sampler.position)
                   if sampler is not None else (None,) * 5)
-        values = (tokens, token_src, meta.positions, *meta.slots, meta.seq_info, *meta.page_tables, rows, draft_rows,
-                  *fields)
-        if len(values) != len(self.spans):
-            raise ValueError(f"step inputs for {len(meta.slots)} slot and {len(meta.page_tables)} page-table groups; "
-                             f"the width-{self.width} layout holds {len(self.pages)}")
+        if len(meta.slots) != self.groups or len(meta.table_changes) != self.groups:
+            raise ValueError(f"step inputs for {len(meta.slots)} slot and {len(meta.table_changes)} table-change "
+                             f"groups; the width-{self.width} layout holds {self.groups}")
+        changes = []
+        for c in meta.table_changes:
+            c = np.asarray(c, np.int32).reshape(-1, 3)
+            if len(c) > self.changes:
+                raise ValueError(f"{len(c)} page-table changes; the width-{self.width} upload holds {self.changes} "
+                                 "(Runner.forward sends the rest first)")
+            pad = np.zeros((self.changes - len(c), 3), np.int32)
+            pad[:, 0] = self.max_seqs
+            changes.append(np.concatenate([c, pad]))
+        values = (tokens, token_src, meta.positions, *meta.slots, meta.seq_info, *changes, rows, draft_rows, *fields)
         out = np.zeros(self.size, np.int32)
         for (name, start, stop, shape, dtype), value in zip(self.spans, values):
             if value is None:
@@ -130,10 +153,15 @@ class StepLayout:
             out[name] = part if dtype == np.int32 else jax.lax.bitcast_convert_type(part, dtype)
         return out
 
-    def meta(self, parts: dict[str, jax.Array]) -> DeviceMeta:
-        groups = range(len(self.pages))
+    def meta(self, parts: dict[str, jax.Array], tables: tuple) -> DeviceMeta:
+        """The step's metadata inside the program; `tables`: the device's page tables, this step's changes
+        applied (`apply_table_changes` with `changes(parts)`)."""
+        groups = range(self.groups)
         return DeviceMeta(parts["positions"], tuple(parts[f"slots[{g}]"] for g in groups), parts["seq_info"],
-                          tuple(parts[f"page_table_{g}"] for g in groups))
+                          tuple(tables))
+
+    def table_changes(self, parts: dict[str, jax.Array]) -> tuple:
+        return tuple(parts[f"table_changes_{g}"] for g in range(self.groups))
 
     def sampler(self, parts: dict[str, jax.Array]) -> tuple:
         return tuple(parts[k] for k in ("temperature", "top_k", "top_p", "seed", "position"))
@@ -148,9 +176,11 @@ def draft_name(width: int) -> str:
 
 
 def donate_argnums(name: str) -> tuple[int, ...]:
-    if name.startswith(("forward_", "draft_")):
+    if name.startswith("forward_"):
         return FORWARD_DONATE_ARGNUMS
-    return COPY_DONATE_ARGNUMS if name == "copy" else ()
+    if name.startswith("draft_"):
+        return DRAFT_DONATE_ARGNUMS  # the pools; it reads the tables
+    return {"copy": COPY_DONATE_ARGNUMS, "tables": TABLES_DONATE_ARGNUMS}.get(name, ())
 
 
 def _fields(x) -> tuple:
@@ -161,6 +191,13 @@ def _fields(x) -> tuple:
 def num_segments(width: int, max_seqs: int) -> int:
     """Segments a step of `width` tokens can hold: one per sequence, at most one per token."""
     return min(width, max_seqs)
+
+
+def step_changes(width: int, segments: int, page_size: int) -> int:
+    """Page-table entries per group a width-`width` upload carries: the most a step's own growth can set (a
+    sequence's run of n tokens touches at most n // page_size + 2 pages; one page per token at most). Prefix
+    hits, clones and aborted copies can set more between two steps: `Runner.forward` sends those separately."""
+    return max(1, min(width, width // page_size + 2 * segments))
 
 
 def kv_sharding(cache: CacheConfig, mesh: jax.sharding.Mesh) -> tuple[jax.sharding.NamedSharding, ...]:
@@ -180,16 +217,18 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
     With a tensor-parallel `mesh` every argument carries its sharding: the KV pools split by KV head
     (`kv_sharding`), the parameters their own (model/tp.py), the rest replicated.
 
-    forward_W: (params, kv, host i32[N], prev_tokens i32[R]); kv: KVState.parts(), (k, v) or in a scaled
-               cache (k, v, k_scale, v_scale); host: the step's inputs packed by
-               `StepLayout.of(W, ...)`: tokens, token_src, the metadata (positions, slots, seq_info, page
-               tables), the sampled rows and the sampler (temperature, top_k, top_p, seed, position)
+    forward_W: (params, kv, tables, host i32[N], prev_tokens i32[R]) -> (tokens, logits, kv, tables); kv:
+               KVState.parts(), (k, v) or in a scaled cache (k, v, k_scale, v_scale); tables: per layer group
+               the page table i32[max_seqs, P_g]; host: the step's inputs packed by `StepLayout.of(W, ...)`:
+               tokens, token_src, the metadata (positions, slots, seq_info, page-table changes), the sampled
+               rows and the sampler (temperature, top_k, top_p, seed, position)
     sample:    (logits f32[R, V], sampler tuple)
     sample_argmax: (logits f32[R, V],)
     logprobs:  (logits f32[R, V], tokens i32[R])
-    draft_W:   (params, kv, host i32[N]): the same layout, its draft_rows the output rows
+    draft_W:   (params, kv, tables, host i32[N]): the same layout, its draft_rows the output rows
     copy:      (kv, per group i32[COPY_ROWS, 2])
-    kv_init:   () -> the zeroed pools, kv
+    tables:    (tables, per group i32[TABLE_ROWS, 3] (seq, index, page)) -> tables
+    kv_init:   () -> (kv, tables): the zeroed pools and page tables
     """
     replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
@@ -211,16 +250,19 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
         return (logits,)
     if name == "logprobs":
         return logits, i32(rows)
+    tables = tuple(i32(max_seqs, cache.group_pages_per_seq(g)) for g in range(cache.num_groups))
     if name == "copy":
         return kv, tuple(i32(COPY_ROWS, 2) for _ in range(cache.num_groups))
+    if name == "tables":
+        return tables, tuple(i32(TABLE_ROWS, 3) for _ in range(cache.num_groups))
     if name == "kv_init":
         return ()
     kind, width = name.rsplit("_", 1)
     host = i32(StepLayout.of(int(width), cache, max_seqs, rows).size)
     params = {k: _spec(v.shape, v.dtype, None if mesh is None else v.sharding) for k, v in params.items()}
     if kind == "draft":
-        return params, kv, host
-    return params, kv, host, i32(rows)
+        return params, kv, tables, host
+    return params, kv, tables, host, i32(rows)
 
 
 @dataclass
@@ -303,20 +345,47 @@ class ProgramSet:
 
 class Runner:
     """Calls a ProgramSet with the engine's objects (KVState, DeviceMeta, SamplerInputs); packs each step's host
-    inputs with the layout its width's program unpacks (one StepLayout per width, made once)."""
+    inputs with the layout its width's program unpacks (one StepLayout per width, made once). Holds the device's
+    page tables (`tables`), which each step updates from the changes its metadata carries."""
 
     def __init__(self, programs: ProgramSet, cache: CacheConfig, max_seqs: int, rows: int):
         self.programs = programs
+        self.tables: tuple | None = None  # per layer group i32[max_seqs, P_g], from kv_init
+        self._max_seqs = max_seqs
         self._layout_of = functools.cache(lambda width: StepLayout.of(width, cache, max_seqs, rows))
 
     def layout(self, width: int) -> StepLayout:
         return self._layout_of(width)
 
+    def _fit_changes(self, width: int, meta: DeviceMeta) -> DeviceMeta:
+        """`meta` with at most the width's upload of table changes per group: any before that go to the device
+        first, TABLE_ROWS at a time (the `tables` program)."""
+        keep = self.layout(width).changes
+        changes = [np.asarray(c, np.int32).reshape(-1, 3) for c in meta.table_changes]
+        if all(len(c) <= keep for c in changes):
+            return meta
+        self.update_tables([c[:-keep] for c in changes])
+        return dataclasses.replace(meta, table_changes=tuple(c[-keep:] for c in changes))
+
+    def update_tables(self, changes) -> None:
+        """Set page-table entries on the device: per group i32[n, 3] (seq, index, page), each (seq, index) once."""
+        longest = max(len(c) for c in changes)
+        for start in range(0, longest, TABLE_ROWS):
+            chunk = []
+            for c in changes:
+                part = np.zeros((TABLE_ROWS, 3), np.int32)
+                part[:, 0] = self._max_seqs  # pads: past the tables, dropped
+                rows = np.asarray(c, np.int32).reshape(-1, 3)[start:start + TABLE_ROWS]
+                part[:len(rows)] = rows
+                chunk.append(part)
+            self.tables = self.programs["tables"](self.tables, tuple(chunk))
+
     def forward(self, width: int, params: dict, kv: KVState, tokens, token_src, prev_tokens, meta: DeviceMeta, rows,
                 sampler) -> tuple[jax.Array, jax.Array, KVState]:
-        """-> (tokens i32[R] drawn without top-k/top-p, logits f32[R, V], kv)."""
-        host = self.layout(width).pack(tokens, token_src, meta, rows, sampler)
-        next_tokens, logits, parts = self.programs[forward_name(width)](params, kv.parts(), host, prev_tokens)
+        """-> (tokens i32[R] drawn without top-k/top-p, logits f32[R, V], kv); the tables updated in place."""
+        host = self.layout(width).pack(tokens, token_src, self._fit_changes(width, meta), rows, sampler)
+        next_tokens, logits, parts, self.tables = self.programs[forward_name(width)](params, kv.parts(), self.tables,
+                                                                                     host, prev_tokens)
         return next_tokens, logits, KVState(*parts)
 
     def sample(self, logits, sampler) -> jax.Array:
@@ -324,9 +393,9 @@ class Runner:
         return self.programs["sample"](logits, _fields(sampler))
 
     def draft(self, width: int, params: dict, kv: KVState, tokens, token_src, meta: DeviceMeta, rows):
-        """DFlash drafting before a verifying step: (draft tokens i32[R], kv)."""
-        host = self.layout(width).pack(tokens, token_src, meta, rows, draft_rows=rows)
-        drafted, parts = self.programs[draft_name(width)](params, kv.parts(), host)
+        """DFlash drafting before a verifying step (the same metadata): (draft tokens i32[R], kv)."""
+        host = self.layout(width).pack(tokens, token_src, self._fit_changes(width, meta), rows, draft_rows=rows)
+        drafted, parts = self.programs[draft_name(width)](params, kv.parts(), self.tables, host)
         return drafted, KVState(*parts)
 
     def logprobs(self, logits, tokens):
@@ -334,7 +403,9 @@ class Runner:
         return self.programs["logprobs"](logits, tokens)
 
     def kv_init(self) -> KVState:
-        return KVState(*self.programs["kv_init"]())
+        """The zeroed pools; the page tables zeroed too (kept here)."""
+        parts, self.tables = self.programs["kv_init"]()
+        return KVState(*parts)
 
     def copy(self, kv: KVState, copies: tuple[np.ndarray, ...]) -> KVState:
         """Apply per-group (src, dst) page copies, COPY_ROWS at a time; pads (0, 0) copy scratch onto itself.

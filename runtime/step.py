@@ -21,8 +21,9 @@ from glint.model.dflash import DraftConfig
 from glint.pallas_kernels import (ring_write, ring_write_reference, varlen_attention,
                                   varlen_attention_reference)
 from glint.runtime.params import MAX_LOGPROBS
-from glint.runtime.programs import (COPY_DONATE_ARGNUMS, FORWARD_DONATE_ARGNUMS, DeviceMeta, Program, ProgramSet,
-                                    StepLayout, abstract_args, draft_name, forward_name, kv_sharding)
+from glint.runtime.programs import (COPY_DONATE_ARGNUMS, DRAFT_DONATE_ARGNUMS, FORWARD_DONATE_ARGNUMS,
+                                    TABLES_DONATE_ARGNUMS, DeviceMeta, Program, ProgramSet, StepLayout, abstract_args,
+                                    apply_table_changes, draft_name, forward_name, kv_sharding)
 from glint.runtime.sampling import SamplerInputs, logprobs, sample, sample_argmax
 
 
@@ -88,7 +89,8 @@ def run_model(graphdef, backend, params, kv: KVState, tokens, meta: DeviceMeta, 
 @functools.lru_cache(maxsize=64)
 def make_draft_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: DraftConfig, layout: StepLayout):
     """The DFlash drafting program (one per width), run before a step that verifies blocks: (flat params,
-    KVState.parts(), host i32[N] packed by `layout`) -> (draft tokens i32[R], KVState.parts()).
+    KVState.parts(), page tables, host i32[N] packed by `layout`) -> (draft tokens i32[R], KVState.parts()); it
+    reads the tables with the step's changes applied and leaves keeping them to the step.
 
     Over the very step the target then runs: rows with token_src >= 0 (draft positions) become mask tokens,
     every row goes through the draft layers, whose block K/V are written at the step's slots (the target's
@@ -99,9 +101,10 @@ def make_draft_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: Draf
     graphdef, like = transformer.split(transformer.abstract_model(model))
     n = model.num_layers
 
-    def run(params, kv, host):
+    def run(params, kv, tables, host):
         parts = layout.unpack(host)
-        tokens, token_src, meta, rows = parts["tokens"], parts["token_src"], layout.meta(parts), parts["draft_rows"]
+        meta = layout.meta(parts, apply_table_changes(tables, layout.table_changes(parts)))
+        tokens, token_src, rows = parts["tokens"], parts["token_src"], parts["draft_rows"]
         target = transformer.merge(graphdef, unflatten(params, like))
         pools = KVState(*kv).layers()
 
@@ -114,15 +117,16 @@ def make_draft_fn(model: ModelConfig, cache: CacheConfig, impl: str, draft: Draf
         hidden = dflash.draft_block(dflash.unflatten_params(params, draft), draft, block, meta.positions, attend)
         return sample_argmax(target.logits(hidden[rows])), KVState.from_layers(pools).parts()
 
-    return jax.jit(run, donate_argnums=FORWARD_DONATE_ARGNUMS)
+    return jax.jit(run, donate_argnums=DRAFT_DONATE_ARGNUMS)
 
 
 @functools.lru_cache(maxsize=64)
 def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str, layout: StepLayout,
                  draft: DraftConfig | None = None, tensor_parallel: int = 1):
-    """The engine's step (one program per width): (flat params, KVState.parts(), host i32[N], prev_tokens i32[R])
-    -> (tokens i32[R], logits f32[R, V], KVState.parts()), where `host` holds the step's tokens, token_src,
-    metadata, rows and sampler packed by `layout` (one upload per step; programs.StepLayout). With a DFlash `draft`,
+    """The engine's step (one program per width): (flat params, KVState.parts(), page tables, host i32[N],
+    prev_tokens i32[R]) -> (tokens i32[R], logits f32[R, V], KVState.parts(), page tables), where `host` holds the
+    step's tokens, token_src, metadata (with the page-table entries set since the last step, applied to the
+    tables first), rows and sampler packed by `layout` (one upload per step; programs.StepLayout). With a DFlash `draft`,
     the step also writes the draft's context (`run_model`). With `tensor_parallel` N > 1 it runs under
     shard_map over N devices, each on its shard of the model (model/tp.py) and of the KV pools; what it
     returns besides the pools is the same on every device.
@@ -138,23 +142,27 @@ def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str, layout: Step
     graphdef, like = transformer.split(transformer.abstract_model(tp.local_config(model, n)))
     axis = tp.AXIS if n > 1 else None
 
-    def step(params, kv, host, prev_tokens):
+    def step(params, kv, tables, host, prev_tokens):
         parts = layout.unpack(host)
+        tables = apply_table_changes(tables, layout.table_changes(parts))
         token_src = parts["token_src"]
         tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], parts["tokens"])
-        logits, kv = run_model(graphdef, backend, unflatten(params, like), KVState(*kv), tokens, layout.meta(parts),
-                               parts["rows"], draft, params, axis)
+        logits, kv = run_model(graphdef, backend, unflatten(params, like), KVState(*kv), tokens,
+                               layout.meta(parts, tables), parts["rows"], draft, params, axis)
         logits = logits[:, :model.vocab_size]  # under tensor parallelism, the vocabulary's padding cut off
-        return sample(logits, SamplerInputs(*layout.sampler(parts)), is_filtered=False), logits, kv.parts()
+        tokens = sample(logits, SamplerInputs(*layout.sampler(parts)), is_filtered=False)
+        return tokens, logits, kv.parts(), tables
 
     if n > 1:
         from jax.sharding import PartitionSpec as P
 
         pools = tuple(tuple(s.spec for _ in range(cache.num_layers)) for s in kv_sharding(cache, tp.mesh(n)))
+        tables = (P(),) * cache.num_groups
         # check_vma off: the Pallas calls declare no varying axes; the replicated outputs are replicated by
         # construction (everything after the logits' all-gather is the same computation on every device).
-        step = jax.shard_map(step, mesh=tp.mesh(n), in_specs=(tp.param_specs(model, flatten(like)), pools, P(), P()),
-                             out_specs=(P(), P(), pools), check_vma=False)
+        step = jax.shard_map(step, mesh=tp.mesh(n),
+                             in_specs=(tp.param_specs(model, flatten(like)), pools, tables, P(), P()),
+                             out_specs=(P(), P(), pools, tables), check_vma=False)
     return jax.jit(step, donate_argnums=FORWARD_DONATE_ARGNUMS)
 
 
@@ -180,15 +188,37 @@ def _pools_placed(cache: CacheConfig, tensor_parallel: int) -> dict:
     return {"out_shardings": tuple((s,) * cache.num_layers for s in kv_sharding(cache, tp.mesh(tensor_parallel)))}
 
 
+def _tables_placed(cache: CacheConfig, tensor_parallel: int) -> tuple | None:
+    """The page tables' sharding over a tensor-parallel mesh: replicated (one device: none)."""
+    if tensor_parallel == 1:
+        return None
+    return (jax.sharding.NamedSharding(tp.mesh(tensor_parallel), jax.sharding.PartitionSpec()),) * cache.num_groups
+
+
+def zero_tables(cache: CacheConfig, max_seqs: int) -> tuple:
+    return tuple(jnp.zeros((max_seqs, cache.group_pages_per_seq(g)), jnp.int32) for g in range(cache.num_groups))
+
+
 @functools.lru_cache(maxsize=16)
-def make_kv_init_fn(cache: CacheConfig, tensor_parallel: int = 1):
-    """The zeroed KV pools, KVState.parts(): a program, so an engine (an artifact too) creates them without
-    compiling."""
+def make_kv_init_fn(cache: CacheConfig, max_seqs: int, tensor_parallel: int = 1):
+    """(the zeroed KV pools, KVState.parts(); the zeroed page tables): a program, so an engine (an artifact too)
+    creates them without compiling."""
 
     def kv_init():
-        return KVState.create(cache).parts()
+        return KVState.create(cache).parts(), zero_tables(cache, max_seqs)
 
-    return jax.jit(kv_init, **_pools_placed(cache, tensor_parallel))
+    pools = _pools_placed(cache, tensor_parallel)
+    if not pools:
+        return jax.jit(kv_init)
+    return jax.jit(kv_init, out_shardings=(pools["out_shardings"], _tables_placed(cache, tensor_parallel)))
+
+
+@functools.lru_cache(maxsize=16)
+def make_tables_fn(cache: CacheConfig, tensor_parallel: int = 1):
+    """Page-table entries beyond a step's upload (programs.Runner.update_tables)."""
+    placed = _tables_placed(cache, tensor_parallel)
+    return jax.jit(apply_table_changes, donate_argnums=TABLES_DONATE_ARGNUMS,
+                   **({} if placed is None else {"out_shardings": placed}))
 
 
 @functools.lru_cache(maxsize=16)
@@ -213,7 +243,7 @@ def live_programs(model: ModelConfig, params: dict, cache: CacheConfig, impl: st
     layouts = {w: StepLayout.of(w, cache, max_seqs, rows) for w in widths}
     fns = {forward_name(w): make_step_fn(model, cache, impl, layouts[w], draft, n) for w in widths}
     fns.update(sample=_sample_filtered, sample_argmax=_sample_argmax, logprobs=_logprobs,
-               copy=make_copy_fn(cache, n), kv_init=make_kv_init_fn(cache, n))
+               copy=make_copy_fn(cache, n), tables=make_tables_fn(cache, n), kv_init=make_kv_init_fn(cache, max_seqs, n))
     if draft is not None:
         fns.update({draft_name(w): make_draft_fn(model, cache, impl, draft, layouts[w]) for w in widths})
     mesh = tp.mesh(n) if n > 1 else None

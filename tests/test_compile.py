@@ -61,7 +61,7 @@ def test_serving_never_compiles_after_warmup(source, tmp_path):
         engine = Engine.from_pretrained(llama, dtype="float32", **TIGHT)
     live = Engine.from_pretrained(llama, dtype="float32", **TIGHT)
     times = engine.warmup(progress=False)
-    assert set(times) == {f"forward_{w}" for w in (1, 2, 4, 8, 16, 32)} | {"sample", "logprobs", "copy"}
+    assert set(times) == {f"forward_{w}" for w in (1, 2, 4, 8, 16, 32)} | {"sample", "logprobs", "copy", "tables"}
     # A stop token the greedy request really meets: its 5th token when run alone.
     probe = Engine.from_pretrained(llama, dtype="float32", **TIGHT)
     prompts, params = mixed_workload(engine.model.vocab_size, 0)
@@ -84,7 +84,7 @@ def test_warmup_compiles_each_program_once_and_a_second_engine_loads_them(tmp_pa
     first = Engine.from_pretrained(llama, dtype="float32", **TIGHT)
     with counting_compiles() as counts:
         names = first.warmup(progress=False)
-    assert counts[EVENTS[1]] == len(names) == 9  # six widths, sample, logprobs, copy: one compile each
+    assert counts[EVENTS[1]] == len(names) == 10  # six widths, sample, logprobs, copy, tables: one compile each
     assert len(list((tmp_path / "cache").glob("*-cache"))) >= len(names)
     jax.clear_caches()  # as a fresh process would be
     second = Engine.from_pretrained(llama, dtype="float32", **TIGHT)

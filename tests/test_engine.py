@@ -309,15 +309,17 @@ def test_pallas_kernels_give_the_reference_tokens():
 
 def test_a_step_uploads_its_host_inputs_as_one_array():
     """A step's host inputs travel as one int32 array (programs.StepLayout): unpacked inside a jit, every input
-    comes back bit for bit (float temperatures and top-p, uint32 seeds, each layer group's page table), and
-    every forward program of an engine takes (params, pools, that array, the previous step's tokens)."""
-    from glint.runtime.programs import DeviceMeta, StepLayout, forward_name
+    comes back bit for bit (float temperatures and top-p, uint32 seeds, each layer group's page-table changes,
+    padded with entries past the tables), and every forward program of an engine takes (params, pools, page
+    tables, that array, the previous step's tokens)."""
+    from glint.runtime.programs import DeviceMeta, StepLayout, apply_table_changes, forward_name
     from glint.runtime.sampling import SamplerInputs
 
     rng = np.random.default_rng(3)
-    layout = StepLayout(width=6, segments=4, rows=5, pages=(3, 7))
+    layout = StepLayout(width=6, segments=4, rows=5, groups=2, changes=3, max_seqs=9)
     ints = lambda *shape: rng.integers(-2**31, 2**31 - 1, shape, dtype=np.int64).astype(np.int32)  # noqa: E731
-    meta = DeviceMeta(ints(6), (ints(6), ints(6)), ints(4, 4), (ints(4, 3), ints(4, 7)))
+    changes = (ints(3, 3), ints(1, 3))
+    meta = DeviceMeta(ints(6), (ints(6), ints(6)), ints(4, 4), table_changes=changes)
     sampler = SamplerInputs(rng.standard_normal(5).astype(np.float32), ints(5),
                             np.array([np.nan, -0.0, 1.0, 1e-38, np.inf], np.float32),
                             rng.integers(0, 2**32, 5, dtype=np.uint64).astype(np.uint32), ints(5))
@@ -327,32 +329,47 @@ def test_a_step_uploads_its_host_inputs_as_one_array():
     starts = [start for _, start, _, _, _ in layout.spans]
     assert all(4 * start % 256 == 0 for start in starts)  # Mosaic GPU kernels take 256-byte aligned inputs
     parts = jax.device_get(jax.jit(layout.unpack)(host))
-    back = layout.meta(parts)
+    tables = (np.zeros((9, 4), np.int32), np.zeros((9, 5), np.int32))
+    back = layout.meta(parts, tables)
+    pads = np.array([[9, 0, 0]] * 2, np.int32)  # sequence max_seqs: past the tables
     for got, want in [(parts["tokens"], tokens), (parts["token_src"], token_src), (parts["rows"], rows),
                       (back.positions, meta.positions), (back.seq_info, meta.seq_info),
-                      *zip(back.slots, meta.slots), *zip(back.page_tables, meta.page_tables),
+                      *zip(back.slots, meta.slots), (back.page_tables[1], tables[1]),
+                      *zip(layout.table_changes(parts), (changes[0], np.concatenate([changes[1], pads]))),
                       *zip(layout.sampler(parts), (sampler.temperature, sampler.top_k, sampler.top_p, sampler.seed,
                                                    sampler.position))]:
         assert got.dtype == want.dtype and got.shape == want.shape
         assert np.array_equal(got.view(np.uint8), want.view(np.uint8))  # bit for bit, NaN and -0.0 included
     assert not parts["draft_rows"].any()  # not given: zeros
+    # applied on the device: the entries set, the pads dropped
+    given = np.array([[2, 1, 7], [8, 4, 3]], np.int32)
+    meta = DeviceMeta(meta.positions, meta.slots, meta.seq_info, table_changes=(given[:1], given[1:]))
+    parts = jax.jit(layout.unpack)(layout.pack(tokens, token_src, meta, rows, sampler))
+    got = jax.device_get(apply_table_changes(tables, layout.table_changes(parts)))
+    want = [t.copy() for t in tables]
+    want[0][2, 1], want[1][8, 4] = 7, 3
+    assert all(np.array_equal(g, w) for g, w in zip(got, want))
     with pytest.raises(ValueError, match=r"step input seq_info: shape \(3, 4\), the width-6 layout holds \(4, 4\)"):
-        layout.pack(tokens, token_src, DeviceMeta(meta.positions, meta.slots, meta.seq_info[:3], meta.page_tables),
-                    rows, sampler)
+        layout.pack(tokens, token_src, DeviceMeta(meta.positions, meta.slots, meta.seq_info[:3],
+                                                  table_changes=changes), rows, sampler)
+    with pytest.raises(ValueError, match="4 page-table changes; the width-6 upload holds 3"):
+        layout.pack(tokens, token_src, DeviceMeta(meta.positions, meta.slots, meta.seq_info,
+                                                  table_changes=(ints(4, 3), changes[1])), rows, sampler)
 
     engine = tiny_engine()
     for width in engine.config.buckets:
         args = engine.runner.programs.programs[forward_name(width)].args
         expected = StepLayout.of(width, engine.cache, engine.config.max_seqs, engine.config.max_sample_rows).size
-        assert len(args) == 4 and args[2].shape == (expected,) and args[2].dtype == np.int32
+        assert len(args) == 5 and args[3].shape == (expected,) and args[3].dtype == np.int32
+        assert [t.shape for t in args[2]] == [(engine.config.max_seqs, engine.cache.group_pages_per_seq(g))
+                                              for g in range(engine.cache.num_groups)]
         assert engine.runner.layout(width).size == expected  # the runner packs with the program's own layout
     # metadata built for another width is refused by name before anything reaches the device
     wide, narrow = engine.config.buckets[-1], engine.config.buckets[0]
     groups = engine.cache.num_groups
     meta = DeviceMeta(np.zeros(narrow, np.int32), (np.zeros(narrow, np.int32),) * groups,
                       np.zeros((min(narrow, engine.config.max_seqs), 4), np.int32),
-                      tuple(np.zeros((min(narrow, engine.config.max_seqs), engine.cache.group_pages_per_seq(g)),
-                                     np.int32) for g in range(groups)))
+                      table_changes=(np.zeros((0, 3), np.int32),) * groups)
     rows = np.zeros(engine.config.max_sample_rows, np.int32)
     with pytest.raises(ValueError, match=rf"step input tokens: shape \({narrow},\), the width-{wide} layout"):
         engine.runner.forward(wide, engine.params, engine.kv, np.zeros(narrow, np.int32), np.zeros(narrow, np.int32),
@@ -365,8 +382,9 @@ def test_the_exported_signature_lists_the_packed_inputs_in_layout_order():
     from glint.export.exporter import SIGNATURES
     from glint.runtime.programs import SPAN_ALIGN, StepLayout
 
-    text = SIGNATURES["forward_W"]["inputs"][2]
-    names = [n if not n.startswith("page_table_") else "page_table" for n, _, _ in StepLayout(1, 1, 1, (2,)).parts]
+    text = SIGNATURES["forward_W"]["inputs"][3]
+    names = [n if not n.startswith("table_changes_") else "table_changes"
+             for n, _, _ in StepLayout(1, 1, 1, groups=1, changes=1, max_seqs=1).parts]
     found = [text.index(f"{n} ") for n in names]
     assert found == sorted(found), names
     assert f"a multiple of {SPAN_ALIGN} elements ({4 * SPAN_ALIGN} bytes" in text  # the alignment StepLayout packs with

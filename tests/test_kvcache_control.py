@@ -38,16 +38,35 @@ def make_config(**overrides) -> CacheConfig:
 
 
 class Device:
-    """One tag pool per group, [num_pages, page_size]; 0 means never written."""
+    """One tag pool per group, [num_pages, page_size]; 0 means never written. Its own page tables, kept from the
+    changes each step carries, as the engine's device keeps them."""
 
     def __init__(self, cfg: CacheConfig) -> None:
         self.cfg = cfg
         self.pools = [np.zeros((cfg.num_pages, cfg.page_size), np.int64) for _ in range(cfg.num_groups)]
+        self.tables = [np.zeros((cfg.max_seqs, cfg.group_pages_per_seq(g)), np.int64) for g in range(cfg.num_groups)]
         self.tags = itertools.count(1)
 
     def run(self, meta, control: BatchControl) -> list[int]:
-        """Apply copies, then write fresh tags at the step's slots; returns the tags."""
+        """Apply the table changes and copies, then write fresh tags at the step's slots; returns the tags."""
         n = meta.num_tokens
+        for g, (table, changes) in enumerate(zip(self.tables, meta.table_changes)):
+            assert changes.dtype == np.int32 and changes.shape[1:] == (3,)
+            keys = changes[:, 0].astype(np.int64) * table.shape[1] + changes[:, 1]
+            assert len(set(keys.tolist())) == len(keys), "an entry changed twice in one step"
+            assert (changes[:, 2] > 0).all(), "cleared entries are not sent"
+            table[changes[:, 0], changes[:, 1]] = changes[:, 2]
+            # Every entry the host holds, the device holds too (cleared ones may stay stale there).
+            host = control.page_table(g)
+            set_ = host > 0
+            np.testing.assert_array_equal(table[set_], host[set_], err_msg=f"group {g}: device tables behind")
+        for s, (q_start, q_len, seq, kv_end) in enumerate(meta.seq_info.tolist()):
+            if q_len:  # the rows the kernels read: every page below kv_end (flat) or of the window (ring)
+                for g, table in enumerate(self.tables):
+                    ring_rows = self.cfg.group_ring_rows(g)
+                    first = 0 if ring_rows is None else max(0, kv_end - ring_rows)
+                    rows = np.arange(first, kv_end) % (ring_rows or 1 << 62)
+                    assert (table[seq, rows // self.cfg.page_size] > 0).all(), f"seq {seq} reads a missing page"
         for g, pool in enumerate(self.pools):
             copies = meta.copies[g]
             if len(copies):
@@ -338,15 +357,12 @@ class KVControlMachine(RuleBasedStateMachine):
             pos = len(self.seqs[seq]["tags"])
             np.testing.assert_array_equal(meta.positions[start:start + q_len], np.arange(pos, pos + q_len))
             assert (meta.token_seq[start:start + q_len] == seq).all()
-            assert meta.seq_info[s].tolist() == [start, q_len, s, pos + q_len]
-            for g in range(cfg.num_groups):
-                np.testing.assert_array_equal(meta.page_tables[g][s], self.control.page_table(g)[seq])
+            assert meta.seq_info[s].tolist() == [start, q_len, seq, pos + q_len]
             start += q_len
         assert (meta.seq_info[len(runs):] == 0).all()
         assert (meta.token_seq[n:] == -1).all() and (meta.positions[n:] == 0).all()
         for g in range(cfg.num_groups):
-            assert meta.slots[g].dtype == np.int32 and meta.page_tables[g].dtype == np.int32
-            assert (meta.page_tables[g][len(runs):] == 0).all()
+            assert meta.slots[g].dtype == np.int32 and meta.table_changes[g].dtype == np.int32
             assert meta.copies[g].shape[1:] == (2,)
 
     # ---- invariants -------------------------------------------------------
@@ -741,3 +757,40 @@ def test_writing_into_a_cached_page_uncaches_or_copies_it():
     assert control.page_table(0)[b, 0] != control.page_table(0)[a, 0] in control.cached_pages(0)
     assert read_back(control, device, a, 0, range(4)) == tags[:4]
     check_pages(control)
+
+
+def test_a_step_carries_the_table_entries_set_since_the_last_one():
+    """The device keeps its own page tables: a prepared step carries each entry set since the last committed step
+    once (its latest page), an aborted copy names the old page again, and resend_tables sends everything."""
+    cfg = make_config(windows=(0,), page_size=4)
+    control, device = BatchControl(cfg), Device(cfg)
+    a = control.seq_new()
+    assert control.declare_step([a] * 6)  # pages 0 and 1
+    meta = control.prepare_step()
+    table = control.page_table(0)
+    assert meta.table_changes[0].tolist() == [[a, 0, table[a, 0]], [a, 1, table[a, 1]]]
+    device.run(meta, control)
+    control.commit_step()
+    assert control.table_changes()[0].shape == (0, 3)  # sent with the committed step
+    b = control.seq_clone(a)  # shares both pages: two entries for b, not yet sent
+    assert control.declare_step([b])  # copies b's partial page 1
+    copied = control.page_table(0)[b, 1]
+    assert copied != control.page_table(0)[a, 1]
+    meta = control.prepare_step()
+    assert meta.table_changes[0].tolist() == [[b, 0, table[a, 0]], [b, 1, copied]]  # the latest page of (b, 1)
+    device.run(meta, control)  # the device ran it (b's entry names the copy), then the step failed
+    control.abort_step()
+    assert control.table_changes()[0].tolist() == [[b, 0, table[a, 0]], [b, 1, table[a, 1]]]
+    assert control.declare_step([a])
+    device.run(control.prepare_step(), control)  # Device.run checks its tables against the host's
+    control.commit_step()
+    c = control.seq_new()
+    assert control.declare_step([c])
+    control.prepare_step()
+    d = control.seq_clone(b)  # set after the step was prepared: still to send after its commit
+    control.commit_step()
+    assert [r[0] for r in control.table_changes()[0].tolist()] == [d, d]
+    control.resend_tables()
+    host = control.page_table(0)
+    seqs, index = np.nonzero(host)
+    assert control.table_changes()[0].tolist() == np.stack([seqs, index, host[seqs, index]], 1).tolist()

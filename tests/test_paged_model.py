@@ -9,7 +9,13 @@ from conftest import PALLAS
 from glint.export.checkpoint import load_checkpoint
 from glint.kvcache import BatchControl, CacheConfig, KVState
 from glint.model import transformer
-from glint.runtime.step import DeviceMeta, PagedAttention, run_model
+from glint.runtime.programs import apply_table_changes
+from glint.runtime.step import DeviceMeta, PagedAttention, run_model, zero_tables
+
+
+def device_meta(meta, tables) -> DeviceMeta:
+    """A step's metadata as the program sees it: the device's tables, this step's changes applied."""
+    return DeviceMeta(meta.positions, tuple(meta.slots), meta.seq_info, tuple(tables))
 
 
 def full_logits(graphdef, params, tokens):
@@ -26,7 +32,7 @@ def test_chunked_prefill_then_decode_matches_full_forward(hf_fixture, impl):
     max_write = 16
     cache = CacheConfig(page_size=4, num_pages=64, max_seqs=2, max_write=max_write, capacity=96,
                         windows=cfg.layer_windows, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype="float32")
-    control, kv = BatchControl(cache), KVState.create(cache)
+    control, kv, tables = BatchControl(cache), KVState.create(cache), zero_tables(cache, cache.max_seqs)
     backend = PagedAttention(cache, impl)
     step = jax.jit(lambda params, kv, toks, meta, rows: run_model(graphdef, backend, params, kv, toks, meta, rows))
     seq = control.seq_new()
@@ -36,8 +42,9 @@ def test_chunked_prefill_then_decode_matches_full_forward(hf_fixture, impl):
         n = min(n, len(tokens) - done)
         assert control.declare_step([seq] * n)
         meta = control.prepare_step(width=max_write, num_segments=2)
+        tables = apply_table_changes(tables, meta.table_changes)
         logits, kv = step(params, kv, np.asarray(tokens[done:done + n] + [0] * (max_write - n), np.int32),
-                          DeviceMeta.from_host(meta), np.arange(max_write, dtype=np.int32))
+                          device_meta(meta, tables), np.arange(max_write, dtype=np.int32))
         control.commit_step()
         got.append(np.asarray(logits)[:n])
         done += n
@@ -58,14 +65,15 @@ def test_glimmer_layout_paged_equals_dense():
     expected = full_logits(graphdef, params, tokens)
     cache = CacheConfig(page_size=4, num_pages=64, max_seqs=1, max_write=8, capacity=64, windows=cfg.layer_windows,
                         kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype="float32")
-    control, kv = BatchControl(cache), KVState.create(cache)
+    control, kv, tables = BatchControl(cache), KVState.create(cache), zero_tables(cache, cache.max_seqs)
     backend = PagedAttention(cache, "reference")
     step = jax.jit(lambda params, kv, toks, meta, rows: run_model(graphdef, backend, params, kv, toks, meta, rows))
     seq, got = control.seq_new(), []
     for start in range(0, len(tokens), 8):
         assert control.declare_step([seq] * 8)
         meta = control.prepare_step(width=8, num_segments=1)
-        logits, kv = step(params, kv, np.asarray(tokens[start:start + 8], np.int32), DeviceMeta.from_host(meta),
+        tables = apply_table_changes(tables, meta.table_changes)
+        logits, kv = step(params, kv, np.asarray(tokens[start:start + 8], np.int32), device_meta(meta, tables),
                           np.arange(8, dtype=np.int32))
         control.commit_step()
         got.append(np.asarray(logits))

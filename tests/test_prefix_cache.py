@@ -75,9 +75,14 @@ def test_prefix_hits_skip_prefill_and_count_in_stats():
     params = params_for(prompts, max_tokens=4)
     first = engine.generate(prompts[:1], params[:1])
     fed = engine.stats.fed_tokens
+    sent, update = [], engine.runner.update_tables  # page-table entries a step's upload had no room for
+    engine.runner.update_tables = lambda changes: (sent.append(sum(len(c) for c in changes)), update(changes))
     again = engine.generate(prompts[:1], params[:1])  # all but the page holding the last token is cached
     assert again[0].token_ids == first[0].token_ids
     n = len(prompts[0])
+    # the hit maps (n - 1) // PAGE pages at once: more than the step feeding the rest uploads, so they went ahead
+    width = engine.config.bucket_for(n - (n - 1) // PAGE * PAGE)
+    assert (n - 1) // PAGE > engine.runner.layout(width).changes and sum(sent) > 0, (n, width, sent)
     assert engine.stats.prefix_hit_tokens == (n - 1) // PAGE * PAGE
     assert engine.stats.fed_tokens - fed == n - (n - 1) // PAGE * PAGE + 3  # the uncached rest, then 3 decodes
     assert engine.stats.prefix_lookup_tokens == 2 * n
