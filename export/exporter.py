@@ -30,9 +30,10 @@ _CUSTOM_CALL = re.compile(r'stablehlo\.custom_call @([\w$.]+)|call_target_name =
 
 
 # What each program takes and returns (R = selected_logit_rows, V = vocab_size, W = the width, S = min(W,
-# max_seqs), G = the number of layer groups, P_g = cache.groups[g].pages_per_seq), for users who drive an
-# artifact without glint. Every forward returns the selected rows' logits beside the tokens: a caller sampling
-# on the host reads those.
+# max_seqs), G = the number of layer groups, P_g = cache.groups[g].pages_per_seq, C_W = min(W, W // page_size
+# + 2 S) = programs.step_changes: the page-table entries a step carries, more go first through `tables`), for
+# users who drive an artifact without glint. Every forward returns the selected rows' logits beside the tokens:
+# a caller sampling on the host reads those.
 SIGNATURES = {
     "forward_W": {"inputs": ["params {dotted name: array}",
                              ("kv ((k per layer), (v per layer)), and with an fp8 cache ((k_scale per layer), "
@@ -41,9 +42,10 @@ SIGNATURES = {
                               "kv_init gives them zeroed, each forward returns them updated)"),
                              ("host i32[N]: these, flattened, in this order, each starting at a multiple of 64 "
                               "elements (256 bytes; zeros between; f32 and u32 as their bits): tokens i32[W], "
-                              "token_src i32[W] (>= 0: take prev_tokens[token_src]), positions i32[W], slots i32[G, W], "
-                              "seq_info i32[S, 4] (q_start, q_len, sequence, kv_end), table_changes i32[C_W, 3] (sequence, "
-                              "page index, page; each (sequence, index) once; pads name sequence max_seqs) for each "
+                              "token_src i32[W] (>= 0: take prev_tokens[token_src]), positions i32[W], "
+                              "slots i32[G, W], seq_info i32[S, 4] (q_start, q_len, sequence, kv_end), "
+                              "table_changes i32[C_W, 3] (sequence, page index, page; each (sequence, index) once; "
+                              "pads name sequence max_seqs) for each "
                               "group g, rows i32[R], draft_rows "
                               "i32[R] (zeros), temperature f32[R], top_k i32[R], top_p f32[R], seed u32[R], "
                               "position i32[R]"),

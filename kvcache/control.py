@@ -9,15 +9,17 @@ refcounts; entry 0 means "no page" (page 0 is the scratch page for padding).
 Step protocol: `declare_step` reserves pages and applies the step's page-table
 changes at once, recording them in an undo log; `prepare_step` builds the device
 metadata; `commit_step` makes the positions permanent, `abort_step` replays the
-undo log backwards.
-
-The device keeps its own copy of the page tables, and a step carries only the entries set since
-the last step (`StepMetadata.table_changes`). Entries cleared on the host (a removed, rewound or
-aborted sequence's) are not sent: the kernels read a sequence's pages only below its kv_end,
-where every entry was set and sent, and a stale entry elsewhere still names a valid page. While a step is pending, its sequences may not be cloned,
+undo log backwards. While a step is pending, its sequences may not be cloned,
 removed or rewound (ValueError): commit or abort first. A page a step copies
 away from keeps its writer's reference until commit, so outside a pending step
 every refcount equals the number of page-table entries naming the page.
+
+The tables here are the truth; the device keeps a mirror, and a step carries only the entries set
+since the last committed step (`StepMetadata.table_changes`; a step that aborts leaves them to the
+next). Entries cleared here (a removed, rewound or aborted sequence's) are not sent, so the mirror
+may keep a stale page there. That is safe because every entry stays a page id in [0, num_pages)
+and the kernels mask every row at or past a sequence's kv_end (and outside its window), whatever
+page it comes from: the same contract as the scratch page a cleared entry named before.
 
 Prefix caching (`glint.kvcache.prefix`): `cache_pages` enters a sequence's full pages into a per-group
 index under content keys; `seq_new(prefix)` maps the longest cached run of a new sequence's keys.
@@ -401,16 +403,17 @@ class BatchControl:
             out.append(entries[::-1][last].astype(np.int32))
         return tuple(out)
 
-    def resend_tables(self) -> None:
-        """Log every nonzero entry again, so the next step sends the whole tables (after the device's copy
-        may have missed changes: a step that failed after its metadata was taken)."""
-        for g, table in enumerate(self._tables):
-            seqs, index = np.nonzero(table)
-            self._set_entries(g, seqs, index, table[seqs, index], store=False)
+    def take_table_changes(self) -> tuple[np.ndarray, ...]:
+        """`table_changes()`, then forget them: for a caller that sends them to the device itself
+        (programs.Runner.update_tables) outside a step."""
+        changes = self.table_changes()
+        self._unsent.clear()
+        return changes
 
     def commit_step(self) -> None:
         """Make the pending step's positions permanent (after the device ran it, with the table changes its
-        prepared metadata carried: those are no longer pending)."""
+        prepared metadata carried: those are no longer pending). The metadata is that of the last
+        `prepare_step`: a caller that prepared twice runs the second."""
         step = self._require_step("commit_step")
         del self._unsent[:step.sent]
         for g, (_, _, _, old) in enumerate(step.changes):

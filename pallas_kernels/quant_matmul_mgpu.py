@@ -18,7 +18,7 @@ stages, 256-wide K steps; keeping one wgmma in flight (wgmma_wait(1), slots rele
 results.
 
 Scope: bf16/f16 activations, N a multiple of 2 * block_m, K a multiple of block_k (llama-style shapes);
-`supports` says whether a call is covered, glint.model.quant falls back to XLA otherwise.
+`supports` says whether a call is covered.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["QuantBlocks", "int8_matmul_t", "supports"]
+__all__ = ["QuantBlocks", "int8_matmul_t", "int8_matmul_t_reference", "supports"]
 
 _COMPUTE_WGS = 2
-MAX_ROWS = 64  # decode widths; wider steps are compute-bound and go to XLA
+MAX_ROWS = 64  # decode widths (wider steps are compute-bound: a plain GEMM's job)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,13 @@ class QuantBlocks:
     stages: int = 4  # shared-memory slots in flight per CTA
     min_ctas: int = 264  # split K until the grid has this many CTAs (2 per H200 SM)
     probe: bool = False  # stream the tiles without multiplying: a bandwidth probe (its output is not the product)
+
+    def __post_init__(self):
+        if self.block_m <= 0 or self.block_m % 64 or self.block_k <= 0 or self.block_k % 128:
+            raise ValueError(f"QuantBlocks: block_m {self.block_m} must be a multiple of 64 (wgmma's M) and block_k "
+                             f"{self.block_k} a multiple of 128 (one 128-byte swizzle of int8)")
+        if self.stages < 1 or self.min_ctas < 1:
+            raise ValueError(f"QuantBlocks: stages {self.stages} and min_ctas {self.min_ctas} must be >= 1")
 
     @property
     def cta_m(self) -> int:
@@ -68,8 +75,9 @@ def _transforms(minor: int, dtype) -> tuple:
 
 
 def supports(rows: int, n: int, k: int, dtype, blocks: QuantBlocks = QuantBlocks()) -> bool:
+    """Whether `int8_matmul_t` covers x dtype[rows, k] against q [n, k] with these blocks."""
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and 1 <= rows <= MAX_ROWS and n % blocks.cta_m == 0 and k % blocks.block_k == 0)
+            and 1 <= rows <= MAX_ROWS and n > 0 and k > 0 and n % blocks.cta_m == 0 and k % blocks.block_k == 0)
 
 
 def num_splits(n: int, k: int, blocks: QuantBlocks) -> int:
@@ -82,11 +90,10 @@ def num_splits(n: int, k: int, blocks: QuantBlocks) -> int:
 @functools.partial(jax.jit, static_argnames=("blocks",))
 def int8_matmul_t(x, q, scale, *, blocks: QuantBlocks = QuantBlocks()):
     """(x @ q.T) * scale in x's dtype. x [T, K] bf16/f16 with 1 <= T <= 64; q int8 [N, K]; scale f32 [N]."""
-    rows, k = x.shape
-    n = q.shape[0]
-    if q.ndim != 2 or q.shape[1] != k or scale.shape != (n,) or q.dtype != jnp.int8:
+    if x.ndim != 2 or q.ndim != 2 or x.shape[1] != q.shape[1] or scale.shape != q.shape[:1] or q.dtype != jnp.int8:
         raise ValueError(f"int8_matmul_t: x [T, K], q int8 [N, K], scale [N] expected, got x {x.shape}, "
                          f"q {q.dtype}{list(q.shape)}, scale {scale.shape}")
+    (rows, k), n = x.shape, q.shape[0]
     if not supports(rows, n, k, x.dtype, blocks):
         raise ValueError(f"int8_matmul_t: x {x.dtype}{list(x.shape)} against q [{n}, {k}] is not covered by "
                          f"{blocks} (1..{MAX_ROWS} bf16/f16 rows, N % {blocks.cta_m}, "
@@ -98,7 +105,7 @@ def int8_matmul_t(x, q, scale, *, blocks: QuantBlocks = QuantBlocks()):
     span = k // splits
     dtype = x.dtype
 
-    def kernel(x_gmem, q_gmem, out_gmem, out_smem):
+    def kernel(x_ref, q_ref, out_ref, out_smem):
         tile, split, wg = lax.axis_index("tiles"), lax.axis_index("splits"), lax.axis_index("wg")
         ks = pl.ds(split * span, span)
 
@@ -116,7 +123,7 @@ def int8_matmul_t(x, q, scale, *, blocks: QuantBlocks = QuantBlocks()):
                 eval_pipeline(acc_ref)
                 out_smem[wg] = acc_ref[...]
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[split, pl.ds(tile * cta_m + wg * bm, bm)])
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_ref.at[split, pl.ds(tile * cta_m + wg * bm, bm)])
                 plgpu.wait_smem_to_gmem(0)
 
         pipeline = plgpu.emit_pipeline_warp_specialized(
@@ -134,7 +141,7 @@ def int8_matmul_t(x, q, scale, *, blocks: QuantBlocks = QuantBlocks()):
             max_concurrent_steps=blocks.stages,
             compute_context=compute_context,
         )
-        pipeline(q_gmem.at[pl.ds(tile * cta_m, cta_m), ks], x_gmem.at[:, ks])
+        pipeline(q_ref.at[pl.ds(tile * cta_m, cta_m), ks], x_ref.at[:, ks])
 
     x_pad = jnp.pad(x, ((0, tn - rows), (0, 0)))
     partial = plgpu.kernel(
@@ -150,3 +157,9 @@ def int8_matmul_t(x, q, scale, *, blocks: QuantBlocks = QuantBlocks()):
         kernel_name=f"int8_matmul_t_m{bm}_k{bk}_n{tn}_s{splits}",
     )(x_pad, q)
     return (partial.sum(axis=0)[:, :rows] * scale[:, None]).T.astype(dtype)
+
+
+def int8_matmul_t_reference(x, q, scale):
+    """The same in plain jnp: (x @ q.T) * scale, float32 accumulation, in x's dtype."""
+    y = jnp.dot(x, q.T.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (y * scale).astype(x.dtype)

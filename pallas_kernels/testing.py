@@ -43,7 +43,9 @@ def make_attention_inputs(case: AttentionCase, rng: np.random.Generator):
     """Returns dict(q, k_pages, v_pages, page_table, seq_info) as NumPy arrays
     (float32 data; cast to case.dtype at the call site). Pool rows that hold no
     visible key, and query rows that no segment covers, are NaN when
-    case.poison, so a kernel that reads them shows it."""
+    case.poison, so a kernel that reads them shows it. Page-table entries no
+    sequence owns name random pages, other sequences' too (the engine's device
+    tables keep stale entries there): a kernel must mask what they point at."""
     segs = list(case.segments)
     num_segments = len(segs) + case.num_padding_segments
     ps = case.page_size
@@ -60,7 +62,7 @@ def make_attention_inputs(case: AttentionCase, rng: np.random.Generator):
 
     phys_rows = [case.ring_rows if case.ring_rows else kv_end for _, kv_end in segs]
     pages_per_seq = [-(-max(r, 1) // ps) for r in phys_rows]
-    max_pages = max(pages_per_seq) + 1  # one unused column of zeros
+    max_pages = max(pages_per_seq) + 1  # one unused column at least
     num_pages = 1 + sum(pages_per_seq) + 3  # scratch page 0, a few unowned pages
     owned = rng.permutation(np.arange(1, num_pages))
     num_table_rows = num_segments + 2
@@ -76,6 +78,10 @@ def make_attention_inputs(case: AttentionCase, rng: np.random.Generator):
     for s in range(len(segs), num_segments):
         # Padding segments: q_len 0, anything else arbitrary.
         seq_info[s] = (rng.integers(0, num_rows), 0, slots[s], rng.integers(0, 50))
+    owned_entry = np.zeros(page_table.shape, bool)
+    for s in range(len(segs)):
+        owned_entry[slots[s], :pages_per_seq[s]] = True
+    page_table[~owned_entry] = rng.integers(0, num_pages, int((~owned_entry).sum()))
     order = rng.permutation(num_segments)  # segment order is free
     seq_info = seq_info[order]
 

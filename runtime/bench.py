@@ -97,8 +97,10 @@ class StepBench:
                     n = min(context - done, eng.cache.max_seq_write)
                     if not control.declare_step([seq] * n):
                         raise ValueError(f"the KV pool cannot hold batch {batch} x context {context}")
-                    control.commit_step()  # not prepared: its page-table changes go with the timed step
+                    control.commit_step()
                     done += n
+            # the context's pages to the device's tables now, so the timed step carries only its own changes
+            eng.runner.update_tables(control.take_table_changes())
             width = eng.config.bucket_for(batch * q_len)
             t0 = time.perf_counter()
             if not control.declare_step([s for s in seqs for _ in range(q_len)]):

@@ -446,10 +446,7 @@ class Engine:
                 phases["dispatch"] += time.perf_counter() - t_dispatch
             except BaseException:  # whatever failed before the commit, the declared step is undone
                 if self.control.has_pending_step:
-                    self.control.abort_step()
-                    # the device may have taken table changes of the step (or a `tables` call) before the failure
-                    # or not: the next step sends the whole tables
-                    self.control.resend_tables()
+                    self.control.abort_step()  # its page-table changes stay logged: the next step sends them
                 raise
             if self.drafter is None:
                 self._unread, self._inflight = self._inflight, dispatched
@@ -558,7 +555,7 @@ class Engine:
         if any(len(c) for c in meta.copies):
             self.kv = self.runner.copy(self.kv, meta.copies)
             self.stats.page_copies += sum(len(c) for c in meta.copies)
-        device_meta = DeviceMeta.from_host(meta)
+        device_meta = self.runner.fit_changes(width, DeviceMeta.from_host(meta))
         drafted = None
         if draft_rows is not None:  # the draft tokens the step's token_src reads
             drafted, self.kv = self.runner.draft(width, self.params, self.kv, tokens, token_src, device_meta,

@@ -2,8 +2,9 @@
 
 A `ProgramSet` is a table of named programs, each a jitted function with the abstract arguments it is
 compiled for: `forward_{W}` for every step width W, `sample` (top-k / top-p draws), `logprobs`,
-`copy` (copy-on-write pages) and `tables` (page-table entries past what a step's upload carries). Each compiles once: `compile_all` lowers them one by one (decode widths
-first) and compiles in parallel threads; a program not yet compiled compiles on first use.
+`copy` (copy-on-write pages) and `tables` (page-table entries past what a step's upload carries). Each
+compiles once: `compile_all` lowers them one by one (decode widths first) and compiles in parallel threads;
+a program not yet compiled compiles on first use.
 
 Arguments cross the program boundary as plain tuples and a flat `{"dotted.name": array}` parameter dict,
 so the exported signatures need no custom pytree types. No glint.model import: an engine served from an
@@ -357,9 +358,10 @@ class Runner:
     def layout(self, width: int) -> StepLayout:
         return self._layout_of(width)
 
-    def _fit_changes(self, width: int, meta: DeviceMeta) -> DeviceMeta:
+    def fit_changes(self, width: int, meta: DeviceMeta) -> DeviceMeta:
         """`meta` with at most the width's upload of table changes per group: any before that go to the device
-        first, TABLE_ROWS at a time (the `tables` program)."""
+        now, TABLE_ROWS at a time (the `tables` program). `forward` does this itself; a step that drafts first
+        calls it once for both programs."""
         keep = self.layout(width).changes
         changes = [np.asarray(c, np.int32).reshape(-1, 3) for c in meta.table_changes]
         if all(len(c) <= keep for c in changes):
@@ -369,7 +371,7 @@ class Runner:
 
     def update_tables(self, changes) -> None:
         """Set page-table entries on the device: per group i32[n, 3] (seq, index, page), each (seq, index) once."""
-        longest = max(len(c) for c in changes)
+        longest = max((len(c) for c in changes), default=0)
         for start in range(0, longest, TABLE_ROWS):
             chunk = []
             for c in changes:
@@ -383,7 +385,7 @@ class Runner:
     def forward(self, width: int, params: dict, kv: KVState, tokens, token_src, prev_tokens, meta: DeviceMeta, rows,
                 sampler) -> tuple[jax.Array, jax.Array, KVState]:
         """-> (tokens i32[R] drawn without top-k/top-p, logits f32[R, V], kv); the tables updated in place."""
-        host = self.layout(width).pack(tokens, token_src, self._fit_changes(width, meta), rows, sampler)
+        host = self.layout(width).pack(tokens, token_src, self.fit_changes(width, meta), rows, sampler)
         next_tokens, logits, parts, self.tables = self.programs[forward_name(width)](params, kv.parts(), self.tables,
                                                                                      host, prev_tokens)
         return next_tokens, logits, KVState(*parts)
@@ -393,8 +395,9 @@ class Runner:
         return self.programs["sample"](logits, _fields(sampler))
 
     def draft(self, width: int, params: dict, kv: KVState, tokens, token_src, meta: DeviceMeta, rows):
-        """DFlash drafting before a verifying step (the same metadata): (draft tokens i32[R], kv)."""
-        host = self.layout(width).pack(tokens, token_src, self._fit_changes(width, meta), rows, draft_rows=rows)
+        """DFlash drafting before a verifying step (the same metadata, `fit_changes` applied): (draft tokens
+        i32[R], kv)."""
+        host = self.layout(width).pack(tokens, token_src, meta, rows, draft_rows=rows)
         drafted, parts = self.programs[draft_name(width)](params, kv.parts(), self.tables, host)
         return drafted, KVState(*parts)
 

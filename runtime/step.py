@@ -126,8 +126,8 @@ def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str, layout: Step
     """The engine's step (one program per width): (flat params, KVState.parts(), page tables, host i32[N],
     prev_tokens i32[R]) -> (tokens i32[R], logits f32[R, V], KVState.parts(), page tables), where `host` holds the
     step's tokens, token_src, metadata (with the page-table entries set since the last step, applied to the
-    tables first), rows and sampler packed by `layout` (one upload per step; programs.StepLayout). With a DFlash `draft`,
-    the step also writes the draft's context (`run_model`). With `tensor_parallel` N > 1 it runs under
+    tables first), rows and sampler packed by `layout` (one upload per step; programs.StepLayout). With a DFlash
+    `draft`, the step also writes the draft's context (`run_model`). With `tensor_parallel` N > 1 it runs under
     shard_map over N devices, each on its shard of the model (model/tp.py) and of the KV pools; what it
     returns besides the pools is the same on every device.
 
@@ -196,6 +196,7 @@ def _tables_placed(cache: CacheConfig, tensor_parallel: int) -> tuple | None:
 
 
 def zero_tables(cache: CacheConfig, max_seqs: int) -> tuple:
+    """Per layer group an empty page table i32[max_seqs, P_g] (every entry the scratch page)."""
     return tuple(jnp.zeros((max_seqs, cache.group_pages_per_seq(g)), jnp.int32) for g in range(cache.num_groups))
 
 
@@ -243,7 +244,8 @@ def live_programs(model: ModelConfig, params: dict, cache: CacheConfig, impl: st
     layouts = {w: StepLayout.of(w, cache, max_seqs, rows) for w in widths}
     fns = {forward_name(w): make_step_fn(model, cache, impl, layouts[w], draft, n) for w in widths}
     fns.update(sample=_sample_filtered, sample_argmax=_sample_argmax, logprobs=_logprobs,
-               copy=make_copy_fn(cache, n), tables=make_tables_fn(cache, n), kv_init=make_kv_init_fn(cache, max_seqs, n))
+               copy=make_copy_fn(cache, n), tables=make_tables_fn(cache, n),
+               kv_init=make_kv_init_fn(cache, max_seqs, n))
     if draft is not None:
         fns.update({draft_name(w): make_draft_fn(model, cache, impl, draft, layouts[w]) for w in widths})
     mesh = tp.mesh(n) if n > 1 else None

@@ -388,3 +388,33 @@ def test_the_exported_signature_lists_the_packed_inputs_in_layout_order():
     found = [text.index(f"{n} ") for n in names]
     assert found == sorted(found), names
     assert f"a multiple of {SPAN_ALIGN} elements ({4 * SPAN_ALIGN} bytes" in text  # the alignment StepLayout packs with
+
+
+def test_page_table_entries_go_to_the_device_in_chunks():
+    """More entries than a `tables` call takes, a different number per layer group: the device's tables end up
+    as NumPy sets them, pads dropped; a step's metadata past its upload is cut to the upload, the rest sent."""
+    from glint.runtime.programs import TABLE_ROWS, DeviceMeta
+
+    engine = tiny_engine(max_seqs=64, capacity=512)
+    runner, cache, max_seqs = engine.runner, engine.cache, engine.config.max_seqs
+    assert cache.num_groups == 2 and max_seqs * cache.group_pages_per_seq(0) > 2 * TABLE_ROWS + 5
+    rng = np.random.default_rng(0)
+    want = [np.asarray(t).copy() for t in runner.tables]
+    changes = []
+    for g, n in enumerate((2 * TABLE_ROWS + 5, 3)):
+        pages = cache.group_pages_per_seq(g)
+        keys = rng.choice(max_seqs * pages, n, replace=False)  # each (seq, index) once
+        seqs, index = np.divmod(keys, pages)
+        c = np.stack([seqs, index, rng.integers(1, cache.num_pages, n)], axis=1).astype(np.int32)
+        want[g][seqs, index] = c[:, 2]
+        changes.append(c)
+    runner.update_tables(changes)
+    assert all(np.array_equal(np.asarray(t), w) for t, w in zip(runner.tables, want))
+    width = engine.config.buckets[0]
+    keep = runner.layout(width).changes
+    more = [np.array([[s, 0, 7] for s in range(min(max_seqs, keep + 2))], np.int32), np.zeros((0, 3), np.int32)]
+    meta = runner.fit_changes(width, DeviceMeta(np.zeros(width, np.int32), (), np.zeros((1, 4), np.int32),
+                                                table_changes=tuple(more)))
+    assert [len(c) for c in meta.table_changes] == [min(keep, len(more[0])), 0]
+    sent = len(more[0]) - len(meta.table_changes[0])
+    assert (np.asarray(runner.tables[0])[more[0][:sent, 0], 0] == 7).all()  # what did not fit went ahead

@@ -470,6 +470,11 @@ def test_mosaic_int8_matmul_plans_its_splits_from_the_shapes():
         assert splits == 1 or tiles * max(d for d in range(1, splits) if steps % d == 0) < blocks.min_ctas
     assert qm.supports(64, 256, 128, jnp.bfloat16) and not qm.supports(65, 256, 128, jnp.bfloat16)
     assert not qm.supports(8, 192, 128, jnp.bfloat16) and not qm.supports(8, 256, 128, jnp.float32)
+    assert not qm.supports(1, 0, 128, jnp.bfloat16) and not qm.supports(1, 256, 0, jnp.bfloat16)
+    with pytest.raises(ValueError, match="block_m 32 must be a multiple of 64"):
+        qm.QuantBlocks(block_m=32)
+    with pytest.raises(ValueError, match=r"got x \(1, 2, 128\)"):
+        qm.int8_matmul_t(jnp.zeros((1, 2, 128), jnp.bfloat16), jnp.zeros((256, 128), jnp.int8), jnp.ones((256,)))
     with pytest.raises(ValueError, match=r"x float32\[2, 128\] against q \[256, 128\] is not covered"):
         qm.int8_matmul_t(jnp.zeros((2, 128)), jnp.zeros((256, 128), jnp.int8), jnp.ones((256,)))
     with pytest.raises(ValueError, match=r"q int8 \[N, K\], scale \[N\] expected, got x \(2, 128\), q int8\[256, 64\]"):
@@ -477,21 +482,21 @@ def test_mosaic_int8_matmul_plans_its_splits_from_the_shapes():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
-@pytest.mark.parametrize("m", [1, 5, 8, 33, 64])
-@pytest.mark.parametrize("block_m,stages", [(64, 3), (128, 2)])
-def test_mosaic_int8_matmul_matches_the_float64_product(m, block_m, stages):
+@pytest.mark.parametrize("m", [1, 5, 8, 16, 17, 32, 33, 64])  # token tiles of 8, 16, 32 and 64 rows
+@pytest.mark.parametrize("block_m,block_k,stages", [(64, 128, 3), (128, 128, 2), (64, 256, 2)])
+def test_mosaic_int8_matmul_matches_the_float64_product(m, block_m, block_k, stages):
     from glint.pallas_kernels import quant_matmul_mgpu as qm
     from glint.pallas_kernels.varlen_attention_mgpu import is_hopper
 
     if not is_hopper():
         pytest.skip("needs a Hopper GPU (compute capability 9.0)")
-    k, n = 768, 512
+    k, n = 6 * block_k, 512
     rng = np.random.default_rng(m)
     x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
     q, scale = reference_int8(rng.standard_normal((k, n)).astype(np.float32))
     want = x.astype(np.float64) @ (q.astype(np.float64) * scale)
     # K split in two ranges of three pipeline steps each (min_ctas twice the N tiles)
-    blocks = qm.QuantBlocks(block_m=block_m, block_k=128, stages=stages, min_ctas=2 * n // (2 * block_m))
+    blocks = qm.QuantBlocks(block_m=block_m, block_k=block_k, stages=stages, min_ctas=2 * n // (2 * block_m))
     assert qm.num_splits(n, k, blocks) == 2
     got = qm.int8_matmul_t(jnp.asarray(x), jnp.asarray(q.T), jnp.asarray(scale), blocks=blocks)
     # float32 accumulation, one bfloat16 rounding of the result

@@ -100,9 +100,9 @@ def main(quick: bool, shapes: set[str] | None = None, only: set[str] | None = No
                 ways[f"pallas {c.loads} n{c.block_n} k{c.block_k} w{c.num_warps}"] = (
                     lambda x, q, s, c=c: int8_matmul(x, q, s, blocks=c), qs, [s] * len(qs), int8_bytes, want)
             for c in MOSAIC:
-                name = f"mosaic int8 m{c.block_m} k{c.block_k} st{c.stages} c{c.min_ctas}{' probe' * c.probe}"
-                ways[name] = (lambda x, q, s, c=c: int8_matmul_t(x, q, s, blocks=c), qts, [s] * len(qts),
-                              int8_bytes, None if c.probe else want)
+                way = f"mosaic int8 m{c.block_m} k{c.block_k} st{c.stages} c{c.min_ctas}{' probe' * c.probe}"
+                ways[way] = (lambda x, q, s, c=c: int8_matmul_t(x, q, s, blocks=c), qts, [s] * len(qts),
+                             int8_bytes, None if c.probe else want)
             for way, (fn, ws, scales, nbytes, ref) in ways.items():
                 if only and not any(way.startswith(o) for o in only):
                     continue
@@ -125,7 +125,7 @@ def main(quick: bool, shapes: set[str] | None = None, only: set[str] | None = No
         print(f"{name} | {k} x {n} | {m} | {way} | {tc:.1f} | {pc:.0f} | {ts:.1f} | {ps:.0f}")
     best = {}
     for name, k, n, m, way, tc, pc, ts, ps in rows:
-        if way.startswith(("pallas", "mosaic")) and pc > best.get((name, m), ("", 0))[1]:
+        if way.startswith(("pallas", "mosaic")) and not way.endswith("probe") and pc > best.get((name, m), ("", 0))[1]:
             best[name, m] = (way, pc)
     print("best kernel config per shape and M (chained):", best)
 

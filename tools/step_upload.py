@@ -8,7 +8,6 @@ import sys
 import time
 
 import numpy as np
-
 from glint.kvcache import BatchControl, CacheConfig
 from glint.runtime.programs import DeviceMeta, StepLayout, num_segments
 
