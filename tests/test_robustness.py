@@ -132,7 +132,9 @@ def test_an_exception_at_any_stage_of_a_step_loses_no_token(stage):
             raised[0] += 1
             raise RuntimeError(f"injected into {stage}")
         out = original(*args, **kwargs)
-        if stage == "_fetch" and rng.random() < 0.3:  # the device answered, then the host failed
+        # _fetch: the device answered, then the host failed; _run: the step's programs ran (the KV rows written,
+        # the device's page tables updated), then the dispatch failed before its commit
+        if stage in ("_fetch", "_run") and rng.random() < 0.3:
             raised[0] += 1
             raise RuntimeError(f"injected after {stage}")
         return out
