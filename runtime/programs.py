@@ -156,7 +156,7 @@ class StepLayout:
 
     def meta(self, parts: dict[str, jax.Array], tables: tuple) -> DeviceMeta:
         """The step's metadata inside the program; `tables`: the device's page tables, this step's changes
-        applied (`apply_table_changes` with `changes(parts)`)."""
+        applied (`apply_table_changes` with `table_changes(parts)`)."""
         groups = range(self.groups)
         return DeviceMeta(parts["positions"], tuple(parts[f"slots[{g}]"] for g in groups), parts["seq_info"],
                           tuple(tables))
