@@ -132,9 +132,7 @@ class StepLayout:
             if len(c) > self.changes:
                 raise ValueError(f"{len(c)} page-table changes; the width-{self.width} upload holds {self.changes} "
                                  "(Runner.forward sends the rest first)")
-            pad = np.zeros((self.changes - len(c), 3), np.int32)
-            pad[:, 0] = self.max_seqs
-            changes.append(np.concatenate([c, pad]))
+            changes.append(_padded(c, self.changes, (self.max_seqs, 0, 0)))
         values = (tokens, token_src, meta.positions, *meta.slots, meta.seq_info, *changes, rows, draft_rows, *fields)
         out = np.zeros(self.size, np.int32)
         for (name, start, stop, shape, dtype), value in zip(self.spans, values):
@@ -182,6 +180,22 @@ def donate_argnums(name: str) -> tuple[int, ...]:
     if name.startswith("draft_"):
         return DRAFT_DONATE_ARGNUMS  # the pools; it reads the tables
     return {"copy": COPY_DONATE_ARGNUMS, "tables": TABLES_DONATE_ARGNUMS}.get(name, ())
+
+
+def _padded(rows: np.ndarray, length: int, pad_row: tuple[int, ...]) -> np.ndarray:
+    """i32[length, len(pad_row)]: `rows` (at most `length` of them), then `pad_row` repeated."""
+    out = np.empty((length, len(pad_row)), np.int32)
+    out[:] = pad_row
+    out[:len(rows)] = rows
+    return out
+
+
+def _chunks(groups, size: int, pad_row: tuple[int, ...]):
+    """Per layer group rows i32[n_g, len(pad_row)] -> tuples of `size` rows per group, padded with `pad_row`,
+    as many as the longest group needs."""
+    groups = [np.asarray(c, np.int32).reshape(-1, len(pad_row)) for c in groups]
+    for start in range(0, max((len(c) for c in groups), default=0), size):
+        yield tuple(_padded(c[start:start + size], size, pad_row) for c in groups)
 
 
 def _fields(x) -> tuple:
@@ -371,16 +385,8 @@ class Runner:
 
     def update_tables(self, changes) -> None:
         """Set page-table entries on the device: per group i32[n, 3] (seq, index, page), each (seq, index) once."""
-        longest = max((len(c) for c in changes), default=0)
-        for start in range(0, longest, TABLE_ROWS):
-            chunk = []
-            for c in changes:
-                part = np.zeros((TABLE_ROWS, 3), np.int32)
-                part[:, 0] = self._max_seqs  # pads: past the tables, dropped
-                rows = np.asarray(c, np.int32).reshape(-1, 3)[start:start + TABLE_ROWS]
-                part[:len(rows)] = rows
-                chunk.append(part)
-            self.tables = self.programs["tables"](self.tables, tuple(chunk))
+        for chunk in _chunks(changes, TABLE_ROWS, (self._max_seqs, 0, 0)):  # pads: past the tables, dropped
+            self.tables = self.programs["tables"](self.tables, chunk)
 
     def forward(self, width: int, params: dict, kv: KVState, tokens, token_src, prev_tokens, meta: DeviceMeta, rows,
                 sampler) -> tuple[jax.Array, jax.Array, KVState]:
@@ -416,14 +422,7 @@ class Runner:
         Chunks may run one after another: a destination is a page just taken from the free list, never the
         source of another copy of the same step.
         """
-        longest = max(len(c) for c in copies)
         state = kv.parts()
-        for start in range(0, longest, COPY_ROWS):
-            chunk = []
-            for c in copies:
-                part = np.zeros((COPY_ROWS, 2), np.int32)
-                rows = np.asarray(c, np.int32).reshape(-1, 2)[start:start + COPY_ROWS]
-                part[:len(rows)] = rows
-                chunk.append(part)
-            state = self.programs["copy"](state, tuple(chunk))
+        for chunk in _chunks(copies, COPY_ROWS, (0, 0)):
+            state = self.programs["copy"](state, chunk)
         return KVState(*state)
