@@ -25,6 +25,10 @@ class LayerAttention:
 
 
 class AttentionBackend(Protocol):
+    """A backend may also offer `attend_qkv(layer, qkv [T, Hq + 2 Hkv, D], prep, cache, meta)`, taking the layer's
+    fused projection before its q/k norms and RoPE (`prep`: model.transformer.QKVPrep, whose `split` is the
+    reference) so that it can fuse them with its cache write; the model then calls it instead."""
+
     def __call__(self, layer: LayerAttention, q: jax.Array, k: jax.Array, v: jax.Array,
                  cache: Any, meta: Any) -> tuple[jax.Array, Any]:
         """q [T, Hq, D], k/v [T, Hkv, D] -> ([T, Hq, D], new cache)."""

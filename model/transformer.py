@@ -7,6 +7,7 @@ the parameters as an ordinary pytree. Norms, RoPE and softmax run in float32.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +113,34 @@ def apply_rope(x, table):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+@dataclass(frozen=True)
+class QKVPrep:
+    """How a layer turns its fused q/k/v projection [T, Hq + 2 Hkv, D] into attention inputs: per-head RMSNorm of q
+    and k (`qk_norm` as ModelConfig's, weights f32[D] when "rms"), then RoPE by `rope` ((cos, sin) f32[T, 1, D // 2]
+    from `rope_tables`, or None). `split` is the reference; a backend may fuse it with its cache write."""
+
+    num_heads: int
+    rope: tuple | None
+    qk_norm: str
+    q_norm: jax.Array | None
+    k_norm: jax.Array | None
+    eps: float
+
+    def split(self, qkv):
+        """-> (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]), normed and rotated."""
+        num_kv = (qkv.shape[1] - self.num_heads) // 2
+        q, k, v = jnp.split(qkv, [self.num_heads, self.num_heads + num_kv], axis=1)
+        if self.qk_norm != "none":
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        if self.rope is not None:
+            q, k = apply_rope(q, self.rope), apply_rope(k, self.rope)
+        return q, k, v
+
+
+def _norm_weight(norm: RMSNorm | None):
+    return None if norm is None or norm.weight is None else norm.weight[...]
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, index: int, *, dtype, rngs: nnx.Rngs):
         d, hd = cfg.hidden_size, cfg.head_dim
@@ -123,18 +152,20 @@ class Attention(nnx.Module):
         self.wo = linear(cfg, cfg.num_heads * hd, d, dtype=dtype, rngs=rngs)
         self.wg = linear(cfg, d, cfg.num_heads * hd, dtype=dtype, rngs=rngs) if cfg.attn_output_gate else None
         has_qk_norm, scaled = cfg.qk_norm != "none", cfg.qk_norm == "rms"
+        self.qk_norm, self.eps = cfg.qk_norm, cfg.norm_eps
         self.q_norm = RMSNorm(hd, cfg.norm_eps, scaled=scaled) if has_qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps, scaled=scaled) if has_qk_norm else None
 
     def __call__(self, x, rope: dict, attend: AttentionBackend, cache, meta, axis: str | None = None):
         t = x.shape[0]
         qkv = self.wqkv(x).reshape(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        q, k, v = jnp.split(qkv, [self.num_heads, self.num_heads + self.num_kv_heads], axis=1)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope is not None:
-            q, k = apply_rope(q, rope[self.rope]), apply_rope(k, rope[self.rope])
-        out, cache = attend(self.spec, q, k, v, cache, meta)
+        prep = QKVPrep(self.num_heads, None if self.rope is None else rope[self.rope], self.qk_norm,
+                       _norm_weight(self.q_norm), _norm_weight(self.k_norm), self.eps)
+        fused = getattr(attend, "attend_qkv", None)  # a backend that takes the projection whole (AttentionBackend)
+        if fused is not None:
+            out, cache = fused(self.spec, qkv, prep, cache, meta)
+        else:
+            out, cache = attend(self.spec, *prep.split(qkv), cache, meta)
         out = out.reshape(t, self.num_heads * self.head_dim)
         if self.wg is not None:
             out = out * jax.nn.sigmoid(self.wg(x).astype(jnp.float32)).astype(out.dtype)

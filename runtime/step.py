@@ -18,7 +18,7 @@ from glint.model import dflash, tp, transformer
 from glint.model.attention import LayerAttention
 from glint.model.config import ModelConfig
 from glint.model.dflash import DraftConfig
-from glint.pallas_kernels import (ring_write, ring_write_reference, varlen_attention,
+from glint.pallas_kernels import (qkv_write, ring_write, ring_write_reference, varlen_attention,
                                   varlen_attention_reference)
 from glint.runtime.params import MAX_LOGPROBS
 from glint.runtime.programs import (COPY_DONATE_ARGNUMS, DRAFT_DONATE_ARGNUMS, FORWARD_DONATE_ARGNUMS,
@@ -50,16 +50,30 @@ class PagedAttention:
 
     def __call__(self, layer: LayerAttention, q, k, v, cache: tuple, meta: DeviceMeta):
         pages = self.write(layer.index, cache, k, v, meta)
+        return self.attend(layer, q, pages, meta), pages
+
+    def attend_qkv(self, layer: LayerAttention, qkv, prep, cache: tuple, meta: DeviceMeta):
+        """The model's projection [T, Hq + 2 Hkv, D] whole (model.transformer.QKVPrep says how to norm and rotate
+        it): with the kernels and pools in the activations' dtype one `qkv_write` kernel norms, rotates and
+        writes; otherwise the model's own split, then the write and the attention."""
+        if self.impl == "reference" or len(cache) != 2 or cache[0].dtype != qkv.dtype:
+            return self(layer, *prep.split(qkv), cache, meta)
+        rope = None if prep.rope is None else tuple(x[:, 0, :] for x in prep.rope)
+        q, *pages = qkv_write(*cache, qkv, meta.slots[self.cache.layer_group[layer.index]], rope, prep.q_norm,
+                              prep.k_norm, qk_norm=prep.qk_norm, eps=prep.eps, interpret=self.impl == "interpret")
+        return self.attend(layer, q, tuple(pages), meta), tuple(pages)
+
+    def attend(self, layer: LayerAttention, q, pages: tuple, meta: DeviceMeta):
+        """q [T, Hq, D] over layer `layer.index`'s pools (with this step's rows written) -> [T, Hq, D]."""
         group = self.cache.layer_group[layer.index]
         if self.impl == "reference":
             attend = varlen_attention_reference
         else:
             attend = functools.partial(varlen_attention, interpret=self.impl == "interpret")
         scales = dict(zip(("k_scale", "v_scale"), pages[2:]))
-        out = attend(q, *pages[:2], meta.page_tables[group], meta.seq_info, **scales,
-                     ring_rows=self.cache.group_ring_rows(group), window=layer.window, causal=self.causal,
-                     softcap=layer.softcap, scale=layer.scale)
-        return out, pages
+        return attend(q, *pages[:2], meta.page_tables[group], meta.seq_info, **scales,
+                      ring_rows=self.cache.group_ring_rows(group), window=layer.window, causal=self.causal,
+                      softcap=layer.softcap, scale=layer.scale)
 
 
 def run_model(graphdef, backend, params, kv: KVState, tokens, meta: DeviceMeta, rows,

@@ -35,6 +35,9 @@ CONTEXT = int(os.environ.get("PROFILE_CONTEXT", "512"))
 QUANTIZE = os.environ.get("PROFILE_QUANTIZE")  # a weight format (model/quant.py), e.g. fp8
 if "PROFILE_MAX_SPLITS" in os.environ:  # this process's split-K cap (pallas_kernels/tuning.py), to compare two
     tuning.MAX_SPLITS = int(os.environ["PROFILE_MAX_SPLITS"])
+if "PROFILE_MIN_BLOCKS" in os.environ:  # this process's least key blocks per split (tuning.MIN_BLOCKS_PER_SPLIT)
+    tuning.MIN_BLOCKS_PER_SPLIT = int(os.environ["PROFILE_MIN_BLOCKS"])
+OVERRIDES = {"PROFILE_MAX_SPLITS", "PROFILE_MIN_BLOCKS"} & set(os.environ)
 
 
 def kernel_table(trace_dir: str, steps: int, sequence_path: str | None = None) -> dict:
@@ -72,7 +75,7 @@ def main():
     engine = Engine.from_pretrained(MODEL, dtype="bfloat16", max_seqs=1, max_step_tokens=64, capacity=CONTEXT + 256,
                                     allow_long_context=True, **({"quantize": QUANTIZE} if QUANTIZE else {}),
                                     # a tuning override is not in the kept executables' key: compile afresh
-                                    compile_cache="PROFILE_MAX_SPLITS" not in os.environ)
+                                    compile_cache=not OVERRIDES)
     engine.warmup(progress=False)
     print(f"engine + warmup {time.perf_counter() - t0:.1f} s", flush=True)
     weight_bytes = weights.decode_weight_bytes(engine.params, engine.model.tie_embeddings)
@@ -90,18 +93,20 @@ def main():
             engine.step()
         jax.block_until_ready(engine.kv)
         traced_ms = 1e3 * (time.perf_counter() - t1) / steps
+    tokens = engine.output(rid, text=False).token_ids  # greedy: the same under every XLA_FLAGS, or a numerics change
     engine.abort(rid)
     table = kernel_table(trace_dir, steps, os.path.join(out, "one_step_kernels.txt"))
     with open(os.path.join(out, "forward_1.hlo.txt"), "w") as f:  # the optimized program the loop runs
         f.write(engine.runner.programs["forward_1"].as_text())
     result = dict(xla_flags=os.environ.get("XLA_FLAGS", ""), model=MODEL, context=CONTEXT, quantize=QUANTIZE,
-                  max_splits=tuning.MAX_SPLITS,
+                  max_splits=tuning.MAX_SPLITS, min_blocks_per_split=tuning.MIN_BLOCKS_PER_SPLIT,
                   weight_GB=weight_bytes / 1e9, engine_ms_per_step=loop,
                   engine_TBps=weight_bytes / loop / 1e9, pct_of_4p3=100 * weight_bytes / loop / 1e9 / 4.3,
-                  traced_ms_per_step=traced_ms, **table)
+                  traced_ms_per_step=traced_ms, tokens=tokens, **table)
     for k, v in result.items():
-        if k != "top_us_per_step":
+        if k not in ("top_us_per_step", "tokens"):
             print(f"{k}: {v}")
+    print("tokens:", " ".join(map(str, tokens)))
     for row in result.get("top_us_per_step", []):
         print("  ", row)
     print(json.dumps(result))

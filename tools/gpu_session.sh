@@ -135,16 +135,26 @@ case "${1:-all}" in
       --prompt-len 512 --gen-len 128 --max-step-tokens 1024 --json "$out/dflash.json" > "$out/dflash.log" 2>&1
     tail -12 "$out/dflash.log"
     ;;
-  decode-profile)  # batch-1 decode profiles (~4 min): bf16; fp8; fp8 with cuBLASLt recorded into XLA's command
-                   # buffers (the fp8 loop idles 2.4 ms a step between kernels; PROFILE_VARIANTS picks)
+  decode-profile)  # batch-1 decode profiles (~80 s each): bf16; fp8; fp8 with cuBLASLt recorded into XLA's command
+                   # buffers; bf16 under XLA fusion / launch flags (PROFILE_VARIANTS picks)
+    pdl="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true"
+    heroless=--xla_gpu_experimental_enable_triton_heroless_priority_fusion=true
     for v in ${PROFILE_VARIANTS:-bf16 fp8 fp8-cublaslt}; do
       case $v in
         bf16) env=() ;;
+        base) env=(PYTHONPATH=$PWD/.gpu/base) ;;  # an earlier tree: git archive REV --prefix=glint/ | tar -x -C .gpu/base
+        pdl) env=("XLA_FLAGS=$pdl") ;;
+        heroless) env=(XLA_FLAGS=$heroless) ;;
+        block-level) env=(XLA_FLAGS=--xla_gpu_experimental_enable_fusion_block_level_rewriter=true) ;;
+        all-triton) env=(XLA_FLAGS=--xla_gpu_experimental_all_fusions_with_triton=true) ;;
+        multi-output) env=(XLA_FLAGS=--xla_gpu_unsupported_enable_triton_multi_output_fusion=true) ;;
+        min-blocks-*) env=(PROFILE_MIN_BLOCKS=${v#min-blocks-}) ;;  # key blocks per split-K split, at least
         fp8) env=(PROFILE_QUANTIZE=fp8) ;;
         fp8-cublaslt) env=(PROFILE_QUANTIZE=fp8 XLA_FLAGS=--xla_gpu_enable_command_buffer=+CUBLASLT) ;;
       esac
-      env "${env[@]}" timeout 150 python3 tools/gpu_decode_profile.py "$out/prof_$v" > "$out/prof_$v.log" 2>&1
-      echo "== $v"; grep -E "^(engine_ms|pct_of|gpu_busy|kernels_per|Error)" "$out/prof_$v.log"
+      env "${env[@]}" timeout ${PROFILE_TIMEOUT:-150} python3 tools/gpu_decode_profile.py "$out/prof_$v" \
+        > "$out/prof_$v.log" 2>&1
+      echo "== $v"; grep -E "^(engine_ms|pct_of|gpu_busy|kernels_per|tokens|Error)" "$out/prof_$v.log"
       rm -rf "$out/prof_$v/trace"
     done
     ;;
