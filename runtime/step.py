@@ -195,18 +195,23 @@ def _logprobs(logits, tokens):
     return tuple(logprobs(logits, tokens, MAX_LOGPROBS))
 
 
-def _pools_placed(cache: CacheConfig, tensor_parallel: int) -> dict:
-    """jit's out_shardings for programs that return the pools: split by KV head over the mesh (one device: none)."""
+def _pools_placed(cache: CacheConfig, tensor_parallel: int) -> tuple | None:
+    """The KV pools' shardings (KVState.parts()) over a tensor-parallel mesh: split by KV head (one device: none)."""
     if tensor_parallel == 1:
-        return {}
-    return {"out_shardings": tuple((s,) * cache.num_layers for s in kv_sharding(cache, tp.mesh(tensor_parallel)))}
+        return None
+    return tuple((s,) * cache.num_layers for s in kv_sharding(cache, tp.mesh(tensor_parallel)))
 
 
 def _tables_placed(cache: CacheConfig, tensor_parallel: int) -> tuple | None:
-    """The page tables' sharding over a tensor-parallel mesh: replicated (one device: none)."""
+    """The page tables' shardings over a tensor-parallel mesh: replicated (one device: none)."""
     if tensor_parallel == 1:
         return None
     return (jax.sharding.NamedSharding(tp.mesh(tensor_parallel), jax.sharding.PartitionSpec()),) * cache.num_groups
+
+
+def _placed(out_shardings) -> dict:
+    """jit's keyword arguments for a program's output shardings (None: jit's own placement)."""
+    return {} if out_shardings is None else {"out_shardings": out_shardings}
 
 
 def zero_tables(cache: CacheConfig, max_seqs: int) -> tuple:
@@ -223,17 +228,14 @@ def make_kv_init_fn(cache: CacheConfig, max_seqs: int, tensor_parallel: int = 1)
         return KVState.create(cache).parts(), zero_tables(cache, max_seqs)
 
     pools = _pools_placed(cache, tensor_parallel)
-    if not pools:
-        return jax.jit(kv_init)
-    return jax.jit(kv_init, out_shardings=(pools["out_shardings"], _tables_placed(cache, tensor_parallel)))
+    return jax.jit(kv_init, **_placed(None if pools is None else (pools, _tables_placed(cache, tensor_parallel))))
 
 
 @functools.lru_cache(maxsize=16)
 def make_tables_fn(cache: CacheConfig, tensor_parallel: int = 1):
     """Page-table entries beyond a step's upload (programs.Runner.update_tables)."""
-    placed = _tables_placed(cache, tensor_parallel)
     return jax.jit(apply_table_changes, donate_argnums=TABLES_DONATE_ARGNUMS,
-                   **({} if placed is None else {"out_shardings": placed}))
+                   **_placed(_tables_placed(cache, tensor_parallel)))
 
 
 @functools.lru_cache(maxsize=16)
@@ -243,7 +245,7 @@ def make_copy_fn(cache: CacheConfig, tensor_parallel: int = 1):
     def copy(kv, copies):
         return apply_copies(KVState(*kv), cache, copies).parts()
 
-    return jax.jit(copy, donate_argnums=COPY_DONATE_ARGNUMS, **_pools_placed(cache, tensor_parallel))
+    return jax.jit(copy, donate_argnums=COPY_DONATE_ARGNUMS, **_placed(_pools_placed(cache, tensor_parallel)))
 
 
 def live_programs(model: ModelConfig, params: dict, cache: CacheConfig, impl: str, widths, max_seqs: int,
