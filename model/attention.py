@@ -8,7 +8,7 @@ The dense backend below attends over the step's own tokens (no cache); the paged
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -25,13 +25,21 @@ class LayerAttention:
 
 
 class AttentionBackend(Protocol):
-    """A backend may also offer `attend_qkv(layer, qkv [T, Hq + 2 Hkv, D], prep, cache, meta)`, taking the layer's
-    fused projection before its q/k norms and RoPE (`prep`: model.transformer.QKVPrep, whose `split` is the
-    reference) so that it can fuse them with its cache write; the model then calls it instead."""
-
     def __call__(self, layer: LayerAttention, q: jax.Array, k: jax.Array, v: jax.Array,
                  cache: Any, meta: Any) -> tuple[jax.Array, Any]:
         """q [T, Hq, D], k/v [T, Hkv, D] -> ([T, Hq, D], new cache)."""
+        ...
+
+
+@runtime_checkable
+class FusedQKVBackend(Protocol):
+    """A backend that also takes a layer's fused projection before its q/k norms and RoPE, to fuse them with its
+    cache write; the model calls `attend_qkv` instead of `__call__` when the backend has it."""
+
+    def attend_qkv(self, layer: LayerAttention, qkv: jax.Array, prep: Any, cache: Any,
+                   meta: Any) -> tuple[jax.Array, Any]:
+        """qkv [T, Hq + 2 Hkv, D]; prep: model.transformer.QKVPrep (its `split` is the reference) ->
+        ([T, Hq, D], new cache)."""
         ...
 
 

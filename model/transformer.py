@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from glint.model.attention import AttentionBackend, DenseMeta, LayerAttention, dense_attention
+from glint.model.attention import AttentionBackend, DenseMeta, FusedQKVBackend, LayerAttention, dense_attention
 from glint.model.config import ModelConfig, RopeConfig
 from glint.model import quant
 from glint.model.quant import LINEARS
@@ -161,9 +161,8 @@ class Attention(nnx.Module):
         qkv = self.wqkv(x).reshape(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         prep = QKVPrep(self.num_heads, None if self.rope is None else rope[self.rope], self.qk_norm,
                        _norm_weight(self.q_norm), _norm_weight(self.k_norm), self.eps)
-        fused = getattr(attend, "attend_qkv", None)  # a backend that takes the projection whole (AttentionBackend)
-        if fused is not None:
-            out, cache = fused(self.spec, qkv, prep, cache, meta)
+        if isinstance(attend, FusedQKVBackend):
+            out, cache = attend.attend_qkv(self.spec, qkv, prep, cache, meta)
         else:
             out, cache = attend(self.spec, *prep.split(qkv), cache, meta)
         out = out.reshape(t, self.num_heads * self.head_dim)

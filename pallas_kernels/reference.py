@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["quantize_rows", "ring_write_reference", "varlen_attention_reference"]
+__all__ = ["quantize_rows", "qkv_write_reference", "ring_write_reference", "varlen_attention_reference"]
 
 
 FP8_MAX = 448.0
@@ -99,6 +99,33 @@ def ring_write_reference(k_pages, v_pages, k_new, v_new, slots, k_scale=None, v_
     k_flat = k_pages.reshape(flat_shape).at[slots].set(to_pool_dtype(k_new, k_pages.dtype), **drop)
     v_flat = v_pages.reshape(flat_shape).at[slots].set(to_pool_dtype(v_new, v_pages.dtype), **drop)
     return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape), *scales
+
+
+def qkv_write_reference(k_pages, v_pages, qkv, slots, rope=None, q_norm=None, k_norm=None, *, qk_norm="none",
+                        eps=1e-6):
+    """The fused q/k/v write's semantics: split qkv [T, Hq + 2 Hkv, D] into q, k, v heads; with qk_norm RMSNorm
+    each q and k head in float32 (times q_norm / k_norm f32[D] when "rms"), rounded to qkv's dtype; with rope
+    ((cos, sin) f32[T, D // 2]) rotate-half RoPE in float32, rounded again; k and v to their slots as
+    `ring_write_reference`. Returns (q [T, Hq, D], k_pages, v_pages)."""
+    num_kv_heads = k_pages.shape[2]
+    num_q_heads = qkv.shape[1] - 2 * num_kv_heads
+    q, k, v = jnp.split(qkv, [num_q_heads, num_q_heads + num_kv_heads], axis=1)
+
+    def norm(x, weight):
+        x32 = x.astype(jnp.float32)
+        y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        return (y if weight is None else y * weight).astype(x.dtype)
+
+    def rotate(x):
+        cos, sin = (c[:, None, :] for c in rope)
+        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+    if qk_norm != "none":
+        q, k = norm(q, q_norm), norm(k, k_norm)
+    if rope is not None:
+        q, k = rotate(q), rotate(k)
+    return (q, *ring_write_reference(k_pages, v_pages, k, v, slots))
 
 
 def _key_counts(pos, kv_end, num_phys_rows, *, window, causal):

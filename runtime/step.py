@@ -56,6 +56,9 @@ class PagedAttention:
         """The model's projection [T, Hq + 2 Hkv, D] whole (model.transformer.QKVPrep says how to norm and rotate
         it): with the kernels and pools in the activations' dtype one `qkv_write` kernel norms, rotates and
         writes; otherwise the model's own split, then the write and the attention."""
+        if qkv.shape[1] != prep.num_heads + 2 * cache[0].shape[2]:
+            raise ValueError(f"layer {layer.index}: a projection of {qkv.shape[1]} heads is not {prep.num_heads} q "
+                             f"heads + 2 x the pools' {cache[0].shape[2]} kv heads")
         if self.impl == "reference" or len(cache) != 2 or cache[0].dtype != qkv.dtype:
             return self(layer, *prep.split(qkv), cache, meta)
         rope = None if prep.rope is None else tuple(x[:, 0, :] for x in prep.rope)

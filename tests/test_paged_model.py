@@ -51,7 +51,8 @@ def test_chunked_prefill_then_decode_matches_full_forward(hf_fixture, impl):
     np.testing.assert_allclose(np.concatenate(got), expected, rtol=1e-3, atol=1e-3)
 
 
-def test_glimmer_layout_paged_equals_dense():
+@pytest.mark.parametrize("impl", ["reference", PALLAS])
+def test_glimmer_layout_paged_equals_dense(impl):
     """Glimmer's blocks (scaleless q/k norm, output gate, embedding norm, no-RoPE global layers, soft-cap) take
     the same values through the paged cache as through the full-sequence path."""
     from glint.model.presets import preset
@@ -66,7 +67,7 @@ def test_glimmer_layout_paged_equals_dense():
     cache = CacheConfig(page_size=4, num_pages=64, max_seqs=1, max_write=8, capacity=64, windows=cfg.layer_windows,
                         kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype="float32")
     control, kv, tables = BatchControl(cache), KVState.create(cache), zero_tables(cache, cache.max_seqs)
-    backend = PagedAttention(cache, "reference")
+    backend = PagedAttention(cache, impl)
     step = jax.jit(lambda params, kv, toks, meta, rows: run_model(graphdef, backend, params, kv, toks, meta, rows))
     seq, got = control.seq_new(), []
     for start in range(0, len(tokens), 8):
@@ -79,6 +80,36 @@ def test_glimmer_layout_paged_equals_dense():
         got.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(got), expected, rtol=1e-4, atol=1e-4)
     assert np.abs(expected).max() <= 20.0  # the final soft-cap
+
+
+@pytest.mark.parametrize("kv_dtype, is_fused", [("float32", True), ("float8_e4m3fn", False)])
+def test_the_kernels_fuse_the_qkv_write_for_plain_pools(monkeypatch, kv_dtype, is_fused):
+    """Through the kernels each layer's norms, RoPE and cache write are one qkv_write when the pools are in the
+    activations' dtype, and the unfused path otherwise (a scaled fp8 cache); either way the logits are the
+    reference backend's."""
+    from glint.model.presets import preset
+    from glint.runtime import step as step_module
+
+    cfg = preset("qwen3-8b", dtype="float32").replace(
+        num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=256)
+    assert cfg.qk_norm == "rms"
+    graphdef, params = transformer.split(transformer.init_model(cfg, seed=5))
+    calls = []
+    fused = step_module.qkv_write
+    monkeypatch.setattr(step_module, "qkv_write", lambda *a, **k: calls.append(k["qk_norm"]) or fused(*a, **k))
+    tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, 8).astype(np.int32)
+    logits = {}
+    for impl in ("reference", PALLAS):
+        cache = CacheConfig(page_size=4, num_pages=16, max_seqs=1, max_write=8, capacity=32, windows=cfg.layer_windows,
+                            kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=kv_dtype)
+        control, kv, tables = BatchControl(cache), KVState.create(cache), zero_tables(cache, cache.max_seqs)
+        assert control.declare_step([control.seq_new()] * 8)
+        meta = control.prepare_step(width=8, num_segments=1)
+        out, _ = run_model(graphdef, PagedAttention(cache, impl), params, kv, tokens,
+                           device_meta(meta, apply_table_changes(tables, meta.table_changes)), np.arange(8))
+        logits[impl] = np.asarray(out)
+    assert calls == (["rms"] * cfg.num_layers if is_fused else [])
+    np.testing.assert_allclose(logits[PALLAS], logits["reference"], rtol=1e-4, atol=1e-4)
 
 
 def test_rope_is_computed_once_per_step_not_per_layer(hf_fixture):

@@ -67,7 +67,7 @@ def test_tensor_parallel_gives_transformers_greedy_tokens(hf_fixture):
 
 @pytest.mark.parametrize("path", covering_fixtures()[:1], ids=lambda p: p.name)  # one with ring layers
 def test_tensor_parallel_through_the_pallas_kernels(path):
-    """The ring-write and attention kernels under shard_map, on each device's heads: TP 1's tokens (greedy, seeded
+    """The qkv-write and attention kernels under shard_map, on each device's heads: TP 1's tokens (greedy, seeded
     n = 2, top-k / top-p) at TP 4."""
     _, tokens = run(path, 4, attention=PALLAS)
     assert tokens == tp1(path)[0]
