@@ -310,8 +310,9 @@ def test_default_num_splits_heuristic():
     # Many sequences already fill the GPU; prefill never splits.
     assert default_num_splits(256, 256, 32, 8, 32768, blocks) == 1
     assert default_num_splits(4096, 2, 32, 8, 32768, blocks) == 1
-    # Short contexts are not worth splitting.
-    assert default_num_splits(8, 8, 32, 8, 128, blocks) == 1
+    # A context of one key block has nothing to split; a short one splits no further than its blocks.
+    assert default_num_splits(8, 8, 32, 8, 64, blocks) == 1
+    assert default_num_splits(1, 1, 32, 8, 768, blocks) == 768 // 64
 
 
 def _valid_args():

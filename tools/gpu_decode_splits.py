@@ -7,7 +7,8 @@ keys: the engine sizes split-K from it, not from the context (1 x 512 in a 768-k
 Each split's output is checked against the single-split one first. Prints one table; the best split per shape
 and timing are marked.
 
-    python3 tools/gpu_decode_splits.py
+    python3 tools/gpu_decode_splits.py                      # every shape below
+    python3 tools/gpu_decode_splits.py 1x512x768 8x1024x1024  # batch x context x capacity, these only
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ SHAPES = [  # (batch, context, capacity)
 
 def main():
     cpu = jax.default_backend() == "cpu"  # a dry run of the script: interpreted kernels, tiny shapes, no cuDNN
-    shapes = [(1, 48, 64), (2, 100, 128)] if cpu else SHAPES
+    chosen = [tuple(map(int, a.split("x"))) for a in sys.argv[1:]]
+    shapes = [(1, 48, 64), (2, 100, 128)] if cpu else chosen or SHAPES
     scale = D ** -0.5
     key = jax.random.key(0)
     print(f"{'batch':>5} {'ctx':>6} {'cap':>6} {'default':>7} | {'splits':>6} {'chained us':>10} {'separate us':>11} "
