@@ -17,11 +17,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
-
 from glint.pallas_kernels import tuning
 from glint.pallas_kernels.reference import qkv_write_reference
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 __all__ = ["QK_NORMS", "qkv_write", "qkv_write_reference"]
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["quantize_rows", "qkv_write_reference", "ring_write_reference", "varlen_attention_reference"]
+__all__ = ["qkv_write_reference", "quantize_rows", "ring_write_reference", "varlen_attention_reference"]
 
 
 FP8_MAX = 448.0

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import INTERPRET
-
 from glint.model.config import RopeConfig
 from glint.model.transformer import QKVPrep, rope_table
 from glint.pallas_kernels import qkv_write, ring_write_reference
@@ -41,7 +40,7 @@ def _case(request, num_q_heads, num_kv_heads, head_dim, dtype, num_rows, qk_norm
     if qk_norm != "rms":
         weights = [None, None]
     flat_rope = None if rope is None else tuple(x[:, 0, :] for x in rope)
-    return (k_pages, v_pages, qkv, jnp.asarray(slots, jnp.int32), flat_rope, *weights), dict(qk_norm=qk_norm), rope
+    return (k_pages, v_pages, qkv, jnp.asarray(slots, jnp.int32), flat_rope, *weights), {"qk_norm": qk_norm}, rope
 
 
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, dtype, num_rows, qk_norm, is_rotated", CASES)
@@ -57,7 +56,7 @@ def test_qkv_write_matches_reference(num_q_heads, num_kv_heads, head_dim, dtype,
     # float32 math in another order (the compiler's fused multiply-adds, the halves' sums): one unit in the last
     # place of the activation dtype at most; in bf16 the interpreter rounds where the reference does, so almost
     # every element is equal (a missing rounding step leaves about a third of them one unit off)
-    tol = dict(rtol=1e-6, atol=1e-6) if dtype == "float32" else dict(rtol=2 ** -7, atol=2 ** -7)
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == "float32" else {"rtol": 2 ** -7, "atol": 2 ** -7}
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, **tol)
         if INTERPRET and dtype == "bfloat16":
@@ -97,19 +96,19 @@ def test_qkv_write_rejects_bad_arguments():
     slots = jnp.zeros(3, jnp.int32)
     norm = jnp.ones(64, jnp.float32)
     bad = [
-        (dict(qkv=jnp.zeros((3, 4, 64), jnp.bfloat16)), "qkv must be"),
-        (dict(qkv=jnp.zeros((3, 7, 64), jnp.bfloat16)), "multiple of Hkv"),
-        (dict(qkv=qkv.astype(jnp.float32)), "in qkv's dtype"),
-        (dict(rope=(jnp.zeros((3, 64), jnp.float32),) * 2), "rope must be"),
-        (dict(rope=(jnp.zeros((3, 32), jnp.float32),)), "rope must be"),
-        (dict(qk_norm="rms"), "go with qk_norm='rms'"),
-        (dict(q_norm=norm, k_norm=norm), "go with qk_norm='rms'"),
-        (dict(q_norm=norm[:32], k_norm=norm, qk_norm="rms"), "must be \\[D\\]"),
-        (dict(qk_norm="layer"), "qk_norm must be one of"),
-        (dict(slots=jnp.zeros(2, jnp.int32)), "slots must be"),
+        ({"qkv": jnp.zeros((3, 4, 64), jnp.bfloat16)}, "qkv must be"),
+        ({"qkv": jnp.zeros((3, 7, 64), jnp.bfloat16)}, "multiple of Hkv"),
+        ({"qkv": qkv.astype(jnp.float32)}, "in qkv's dtype"),
+        ({"rope": (jnp.zeros((3, 64), jnp.float32),) * 2}, "rope must be"),
+        ({"rope": (jnp.zeros((3, 32), jnp.float32),)}, "rope must be"),
+        ({"qk_norm": "rms"}, "go with qk_norm='rms'"),
+        ({"q_norm": norm, "k_norm": norm}, "go with qk_norm='rms'"),
+        ({"q_norm": norm[:32], "k_norm": norm, "qk_norm": "rms"}, "must be \\[D\\]"),
+        ({"qk_norm": "layer"}, "qk_norm must be one of"),
+        ({"slots": jnp.zeros(2, jnp.int32)}, "slots must be"),
     ]
     for change, message in bad:
-        kw = dict(k_pages=pools, v_pages=pools, qkv=qkv, slots=slots) | change
+        kw = {"k_pages": pools, "v_pages": pools, "qkv": qkv, "slots": slots} | change
         with pytest.raises(ValueError, match=message):
             qkv_write(**kw, interpret=True)
     odd = jnp.zeros((4, 8, 2, 63), jnp.bfloat16)
