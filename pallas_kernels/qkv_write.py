@@ -17,10 +17,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from glint.pallas_kernels import tuning
-from glint.pallas_kernels.reference import qkv_write_reference
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from glint.pallas_kernels import tuning
+from glint.pallas_kernels.reference import qkv_write_reference
 
 __all__ = ["QK_NORMS", "qkv_write", "qkv_write_reference"]
 

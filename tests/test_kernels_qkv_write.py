@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import INTERPRET
+
 from glint.model.config import RopeConfig
 from glint.model.transformer import QKVPrep, rope_table
 from glint.pallas_kernels import qkv_write, ring_write_reference
