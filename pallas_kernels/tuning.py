@@ -36,11 +36,12 @@ DECODE_ROWS_PER_SEGMENT = 4
 # Split-K aims for this many programs (about eight per H200 multiprocessor),
 # never more than MAX_SPLITS splits, nor fewer than MIN_BLOCKS_PER_SPLIT key
 # blocks per split. MAX_SPLITS 32 (was 16), 2026-12-01 (tools/gpu_decode_splits.py): one sequence at 32k
-# keys ran 67.8 us at 32 splits against 96.0 at 16 (cuDNN 72.2), chained; the other measured shapes
-# choose fewer splits than 16 anyway. MIN_BLOCKS_PER_SPLIT 1 (was 4), 2026-12-02 (tools/gpu_decode_profile.py,
-# llama3-8b batch 1 at 512 keys in a 768-key table): 12 splits of one block ran 4.16 ms per token against
-# 4.30 at 3 splits of four (6 splits: 4.28); a step that few sequences decode wants its programs more than
-# fewer merges.
+# keys ran 67.8 us at 32 splits against 96.0 at 16 (cuDNN 72.2), chained. MIN_BLOCKS_PER_SPLIT 1 (was 4),
+# 2026-12-02 (tools/gpu_decode_profile.py, llama3-8b batch 1 at 512 keys in a 768-key table): 12 splits
+# (8 of one block, 4 empty) against 3 of 3/3/2 blocks took the attention and its merge from 303 to 256 us per
+# token by the trace's kernel sums (6 splits: 292.5), about 1 % of the token; a step that few sequences decode
+# wants its programs more than fewer merges. Since then up to 32 splits is reachable below 2k keys, where the
+# microbenchmarks are mixed (docs/perf.md).
 TARGET_PROGRAMS = 1024
 MAX_SPLITS = 32
 MIN_BLOCKS_PER_SPLIT = 1

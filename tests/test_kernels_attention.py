@@ -13,6 +13,7 @@ from conftest import INTERPRET
 from glint.pallas_kernels import (
     BlockSizes,
     default_num_splits,
+    tuning,
     varlen_attention,
     varlen_attention_reference,
 )
@@ -313,6 +314,9 @@ def test_default_num_splits_heuristic():
     # A context of one key block has nothing to split; a short one splits no further than its blocks.
     assert default_num_splits(8, 8, 32, 8, 64, blocks) == 1
     assert default_num_splits(1, 1, 32, 8, 768, blocks) == 768 // 64
+    # One sequence at 32k keys: as many splits as allowed; 64 sequences fill half the target programs: two.
+    assert default_num_splits(1, 1, 32, 8, 33024, blocks) == tuning.MAX_SPLITS
+    assert default_num_splits(64, 64, 32, 8, 1024, blocks) == 2
 
 
 def _valid_args():

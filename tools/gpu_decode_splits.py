@@ -33,9 +33,22 @@ SHAPES = [  # (batch, context, capacity)
 ]
 
 
+def _shape(arg: str) -> tuple[int, int, int]:
+    """"BxCTXxCAP" -> (batch, context, capacity); the context must fit the capacity."""
+    parts = arg.split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise SystemExit(f"shape {arg!r}: expected BATCHxCONTEXTxCAPACITY, e.g. 1x512x768")
+    batch, ctx, cap = map(int, parts)
+    if ctx > cap:
+        raise SystemExit(f"shape {arg!r}: context {ctx} exceeds the capacity {cap}")
+    return batch, ctx, cap
+
+
 def main():
     cpu = jax.default_backend() == "cpu"  # a dry run of the script: interpreted kernels, tiny shapes, no cuDNN
-    chosen = [tuple(map(int, a.split("x"))) for a in sys.argv[1:]]
+    chosen = [_shape(a) for a in sys.argv[1:]]
+    if cpu and chosen:
+        print(f"CPU dry run: the shapes given ({' '.join(sys.argv[1:])}) are replaced by tiny ones")
     shapes = [(1, 48, 64), (2, 100, 128)] if cpu else chosen or SHAPES
     scale = D ** -0.5
     key = jax.random.key(0)
