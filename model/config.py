@@ -11,6 +11,9 @@ ROPE_KINDS = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "gelu_tanh")
 QK_NORMS = ("none", "rms", "rms_scaleless")
 QUANT_FORMATS = ("none", "int8", "int4", "fp8")  # weight formats of the linears (model/quant.py)
+# How the formats lay out their arrays (model/quant.py); 1 (a glint.json without the field): int8 and int4
+# stored [in, out], which this glint no longer reads.
+QUANT_LAYOUT = 2
 DTYPES = ("bfloat16", "float32", "float16")
 QUANTIZE_HELP = ("int8: weight-only, per output channel; int4: weight-only, per group of input rows and output "
                  "channel; fp8: float8_e4m3fn weights per output channel and activations per token (W8A8)")
@@ -99,6 +102,7 @@ class ModelConfig:
     quantize: str = "none"  # the linears' weight format (model/quant.py); embedding, head and norms keep dtype
     quant_group: int = 128  # int4: input rows per scale
     quantize_head: bool = False  # the LM head (the embedding table too when tied) as int8 per vocab entry
+    quant_layout: int = QUANT_LAYOUT  # the stored layout of the quantized arrays (above)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -132,6 +136,12 @@ class ModelConfig:
             raise ValueError(f"quantize {self.quantize!r} is not supported (supported: {QUANT_FORMATS})")
         if not isinstance(self.quant_group, int) or self.quant_group < 1:
             raise ValueError(f"quant_group must be a positive int, got {self.quant_group!r}")
+        if self.quantize == "int4" and self.quant_group % 2:
+            raise ValueError(f"quant_group {self.quant_group} must be even for int4 (two input rows per byte)")
+        if self.quant_layout != QUANT_LAYOUT and (self.quantize in ("int8", "int4") or self.quantize_head):
+            raise ValueError(f"quantize={self.quantize!r}, quantize_head={self.quantize_head} stored in layout "
+                             f"{self.quant_layout} (int8 / int4 [in, out], before 2026-12-03); this glint reads "
+                             f"layout {QUANT_LAYOUT} ([out, in]): convert or export the HF checkpoint again")
         for name in ("attn_softcap", "final_softcap", "query_scale", "norm_eps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -170,6 +180,7 @@ class ModelConfig:
     @classmethod
     def from_json(cls, text: str) -> ModelConfig:
         d = json.loads(text)
+        d.setdefault("quant_layout", 1)  # written before the field existed
         d["layer_rope"] = tuple(None if r is None else RopeConfig(**r) for r in d["layer_rope"])
         return cls(**d)
 

@@ -1,18 +1,20 @@
 """Quantized linears: weight-only int8 and int4, and fp8 weights with fp8 activations (W8A8).
 
-A kernel w [in, out] is stored in one of three formats (each with the matmul that reads it):
-- int8: q = round(w / scale) in int8 [in, out], scale = max |w[:, j]| / 127 in float32 [out] (symmetric per
-  output channel); y = (x @ q) * scale.
-- int4: symmetric per group of `group` input rows and per output column: scale = max |w[g, j]| / 7 in bfloat16
-  [ceil(in / group), out], q = round(w / scale) in [-7, 7], packed two per byte along the output dimension (column
-  2c in the low nibble, 2c + 1 in the high one; uint8 [in, ceil(out / 2)]). The last group may be short.
-- fp8: q = w / scale in float8_e4m3fn, stored transposed [out, in] (the K-major operand layout of Hopper's FP8
-  GEMM), scale = max |w[:, j]| / 448 in float32 [out]; each step's activations are quantized per token the same
-  way (dynamic scales), the dot runs fp8 x fp8 with float32 accumulation and both scales multiply its result.
-Decode is bound by reading the weights, so fewer bytes per weight is the lever; the weight-only formats widen
-q inside the dot and leave the fusion to XLA (on the H200 it fuses int8's widening into the GEMM, not int4's
-unpacking: docs/perf.md). Embedding and LM head stay in the model dtype unless `quantize_head` (int8 per vocab
-entry, model/transformer.py).
+A kernel w [in, out] is stored output-major, each output channel's weights contiguous, in one of three formats
+(each with the matmul that reads it):
+- int8: q = round(w / scale) in int8 [out, in], scale = max |w[:, j]| / 127 in float32 [out] (symmetric per
+  output channel); y = (x @ q.T) * scale.
+- int4: symmetric per output channel and group of `group` (even) input rows: scale = max |w[g, j]| / 7 in bfloat16
+  [out, ceil(in / group)], q = round(w / scale) in [-7, 7], packed two per byte along the input dimension (input
+  row 2i in the low nibble, 2i + 1 in the high one; uint8 [out, ceil(in / group) * group / 2], zero past `in`).
+- fp8: q = w / scale in float8_e4m3fn [out, in] (the K-major operand layout of Hopper's FP8 GEMM), scale =
+  max |w[:, j]| / 448 in float32 [out]; each step's activations are quantized per token the same way (dynamic
+  scales), the dot runs fp8 x fp8 with float32 accumulation and both scales multiply its result.
+Decode is bound by reading the weights, so fewer bytes per weight is the lever. The weight-only formats leave the
+kernel to XLA, in the formulation measured fastest per token count on the H200 (docs/perf.md, "Output-major
+int8 and int4"): int8 widens q inside a dot over rows padded to 8; int4 reduces each output channel's row of
+nibbles for up to 3 tokens and dequantizes them inside two dots (even and odd input rows) for more. Embedding
+and LM head stay in the model dtype unless `quantize_head` (int8 per vocab entry, model/transformer.py).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ INT4_MAX = 7
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
 DEFAULT_GROUP = 128
+_CONTRACT_IN = (((1,), (1,)), ((), ()))  # x [T, in] . q [out, in] -> [T, out]
 
 
 def _highest(dtype):
@@ -37,79 +40,129 @@ def _absmax_scale(w, axis, top: float, keepdims: bool = False):
     return jnp.where(amax > 0, amax / top, 1.0)
 
 
+def _dot_t(x, w):
+    """x [T, in] @ w.T for w [out, in] in x's dtype, float32 result."""
+    return jax.lax.dot_general(x, w.astype(x.dtype), _CONTRACT_IN, preferred_element_type=jnp.float32,
+                               precision=_highest(x.dtype))
+
+
 # int8 -------------------------------------------------------------------------------------------------------------
 
 def quantize_int8(w) -> tuple[jax.Array, jax.Array]:
-    """w [in, out] (any float dtype) -> (q i8[in, out], scale f32[out]); an all-zero column gets scale 1."""
+    """w [in, out] (any float dtype) -> (q i8[out, in], scale f32[out]); an all-zero column gets scale 1."""
     w = jnp.asarray(w, jnp.float32)
     scale = _absmax_scale(w, 0, INT8_MAX)
     q = jnp.clip(jnp.round(w / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
-    return q, scale
-
-
-def quantize_int8_rows(table) -> tuple[jax.Array, jax.Array]:
-    """A table [V, H] used as a head (logits = x @ table.T) -> (q i8[V, H], scale f32[V]): one scale per row."""
-    q, scale = quantize_int8(jnp.asarray(table).T)
     return q.T, scale
 
 
+def quantize_int8_rows(table) -> tuple[jax.Array, jax.Array]:
+    """A table [V, H] used as a head (logits = x @ table.T) -> (q i8[V, H], scale f32[V]): one scale per row, the
+    head's output channel."""
+    return quantize_int8(jnp.asarray(table).T)
+
+
 def dequantize_int8(q, scale, dtype=jnp.float32) -> jax.Array:
-    return (q.astype(jnp.float32) * scale).astype(dtype)
+    """q [out, in] -> w [in, out]."""
+    return (q.astype(jnp.float32).T * scale).astype(dtype)
 
 
 INT8_MIN_ROWS = 8  # fewer rows are padded to this many (below)
 
 
-def int8_matmul(x, q, scale):
-    """x [T, in] @ dequant(q, scale) [in, out] in x's dtype: the int8 weights are widened inside the dot and the
-    per-channel scale applied to its float32 result. Fewer than INT8_MIN_ROWS rows are padded to that many: on
-    the H200 XLA's fused GEMM then streams the int8 weights 1.4-1.5x faster than for one row (llama3-8b's
-    gate_up at one row 83.7 us, padded to 8 55.6 us; docs/perf.md)."""
+def int8_matmul(x, q, scale, dtype=None):
+    """x [T, in] @ dequant(q, scale) in `dtype` (x's by default): the int8 weights q [out, in] are widened inside
+    the dot and the per-channel scale applied to its float32 result. Fewer than INT8_MIN_ROWS rows are padded to
+    that many: on the H200 XLA's fused GEMM then streams the int8 weights faster than for one row (docs/perf.md)."""
     t = x.shape[0]
     if t < INT8_MIN_ROWS:
         x = jnp.pad(x, ((0, INT8_MIN_ROWS - t), (0, 0)))
-    y = jnp.dot(x, q.astype(x.dtype), preferred_element_type=jnp.float32, precision=_highest(x.dtype))
-    return (y[:t] * scale).astype(x.dtype)
+    return (_dot_t(x, q)[:t] * scale).astype(dtype or x.dtype)
 
 
 # int4 -------------------------------------------------------------------------------------------------------------
 
+def _check_group(group: int):
+    if group < 2 or group % 2:
+        raise ValueError(f"int4 group {group} must be even and >= 2 (two input rows per byte, whole bytes per group)")
+
+
 def quantize_int4(w, group: int = DEFAULT_GROUP) -> tuple[jax.Array, jax.Array]:
-    """w [in, out] -> (packed u8[in, ceil(out / 2)], scale bf16[ceil(in / group), out]); q is rounded against the
-    stored (bfloat16) scale, so dequantizing is exactly q * scale."""
+    """w [in, out] -> (packed u8[out, ceil(in / group) * group / 2], scale bf16[out, ceil(in / group)]); q is
+    rounded against the stored (bfloat16) scale, so dequantizing is exactly q * scale."""
+    _check_group(group)
     w = jnp.asarray(w, jnp.float32)
     k, n = w.shape
     groups = -(-k // group)
-    padded = jnp.pad(w, ((0, groups * group - k), (0, 0))).reshape(groups, group, n)
-    scale = _absmax_scale(padded, 1, INT4_MAX).astype(jnp.bfloat16)
-    q = jnp.round(w / _per_row(scale.astype(jnp.float32), group, k))
-    q = jnp.clip(q, -INT4_MAX, INT4_MAX).astype(jnp.int8)
-    q = jnp.pad(q, ((0, 0), (0, n % 2)))
+    wt = jnp.pad(w.T, ((0, 0), (0, groups * group - k))).reshape(n, groups, group)
+    scale = _absmax_scale(wt, 2, INT4_MAX).astype(jnp.bfloat16)
+    q = jnp.clip(jnp.round(wt / scale.astype(jnp.float32)[..., None]), -INT4_MAX, INT4_MAX)
+    q = q.astype(jnp.int8).reshape(n, groups * group)
     packed = (q[:, 0::2] & 0xF) | (q[:, 1::2] << 4)
     return packed.astype(jnp.uint8), scale
 
 
-def _per_row(scale, group: int, k: int):
-    """Group scales [groups, out] -> one row per input row [k, out]."""
-    return jnp.repeat(scale, group, axis=0, total_repeat_length=scale.shape[0] * group)[:k]
+def _nibbles(packed):
+    """u8[out, K / 2] -> the signed values of the low (even input rows) and high (odd rows) nibbles, int8 each."""
+    signed = jax.lax.bitcast_convert_type(packed, jnp.int8)
+    return jnp.left_shift(signed, 4) >> 4, signed >> 4
 
 
-def unpack_int4(packed, n: int) -> jax.Array:
-    """u8[in, ceil(n / 2)] -> the signed values int8[in, n] (low nibble first)."""
-    nibbles = jax.lax.bitcast_convert_type(packed, jnp.int4)  # [in, ceil(n / 2), 2], low nibble first
-    return nibbles.reshape(packed.shape[0], -1)[:, :n].astype(jnp.int8)
+def unpack_int4(packed) -> jax.Array:
+    """u8[out, K / 2] -> int8[out, K] (input row 2i from the low nibble)."""
+    lo, hi = _nibbles(packed)
+    return jnp.stack([lo, hi], axis=-1).reshape(packed.shape[0], -1)
 
 
-def dequantize_int4(packed, scale, group: int, dtype=jnp.float32) -> jax.Array:
-    k, n = packed.shape[0], scale.shape[1]
-    return (unpack_int4(packed, n).astype(jnp.float32) * _per_row(scale.astype(jnp.float32), group, k)).astype(dtype)
+def _dequantize_t(packed, scale, dtype):
+    """-> w.T [out, K] with K = 2 * packed.shape[1] (zero past the kernel's input rows)."""
+    n, groups = scale.shape
+    q = unpack_int4(packed).astype(jnp.float32).reshape(n, groups, -1)
+    return (q * scale.astype(jnp.float32)[..., None]).reshape(n, -1).astype(dtype)
 
 
-def int4_matmul(x, packed, scale, group: int):
-    """x [T, in] @ dequant(packed, scale) in x's dtype: the nibbles are widened and scaled per group inside the dot's
-    operand, which XLA fuses into the GEMM."""
-    w = dequantize_int4(packed, scale, group, x.dtype)
-    return jnp.dot(x, w, preferred_element_type=jnp.float32, precision=_highest(x.dtype)).astype(x.dtype)
+def dequantize_int4(packed, scale, k: int | None = None, dtype=jnp.float32) -> jax.Array:
+    """-> w [k, out] (k: the kernel's input rows; all of the packed ones by default)."""
+    w = _dequantize_t(packed, scale, dtype).T
+    return w if k is None else w[:k]
+
+
+# Up to this many rows reduce over the packed weights, more dequantize them inside dots (below): per llama3-8b
+# layer on the H200 the reductions take 101 / 172 / 323 us at 1 / 2 / 4 rows, the dots 297 at 4 (docs/perf.md).
+INT4_ROW_MAX = 3
+
+
+def _int4_rows(x, packed, scale):
+    """x [T, K] . the weights of each output channel: the nibbles and x's even / odd columns meet in float32,
+    summed per group, scaled, summed (one pass over the packed weights per row of x)."""
+    n, groups = scale.shape
+    lo, hi = (v.astype(jnp.float32).reshape(n, groups, -1) for v in _nibbles(packed))
+    x32 = x.astype(jnp.float32)
+    xe, xo = (v.reshape(x.shape[0], 1, groups, -1) for v in (x32[:, 0::2], x32[:, 1::2]))
+    terms = (lo * xe + hi * xo) * scale.astype(jnp.float32)[None, :, :, None]
+    return jnp.sum(terms, axis=(2, 3))
+
+
+def _int4_dot(x, packed, scale):
+    """x [T, K] @ the dequantized weights as two dots, x's even columns against the low nibbles and its odd ones
+    against the high: each half dequantizes element-wise. (Interleaving the nibbles back into one [out, K] operand
+    ran at 4 % of the H200's bandwidth, these at 8-9 %; writing the halves to memory first changed nothing.)"""
+    n, groups = scale.shape
+    s = scale.astype(jnp.float32)[..., None]
+    lo, hi = ((v.astype(jnp.float32).reshape(n, groups, -1) * s).reshape(n, -1).astype(x.dtype)
+              for v in _nibbles(packed))
+    return _dot_t(x[:, 0::2], lo) + _dot_t(x[:, 1::2], hi)
+
+
+def int4_matmul(x, packed, scale, dtype=None):
+    """x [T, in] @ dequant(packed, scale) in `dtype` (x's by default). Up to INT4_ROW_MAX rows each row is reduced
+    against the packed weights (read once per row); wider steps dequantize the weights inside two dots
+    (`_int4_dot`; docs/perf.md)."""
+    pad = 2 * packed.shape[1] - x.shape[1]
+    if pad:
+        x = jnp.pad(x, ((0, 0), (0, pad)))
+    y = _int4_rows(x, packed, scale) if x.shape[0] <= INT4_ROW_MAX else _int4_dot(x, packed, scale)
+    return y.astype(dtype or x.dtype)
 
 
 # fp8 (W8A8) -------------------------------------------------------------------------------------------------------
@@ -145,7 +198,7 @@ def fp8_matmul(x, q, scale, axis: str | None = None):
     """x [T, in] @ w: x quantized per token to fp8, an fp8 x fp8 dot (q [out, in]) with float32 accumulation, then
     the token and channel scales (`axis`: see `quantize_activations_fp8`)."""
     xq, xscale = quantize_activations_fp8(x, axis)
-    y = jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    y = jax.lax.dot_general(xq, q, _CONTRACT_IN, preferred_element_type=jnp.float32)
     return (y * xscale * scale).astype(x.dtype)
 
 
@@ -157,7 +210,7 @@ def _random_kernel(rngs: nnx.Rngs, d_in: int, d_out: int, dtype):
 
 
 class Int8Linear(nnx.Module):
-    """y = x @ kernel with the kernel stored as int8 `qweight` [in, out] and float32 `scale` [out]."""
+    """y = x @ kernel with the kernel stored as int8 `qweight` [out, in] and float32 `scale` [out]."""
 
     def __init__(self, d_in: int, d_out: int, *, dtype, rngs: nnx.Rngs, group: int = DEFAULT_GROUP):
         q, scale = quantize_int8(_random_kernel(rngs, d_in, d_out, dtype))
@@ -168,16 +221,15 @@ class Int8Linear(nnx.Module):
 
 
 class Int4Linear(nnx.Module):
-    """y = x @ kernel with the kernel stored as packed int4 `qweight` u8[in, ceil(out / 2)] and bfloat16 group
-    scales `scale` [ceil(in / group), out]."""
+    """y = x @ kernel with the kernel stored as packed int4 `qweight` u8[out, ceil(in / group) * group / 2] and
+    bfloat16 group scales `scale` [out, ceil(in / group)]."""
 
     def __init__(self, d_in: int, d_out: int, *, dtype, rngs: nnx.Rngs, group: int = DEFAULT_GROUP):
-        self.group = group
         q, scale = quantize_int4(_random_kernel(rngs, d_in, d_out, dtype), group)
         self.qweight, self.scale = nnx.Param(q), nnx.Param(scale)
 
     def __call__(self, x, axis: str | None = None):
-        return int4_matmul(x, self.qweight[...], self.scale[...], self.group)
+        return int4_matmul(x, self.qweight[...], self.scale[...])
 
 
 class Fp8Linear(nnx.Module):

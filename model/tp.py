@@ -108,20 +108,16 @@ def storage(cfg: ModelConfig, name: str, lay: Layout | None) -> tuple[int | None
     if lay is None:
         return None, 1
     field = name.rsplit(".", 1)[-1]
-    if lay.dim == "vocab":  # embed / embed_q [V, H], embed_scale [V], head kernel / qweight [H, V], head scale [V]
-        return (1 if name in ("head.kernel", "head.qweight") else 0), 1
-    fmt = cfg.quantize
+    if lay.dim == "vocab":  # embed / embed_q [V, H], embed_scale [V], head kernel [H, V], head qweight [V, H]
+        return (1 if name == "head.kernel" else 0), 1
     col = lay.dim == "col"
-    if field == "kernel" or fmt == "int8":
-        return (1 if col else 0) if field != "scale" else (0 if col else None), 1
-    if fmt == "int4":  # qweight u8[in, out / 2] (two columns per byte), scale [in / group, out]
-        if field == "qweight":
-            return (1, 2) if col else (0, 1)
-        return (1, 1) if col else (0, cfg.quant_group)
-    # fp8: qweight [out, in], scale [out]
-    if field == "qweight":
-        return (0 if col else 1), 1
-    return (0 if col else None), 1
+    if field == "kernel":  # [in, out]
+        return (1 if col else 0), 1
+    if field == "scale" and cfg.quantize != "int4":  # [out]
+        return (0 if col else None), 1
+    # qweight [out, in] (int4: u8[out, in / 2], two input rows per byte), int4 scale [out, in / group]
+    per = {"qweight": 2 if cfg.quantize == "int4" else 1, "scale": cfg.quant_group}[field]
+    return (0, 1) if col else (1, per)
 
 
 def _ranges(cfg: ModelConfig, lay: Layout, d: int, n: int) -> list[tuple[int, int]]:

@@ -273,12 +273,9 @@ class Transformer(nnx.Module):
     def logits(self, hidden, axis: str | None = None):
         """hidden [R, hidden_size] -> float32 logits [R, vocab]; `axis`: this device's slice of the vocabulary,
         all-gathered into the whole (padded) vocabulary on every device (model/tp.py)."""
-        if self.cfg.quantize_head:  # int8 q [V, H] (tied) or [H, V], widened inside the dot; scale per vocab entry
+        if self.cfg.quantize_head:  # int8 q [V, H], scale per vocab entry (tied: the table's)
             q, scale = (self.embed_q, self.embed_scale) if self.head is None else (self.head.qweight, self.head.scale)
-            contract = 1 if self.head is None else 0
-            out = jax.lax.dot_general(hidden, q[...].astype(hidden.dtype), (((1,), (contract,)), ((), ())),
-                                      preferred_element_type=jnp.float32, precision=_precision(hidden.dtype))
-            out = out * scale[...]
+            out = quant.int8_matmul(hidden, q[...], scale[...], jnp.float32)
         else:
             w = self.embed[...].T if self.head is None else self.head.kernel[...]
             out = jnp.dot(hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32,

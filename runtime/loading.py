@@ -130,7 +130,7 @@ def random_params(shapes, seed: int = 0, sharding=None, finish=None):
             kind = "quantized"
         elif quantized in leaves:
             q = leaves[quantized]
-            fan_in = q.shape[1] if q.dtype == jnp.float8_e4m3fn else q.shape[0]  # fp8 kernels are [out, in]
+            fan_in = q.shape[1] * (2 if q.dtype == jnp.uint8 else 1)  # [out, in] (int4: two rows per byte)
             kind, fill = "full", fan_in ** -0.5 / _SPREAD[jnp.dtype(q.dtype)]
         elif x.ndim == 1 and x.dtype == jnp.float32:
             kind, fill = "full", 1.0

@@ -21,37 +21,39 @@ SMALL = dict(max_seqs=4, page_size=8, max_step_tokens=64, forward_sizes=(1, 8), 
 
 
 def reference_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric per output channel, as the format defines it, in NumPy float32."""
+    """w [in, out] -> (q int8 [out, in], scale [out]): symmetric per output channel, as the format defines it, in
+    NumPy float32."""
     w = w.astype(np.float32)
     amax = np.abs(w).max(axis=0)
     scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
-    return np.clip(np.round(w / scale), -127, 127).astype(np.int8), scale
+    return np.clip(np.round(w / scale), -127, 127).astype(np.int8).T, scale
 
 
 def reference_int4(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
-    """(packed u8 [in, ceil(out / 2)], bf16 scales [ceil(in / group), out]): per group of input rows and output
-    column, scale = amax / 7 rounded to bfloat16, q = round(w / scale) in [-7, 7], column 2c in the low nibble."""
+    """w [in, out] -> (packed u8 [out, groups * group / 2], bf16 scales [out, groups]), groups = ceil(in / group):
+    per output channel and group of input rows, scale = amax / 7 rounded to bfloat16, q = round(w / scale) in
+    [-7, 7], zero past `in`, input row 2i in the low nibble."""
     k, n = w.shape
     groups = -(-k // group)
-    scale = np.ones((groups, n), np.float32)
-    for g in range(groups):
-        amax = np.abs(w[g * group:(g + 1) * group]).max(axis=0)
-        scale[g] = np.where(amax > 0, amax / np.float32(7), 1)
-    scale = scale.astype(ml_dtypes.bfloat16)
-    rows = np.repeat(scale.astype(np.float32), group, axis=0)[:k]
-    q = np.clip(np.round(w.astype(np.float32) / rows), -7, 7).astype(np.int8)
-    if n % 2:
-        q = np.concatenate([q, np.zeros((k, 1), np.int8)], axis=1)
+    scale = np.ones((n, groups), np.float32)
+    q = np.zeros((n, groups * group), np.int8)
+    for j in range(n):
+        for g in range(groups):
+            rows = w[g * group:(g + 1) * group, j].astype(np.float32)
+            amax = np.abs(rows).max()
+            s = np.float32(ml_dtypes.bfloat16(amax / np.float32(7) if amax > 0 else 1))
+            scale[j, g] = s
+            q[j, g * group:g * group + len(rows)] = np.clip(np.round(rows / s), -7, 7)
     packed = (q[:, 0::2].astype(np.uint8) & 0xF) | (q[:, 1::2].astype(np.uint8) << 4)
-    return packed.astype(np.uint8), scale
+    return packed.astype(np.uint8), scale.astype(ml_dtypes.bfloat16)
 
 
-def dequantize_int4_reference(packed: np.ndarray, scale: np.ndarray, group: int) -> np.ndarray:
-    n = scale.shape[1]
+def dequantize_int4_reference(packed: np.ndarray, scale: np.ndarray, group: int, k: int) -> np.ndarray:
+    """-> w [k, out] in float64."""
     lo, hi = (packed & 0xF).astype(np.int16), (packed >> 4).astype(np.int16)
-    q = np.stack([lo, hi], axis=-1).reshape(packed.shape[0], -1)[:, :n]
+    q = np.stack([lo, hi], axis=-1).reshape(packed.shape[0], -1)
     q = np.where(q >= 8, q - 16, q)  # two's complement nibbles
-    return q * np.repeat(scale.astype(np.float64), group, axis=0)[:packed.shape[0]]
+    return (q * np.repeat(scale.astype(np.float64), group, axis=1))[:, :k].T
 
 
 def reference_fp8(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
@@ -72,7 +74,7 @@ def test_int8_format_matches_the_numpy_reference(shape):
     np.testing.assert_array_equal(np.asarray(q), want_q)
     np.testing.assert_allclose(np.asarray(scale), want_scale, rtol=2e-7)  # XLA may divide by 127 as a multiply
     back = np.asarray(quant.dequantize_int8(q, scale))
-    np.testing.assert_allclose(back, want_q.astype(np.float32) * want_scale, rtol=3e-7)
+    np.testing.assert_allclose(back, want_q.T.astype(np.float32) * want_scale, rtol=3e-7)
     assert np.abs(back - w).max() <= want_scale.max() / 2 * (1 + 1e-6)  # within half a step of each channel
 
 
@@ -81,7 +83,7 @@ def test_int8_matmul_matches_x_times_dequantized_w(m, k, n):
     rng = np.random.default_rng(m * k * n)
     x = rng.standard_normal((m, k)).astype(np.float32)
     q, scale = reference_int8(rng.standard_normal((k, n)).astype(np.float32))
-    want = x.astype(np.float64) @ (q.astype(np.float64) * scale)
+    want = x.astype(np.float64) @ (q.T.astype(np.float64) * scale)
     got = np.asarray(quant.int8_matmul(jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     got16 = np.asarray(quant.int8_matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(q), jnp.asarray(scale)),
@@ -140,6 +142,11 @@ def test_convert_int8_is_smaller_and_loads_as_it_was_quantized(tmp_path):
         load_checkpoint(full, quantize="int8")
     with pytest.raises(ValueError, match="quantize 'int3' is not supported"):
         ModelConfig.from_json((full / "glint.json").read_text()).replace(quantize="int3")
+    stored = json.loads((small / "glint.json").read_text())
+    assert stored.pop("quant_layout") == 2
+    (small / "glint.json").write_text(json.dumps(stored))  # as glint wrote it before the layout changed
+    with pytest.raises(ValueError, match=r"stored in layout 1 \(int8 / int4 \[in, out\].*convert or export"):
+        load_checkpoint(small)
 
 
 # Lower bounds on random tiny fixtures, which have near-ties and tiny dims (docs/perf.md reports each rate); a broken
@@ -216,6 +223,7 @@ def test_pallas_int8_matmul_matches_the_reference_in_interpret_mode(m, k, n, loa
     rng = np.random.default_rng(m + k + n)
     x = rng.standard_normal((m, k)).astype(np.float32)
     q, scale = reference_int8(rng.standard_normal((k, n)).astype(np.float32))
+    q = q.T  # this kernel reads [K, N]
     w = q.astype(np.float64) * scale
     want = x.astype(np.float64) @ w
     # small tiles: several N tiles, K split across programs, ragged edges in both
@@ -240,9 +248,9 @@ def test_pallas_int8_matmul_rejects_what_it_does_not_serve():
 
 
 @pytest.mark.parametrize("shape,group", [((1, 1), 128), ((5, 3), 2), ((130, 257), 32), ((64, 7), 128),
-                                         ((300, 40), 128)])
+                                         ((300, 40), 128), ((9, 4), 4)])
 def test_int4_format_matches_the_numpy_reference(shape, group):
-    """Odd output widths (a half-empty last byte) and input dims that are not a multiple of the group."""
+    """Odd input widths (half a byte and part of a group zero-padded) and input dims not a multiple of the group."""
     rng = np.random.default_rng(sum(shape) + group)
     w = (rng.standard_normal(shape) * rng.uniform(0.01, 3.0, size=shape[1])).astype(np.float32)
     w[:, 0] = 0.0
@@ -251,23 +259,32 @@ def test_int4_format_matches_the_numpy_reference(shape, group):
     assert packed.dtype == jnp.uint8 and scale.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(scale).astype(np.float32), want_scale.astype(np.float32))
     np.testing.assert_array_equal(np.asarray(packed), want_packed)
-    back = np.asarray(quant.dequantize_int4(packed, scale, group))
-    want_back = dequantize_int4_reference(want_packed, want_scale, group)
+    back = np.asarray(quant.dequantize_int4(packed, scale, shape[0]))
+    want_back = dequantize_int4_reference(want_packed, want_scale, group, shape[0])
     np.testing.assert_allclose(back, want_back, rtol=1e-7)
-    step = np.repeat(want_scale.astype(np.float32), group, axis=0)[:shape[0]]
+    step = np.repeat(want_scale.astype(np.float32), group, axis=1)[:, :shape[0]].T
     assert (np.abs(back - w) <= step / 2 * (1 + 1e-2) + 1e-30).all()  # within half a step (scale rounded to bf16)
 
 
-@pytest.mark.parametrize("m,k,n,group", [(1, 5, 1, 128), (7, 130, 3, 32), (33, 64, 257, 16), (2, 300, 40, 128)])
+def test_int4_groups_must_be_even():
+    with pytest.raises(ValueError, match="int4 group 3 must be even"):
+        quant.quantize_int4(np.ones((6, 2), np.float32), 3)
+    with pytest.raises(ValueError, match="quant_group 5 must be even for int4"):
+        ModelConfig.from_hf(STORIES).replace(quantize="int4", quant_group=5)
+
+
+# Rows 1..INT4_ROW_MAX reduce over the packed weights, more dequantize them before a dot: both ways each.
+@pytest.mark.parametrize("m,k,n,group", [(1, 5, 1, 128), (7, 130, 3, 32), (33, 64, 257, 16), (2, 300, 40, 128),
+                                         (quant.INT4_ROW_MAX, 131, 9, 2), (quant.INT4_ROW_MAX + 1, 257, 6, 64)])
 def test_int4_matmul_matches_x_times_dequantized_w(m, k, n, group):
     rng = np.random.default_rng(m * k * n)
     x = rng.standard_normal((m, k)).astype(np.float32)
     packed, scale = reference_int4(rng.standard_normal((k, n)).astype(np.float32), group)
-    want = x.astype(np.float64) @ dequantize_int4_reference(packed, scale, group)
-    got = np.asarray(quant.int4_matmul(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scale), group))
+    want = x.astype(np.float64) @ dequantize_int4_reference(packed, scale, group, k)
+    got = np.asarray(quant.int4_matmul(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scale)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    got16 = np.asarray(quant.int4_matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(packed), jnp.asarray(scale),
-                                         group), np.float32)
+    got16 = np.asarray(quant.int4_matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(packed), jnp.asarray(scale)),
+                       np.float32)
     np.testing.assert_allclose(got16, want, rtol=3e-2, atol=3e-2 * np.abs(want).max())
 
 
@@ -385,12 +402,12 @@ def test_quantize_head_stores_int8_per_vocab_entry_and_computes_its_logits(sourc
     want_q, want_scale = reference_int8(head)
     if full_cfg.tie_embeddings:
         assert "embed" not in flat and flat["embed_q"].dtype == jnp.int8
-        np.testing.assert_array_equal(np.asarray(flat["embed_q"]), want_q.T)
+        np.testing.assert_array_equal(np.asarray(flat["embed_q"]), want_q)
         np.testing.assert_allclose(np.asarray(flat["embed_scale"]), want_scale, rtol=2e-7)
     else:  # the embedding is only gathered from: it stays as it was
         np.testing.assert_array_equal(np.asarray(flat["head.qweight"]), want_q)
         np.testing.assert_array_equal(np.asarray(flat["embed"]), np.asarray(ref["embed"]))
-    dequant = want_q.astype(np.float64) * want_scale
+    dequant = want_q.T.astype(np.float64) * want_scale  # [H, V]
     rng = np.random.default_rng(7)
     hidden = rng.standard_normal((5, cfg.hidden_size)).astype(np.float32)
     graphdef = transformer.split(transformer.abstract_model(cfg))[0]
@@ -439,13 +456,13 @@ def test_random_preset_weights_dequantize_to_the_full_precision_scaling(fmt):
         q, scale = flat[base + ".qweight"], flat[base + ".scale"]
         fmt_of = "int8" if base == "head" else fmt
         w = {"int8": lambda: quant.dequantize_int8(q, scale),
-             "int4": lambda: quant.dequantize_int4(q, scale, cfg.quant_group),
+             "int4": lambda: quant.dequantize_int4(q, scale),
              "fp8": lambda: quant.dequantize_fp8(q, scale)}[fmt_of]()
         w = np.asarray(w)
         assert 0.7 < w.std() * w.shape[0] ** 0.5 < 1.4, (base, w.std(), w.shape)
     if cfg.tie_embeddings:
-        table = np.asarray(quant.dequantize_int8(flat["embed_q"].T, flat["embed_scale"])).T  # [V, H]
-        assert 0.7 < table.std() * table.shape[0] ** 0.5 < 1.4
+        head = np.asarray(quant.dequantize_int8(flat["embed_q"], flat["embed_scale"]))  # [H, V]
+        assert 0.7 < head.std() * head.shape[0] ** 0.5 < 1.4
 
 
 def test_kv_cache_dtype_choices():
@@ -494,13 +511,13 @@ def test_mosaic_int8_matmul_matches_the_float64_product(m, block_m, block_k, sta
     rng = np.random.default_rng(m)
     x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
     q, scale = reference_int8(rng.standard_normal((k, n)).astype(np.float32))
-    want = x.astype(np.float64) @ (q.astype(np.float64) * scale)
+    want = x.astype(np.float64) @ (q.T.astype(np.float64) * scale)
     # K split in two ranges of three pipeline steps each (min_ctas twice the N tiles)
     blocks = qm.QuantBlocks(block_m=block_m, block_k=block_k, stages=stages, min_ctas=2 * n // (2 * block_m))
     assert qm.num_splits(n, k, blocks) == 2
-    got = qm.int8_matmul_t(jnp.asarray(x), jnp.asarray(q.T), jnp.asarray(scale), blocks=blocks)
+    got = qm.int8_matmul_t(jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale), blocks=blocks)
     # float32 accumulation, one bfloat16 rounding of the result
     err = np.abs(np.asarray(got, np.float64) - want)
     bound = 2 ** -8 * np.abs(want) + k * np.finfo(np.float32).eps * (np.abs(x.astype(np.float64)) @ np.abs(
-        q.astype(np.float64) * scale)) + 1e-6
+        q.T.astype(np.float64) * scale)) + 1e-6
     assert np.all(err <= bound), (err.max(), err[err > bound][:4], bound[err > bound][:4])

@@ -1,13 +1,13 @@
-"""Quantized matmuls at llama3-8b's linear shapes and decode widths on the GPU: the Pallas int8 kernel (a few
-block sizes and ways to load), XLA's int8 and int4 dequantize-then-dot and fp8 x fp8 dot (glint.model.quant) and
-the plain bf16 dot. Each is checked against its reference, then timed as % of 4.3 TB/s of the bytes it must read
-(weights + scales), two ways: chained inside one jit (a loop over enough distinct weight copies that they do not
-fit in L2) and as separate calls.
+"""Quantized matmuls at llama3-8b's linear shapes and decode widths on the GPU: the Pallas int8 kernels (Triton: a
+few block sizes and ways to load; Mosaic GPU), glint.model.quant's XLA formulations (int8; int4 as it picks per
+row count, and its ways forced: "xla int4 rows", "xla int4 dot" [rows padded to 8]; fp8 x fp8) and the plain
+bf16 dot. Each is checked against its reference, then timed as % of 4.3 TB/s of the bytes it must read (weights
++ scales), two ways: chained inside one jit (a loop over enough distinct weight copies that they do not fit in L2)
+and as separate calls.
 
   python tools/gpu_quant_kernels.py [--quick] [--shapes gate_up,down] [--ways "xla int4,bf16 dot,mosaic"]
   (--ways: name prefixes)
 """
-import functools
 import statistics
 import sys
 import time
@@ -67,6 +67,19 @@ def separate(fn):
     return run
 
 
+def int4_rows(x, packed, scale):
+    return quant._int4_rows(x, packed, scale).astype(x.dtype)
+
+
+def int4_dot(rows: int = 0):
+    """quant._int4_dot, x padded to `rows` rows when it has fewer."""
+    def run(x, packed, scale):
+        pad = max(0, rows - x.shape[0])
+        y = quant._int4_dot(jnp.pad(x, ((0, pad), (0, 0))), packed, scale)
+        return y[:x.shape[0]].astype(x.dtype)
+    return run
+
+
 def main(quick: bool, shapes: set[str] | None = None, only: set[str] | None = None) -> None:
     rng = np.random.default_rng(0)
     configs = CONFIGS[:1] if quick else CONFIGS
@@ -75,33 +88,35 @@ def main(quick: bool, shapes: set[str] | None = None, only: set[str] | None = No
         if shapes and name not in shapes:
             continue
         w = jnp.asarray(rng.standard_normal((k, n)) * k ** -0.5, jnp.bfloat16)
-        q, s = quant.quantize_int8(w)
+        q, s = quant.quantize_int8(w)  # [N, K]
         q4, s4 = quant.quantize_int4(w, quant.DEFAULT_GROUP)
         q8, s8 = quant.quantize_fp8(w)
 
         def copies(a, nbytes):  # > 200 MB per round: past the 50 MB L2
             return [a] + [jnp.roll(a, i, axis=0) for i in range(1, max(2, -(-200_000_000 // nbytes)))]
 
-        int8_bytes, int4_bytes = k * n + 4 * n, k * n // 2 + 2 * n * -(-k // quant.DEFAULT_GROUP)
+        int8_bytes, int4_bytes = k * n + 4 * n, q4.size + 2 * s4.size
         qs, q4s, q8s = copies(q, int8_bytes), copies(q4, int4_bytes), copies(q8, int8_bytes)
-        qts = [a.T for a in qs] if not only or any(w.startswith("mosaic") for w in only) else []
+        qkn = [a.T for a in qs] if not only or any(w.startswith("pallas") for w in only) else []  # Triton: [K, N]
         bf = copies(w, 2 * k * n)[:4]
         for m in sorted(int(r) for r in _option("--rows") or ROWS):
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-            want = np.asarray(int8_matmul_reference(x, q, s), np.float32)
-            want4 = np.asarray(quant.int4_matmul(x.astype(jnp.float32), q4, s4, quant.DEFAULT_GROUP))
+            want = np.asarray(int8_matmul_reference(x, q.T, s), np.float32)
+            want4 = np.asarray(x.astype(jnp.float32) @ quant.dequantize_int4(q4, s4, k))
             want8 = np.asarray(x.astype(jnp.float32) @ quant.dequantize_fp8(q8, s8))
-            int4 = functools.partial(quant.int4_matmul, group=quant.DEFAULT_GROUP)
             ways = {"xla int8": (quant.int8_matmul, qs, [s] * len(qs), int8_bytes, want),
-                    "xla int4": (int4, q4s, [s4] * len(q4s), int4_bytes, want4),
+                    "xla int4": (quant.int4_matmul, q4s, [s4] * len(q4s), int4_bytes, want4),
+                    "xla int4 rows": (int4_rows, q4s, [s4] * len(q4s), int4_bytes, want4),
+                    "xla int4 dot": (int4_dot(), q4s, [s4] * len(q4s), int4_bytes, want4),
+                    "xla int4 dot pad8": (int4_dot(rows=8), q4s, [s4] * len(q4s), int4_bytes, want4),
                     "xla fp8": (quant.fp8_matmul, q8s, [s8] * len(q8s), int8_bytes, want8),
                     "bf16 dot": (lambda x, w, s: jnp.dot(x, w), bf, [s] * len(bf), 2 * k * n, None)}
             for c in configs:
                 ways[f"pallas {c.loads} n{c.block_n} k{c.block_k} w{c.num_warps}"] = (
-                    lambda x, q, s, c=c: int8_matmul(x, q, s, blocks=c), qs, [s] * len(qs), int8_bytes, want)
+                    lambda x, q, s, c=c: int8_matmul(x, q, s, blocks=c), qkn, [s] * len(qkn), int8_bytes, want)
             for c in MOSAIC:
                 way = f"mosaic int8 m{c.block_m} k{c.block_k} st{c.stages} c{c.min_ctas}{' probe' * c.probe}"
-                ways[way] = (lambda x, q, s, c=c: int8_matmul_t(x, q, s, blocks=c), qts, [s] * len(qts),
+                ways[way] = (lambda x, q, s, c=c: int8_matmul_t(x, q, s, blocks=c), qs, [s] * len(qs),
                              int8_bytes, None if c.probe else want)
             for way, (fn, ws, scales, nbytes, ref) in ways.items():
                 if only and not any(way.startswith(o) for o in only):
