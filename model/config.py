@@ -14,6 +14,12 @@ QUANT_FORMATS = ("none", "int8", "int4", "fp8")  # weight formats of the linears
 # How the formats lay out their arrays (model/quant.py); 1 (a glint.json without the field): int8 and int4
 # stored [in, out], which this glint no longer reads.
 QUANT_LAYOUT = 2
+
+
+def _layout_changed(quantize: str, quantize_head: bool, tie_embeddings: bool) -> bool:
+    """Whether layout 1 stored these arrays otherwise: int8 / int4 linears and an untied int8 head were [in, out]
+    (a tied head's table and fp8 were [out, in] already)."""
+    return quantize in ("int8", "int4") or (quantize_head and not tie_embeddings)
 DTYPES = ("bfloat16", "float32", "float16")
 QUANTIZE_HELP = ("int8: weight-only, per output channel; int4: weight-only, per group of input rows and output "
                  "channel; fp8: float8_e4m3fn weights per output channel and activations per token (W8A8)")
@@ -138,7 +144,8 @@ class ModelConfig:
             raise ValueError(f"quant_group must be a positive int, got {self.quant_group!r}")
         if self.quantize == "int4" and self.quant_group % 2:
             raise ValueError(f"quant_group {self.quant_group} must be even for int4 (two input rows per byte)")
-        if self.quant_layout != QUANT_LAYOUT and (self.quantize in ("int8", "int4") or self.quantize_head):
+        if self.quant_layout != QUANT_LAYOUT and _layout_changed(self.quantize, self.quantize_head,
+                                                                 self.tie_embeddings):
             raise ValueError(f"quantize={self.quantize!r}, quantize_head={self.quantize_head} stored in layout "
                              f"{self.quant_layout} (int8 / int4 [in, out], before 2026-12-03); this glint reads "
                              f"layout {QUANT_LAYOUT} ([out, in]): convert or export the HF checkpoint again")
@@ -180,7 +187,10 @@ class ModelConfig:
     @classmethod
     def from_json(cls, text: str) -> ModelConfig:
         d = json.loads(text)
-        d.setdefault("quant_layout", 1)  # written before the field existed
+        if "quant_layout" not in d:  # written before the field existed: layout 1 where it differs
+            changed = _layout_changed(d.get("quantize", "none"), d.get("quantize_head", False),
+                                      d.get("tie_embeddings", False))
+            d["quant_layout"] = 1 if changed else QUANT_LAYOUT
         d["layer_rope"] = tuple(None if r is None else RopeConfig(**r) for r in d["layer_rope"])
         return cls(**d)
 

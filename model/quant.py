@@ -133,14 +133,16 @@ INT4_ROW_MAX = 3
 
 
 def _int4_rows(x, packed, scale):
-    """x [T, K] . the weights of each output channel: the nibbles and x's even / odd columns meet in float32,
-    summed per group, scaled, summed (one pass over the packed weights per row of x)."""
+    """x [T, K] . the weights of each output channel in float32, one pass over the packed weights per row of x:
+    the low nibbles meet x's even columns, the high ones its odd columns. The weights are dequantized to x's dtype
+    first, as `_int4_dot` does, so both ways multiply by the same weights whatever the step's width."""
     n, groups = scale.shape
-    lo, hi = (v.astype(jnp.float32).reshape(n, groups, -1) for v in _nibbles(packed))
+    s = scale.astype(jnp.float32)[..., None]
+    lo, hi = ((v.astype(jnp.float32).reshape(n, groups, -1) * s).astype(x.dtype).astype(jnp.float32)
+              for v in _nibbles(packed))
     x32 = x.astype(jnp.float32)
     xe, xo = (v.reshape(x.shape[0], 1, groups, -1) for v in (x32[:, 0::2], x32[:, 1::2]))
-    terms = (lo * xe + hi * xo) * scale.astype(jnp.float32)[None, :, :, None]
-    return jnp.sum(terms, axis=(2, 3))
+    return jnp.sum(lo * xe + hi * xo, axis=(2, 3))
 
 
 def _int4_dot(x, packed, scale):

@@ -159,6 +159,6 @@ def int8_matmul(x, q, scale, *, blocks: Int8Blocks = Int8Blocks(), interpret: bo
 
 
 def int8_matmul_reference(x, q, scale):
-    """The same in plain jnp (what glint.model.quant.int8_matmul computes)."""
+    """The same in plain jnp (glint.model.quant.int8_matmul computes it from q.T: the model stores [N, K])."""
     y = jnp.dot(x, q.astype(x.dtype), preferred_element_type=jnp.float32, precision=_precision(x.dtype))
     return (y * scale).astype(x.dtype)

@@ -142,6 +142,9 @@ def test_convert_int8_is_smaller_and_loads_as_it_was_quantized(tmp_path):
         load_checkpoint(full, quantize="int8")
     with pytest.raises(ValueError, match="quantize 'int3' is not supported"):
         ModelConfig.from_json((full / "glint.json").read_text()).replace(quantize="int3")
+    plain = json.loads((full / "glint.json").read_text())
+    del plain["quant_layout"]  # a full-precision checkpoint of before: its layout did not change
+    assert ModelConfig.from_json(json.dumps(plain)) == ModelConfig.from_json((full / "glint.json").read_text())
     stored = json.loads((small / "glint.json").read_text())
     assert stored.pop("quant_layout") == 2
     (small / "glint.json").write_text(json.dumps(stored))  # as glint wrote it before the layout changed
@@ -286,6 +289,19 @@ def test_int4_matmul_matches_x_times_dequantized_w(m, k, n, group):
     got16 = np.asarray(quant.int4_matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(packed), jnp.asarray(scale)),
                        np.float32)
     np.testing.assert_allclose(got16, want, rtol=3e-2, atol=3e-2 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_int4_ways_multiply_by_the_same_weights(dtype):
+    """The per-row reduction (decode) and the two dots (wider steps) agree to float32 summation order in either
+    activation dtype: a token's output does not depend on how many tokens share its step."""
+    rng = np.random.default_rng(4)
+    k, n, group = 512, 96, 64
+    packed, scale = reference_int4(rng.standard_normal((k, n)).astype(np.float32), group)
+    x = jnp.asarray(rng.standard_normal((3, k)), dtype)
+    rows = np.asarray(quant._int4_rows(x, jnp.asarray(packed), jnp.asarray(scale)))
+    dots = np.asarray(quant._int4_dot(x, jnp.asarray(packed), jnp.asarray(scale)))
+    np.testing.assert_allclose(rows, dots, rtol=1e-5, atol=1e-5 * np.abs(dots).max())
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (5, 3), (130, 257), (64, 7)])

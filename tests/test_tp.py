@@ -82,17 +82,17 @@ def test_tensor_parallel_from_an_orbax_folder(converted):
     assert (tokens, engine.stats.preemptions) == tp1(path)
 
 
-@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 def test_quantized_linears_split(fmt):
-    """int4 (row-split linears in whole groups) and fp8 (activation scales over the whole row, and an fp8 KV cache
-    whose scales split by KV head with the pools) with an int8 head (split by vocabulary), over 2 devices: their
-    own format's TP 1 tokens."""
+    """int8 [out, in] with an int8 head (split by vocabulary), int4 (row-split linears in whole groups) and fp8
+    (activation scales over the whole row, and an fp8 KV cache whose scales split by KV head with the pools) with
+    an int8 head, over 2 devices: their own format's TP 1 tokens."""
     path = covering_fixtures()[-1]
     cfg = json.loads((path / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     group = math.gcd(cfg["num_attention_heads"] * head_dim // 2, cfg["intermediate_size"] // 2, 16)
-    quant = dict(quantize="int4", quant_group=group) if fmt == "int4" else dict(quantize="fp8", quantize_head=True,
-                                                                                       kv_cache_dtype="fp8")
+    quant = {"int8": dict(quantize="int8", quantize_head=True), "int4": dict(quantize="int4", quant_group=group),
+             "fp8": dict(quantize="fp8", quantize_head=True, kv_cache_dtype="fp8")}[fmt]
     assert run(path, 2, attention="reference", **quant)[1] == run(path, 1, attention="reference", **quant)[1]
 
 

@@ -1,6 +1,6 @@
 """Quantized matmuls at llama3-8b's linear shapes and decode widths on the GPU: the Pallas int8 kernels (Triton: a
 few block sizes and ways to load; Mosaic GPU), glint.model.quant's XLA formulations (int8; int4 as it picks per
-row count, and its ways forced: "xla int4 rows", "xla int4 dot" [rows padded to 8]; fp8 x fp8) and the plain
+row count, and its ways forced: "xla int4 rows", "xla int4 dot", "xla int4 dot pad8"; fp8 x fp8) and the plain
 bf16 dot. Each is checked against its reference, then timed as % of 4.3 TB/s of the bytes it must read (weights
 + scales), two ways: chained inside one jit (a loop over enough distinct weight copies that they do not fit in L2)
 and as separate calls.
