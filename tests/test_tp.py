@@ -91,8 +91,8 @@ def test_quantized_linears_split(fmt):
     cfg = json.loads((path / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     group = math.gcd(cfg["num_attention_heads"] * head_dim // 2, cfg["intermediate_size"] // 2, 16)
-    quant = {"int8": dict(quantize="int8", quantize_head=True), "int4": dict(quantize="int4", quant_group=group),
-             "fp8": dict(quantize="fp8", quantize_head=True, kv_cache_dtype="fp8")}[fmt]
+    quant = {"int8": {"quantize": "int8", "quantize_head": True}, "int4": {"quantize": "int4", "quant_group": group},
+             "fp8": {"quantize": "fp8", "quantize_head": True, "kv_cache_dtype": "fp8"}}[fmt]
     assert run(path, 2, attention="reference", **quant)[1] == run(path, 1, attention="reference", **quant)[1]
 
 
