@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import INTERPRET, ON_GPU, STORIES, covering_fixtures
+from conftest import ON_GPU, STORIES, covering_fixtures
 
 from glint.export.checkpoint import convert, load_checkpoint
 from glint.model import quant, transformer
@@ -216,38 +216,6 @@ def test_convert_int4_and_fp8_store_what_loading_quantizes(tmp_path, fmt, dtypes
         convert(STORIES, int8, dtype="bfloat16", quantize="int8", show_progress=False)
 
         assert params_size(out) < params_size(int8), (params_size(out), params_size(int8))
-
-
-@pytest.mark.parametrize("loads", ["gather", "block"])
-@pytest.mark.parametrize("m,k,n", [(1, 5, 1), (7, 130, 3), (33, 300, 257), (64, 17, 40)])
-def test_pallas_int8_matmul_matches_the_reference_in_interpret_mode(m, k, n, loads):
-    from glint.pallas_kernels.int8_matmul import Int8Blocks, int8_matmul
-
-    rng = np.random.default_rng(m + k + n)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    q, scale = reference_int8(rng.standard_normal((k, n)).astype(np.float32))
-    q = q.T  # this kernel reads [K, N]
-    w = q.astype(np.float64) * scale
-    want = x.astype(np.float64) @ w
-    # small tiles: several N tiles, K split across programs, ragged edges in both
-    blocks = Int8Blocks(block_n=32, block_k=16, min_programs=8, loads=loads)
-    got = int8_matmul(jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale), blocks=blocks, interpret=INTERPRET)
-    # float32 accumulation in any order: within k * eps * sum |x_i w_i| of the exact sum (the standard bound)
-    bound = k * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(w)) + 1e-6
-    err = np.abs(np.asarray(got, np.float64) - want)
-    assert np.all(err <= bound), (err.max(), err[err > bound][:4], bound[err > bound][:4])
-
-
-def test_pallas_int8_matmul_rejects_what_it_does_not_serve():
-    from glint.pallas_kernels.int8_matmul import int8_matmul
-
-    q, scale = jnp.zeros((8, 4), jnp.int8), jnp.ones((4,), jnp.float32)
-    with pytest.raises(ValueError, match="65 rows; the kernel serves decode widths of 1..64 rows"):
-        int8_matmul(jnp.zeros((65, 8)), q, scale, interpret=INTERPRET)
-    with pytest.raises(ValueError, match=r"got x \(2, 7\), q \(8, 4\)"):
-        int8_matmul(jnp.zeros((2, 7)), q, scale, interpret=INTERPRET)
-    with pytest.raises(ValueError, match="q must be int8 and scale float32, got float32"):
-        int8_matmul(jnp.zeros((2, 8)), q.astype(jnp.float32), scale, interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("shape,group", [((1, 1), 128), ((5, 3), 2), ((130, 257), 32), ((64, 7), 128),

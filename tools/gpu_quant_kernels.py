@@ -1,11 +1,10 @@
-"""Quantized matmuls at llama3-8b's linear shapes and decode widths on the GPU: the Pallas int8 kernels (Triton: a
-few block sizes and ways to load; Mosaic GPU), glint.model.quant's XLA formulations (int8; int4 as it picks per
-row count, and its ways forced: "xla int4 rows", "xla int4 dot", "xla int4 dot pad8"; fp8 x fp8) and the plain
-bf16 dot. Each is checked against its reference, then timed as % of 4.3 TB/s of the bytes it must read (weights
-+ scales), two ways: chained inside one jit (a loop over enough distinct weight copies that they do not fit in L2)
-and as separate calls.
+"""Quantized matmuls at llama3-8b's linear shapes and decode widths on the GPU: the Mosaic GPU int8 kernel (a few
+configs), glint.model.quant's XLA formulations (int8; int4 as it picks per row count, and its ways forced: "xla
+int4 rows", "xla int4 dot", "xla int4 dot pad8"; fp8 x fp8) and the plain bf16 dot. Each is checked against its
+reference, then timed as % of 4.3 TB/s of the bytes it must read (weights + scales), two ways: chained inside
+one jit (a loop over enough distinct weight copies that they do not fit in L2) and as separate calls.
 
-  python tools/gpu_quant_kernels.py [--quick] [--shapes gate_up,down] [--ways "xla int4,bf16 dot,mosaic"]
+  python tools/gpu_quant_kernels.py [--shapes gate_up,down] [--ways "xla int4,bf16 dot,mosaic"] [--rows 1,8]
   (--ways: name prefixes)
 """
 import statistics
@@ -18,14 +17,11 @@ import numpy as np
 from jax import lax
 
 from glint.model import quant
-from glint.pallas_kernels.int8_matmul import Int8Blocks, int8_matmul, int8_matmul_reference
 from glint.pallas_kernels.quant_matmul_mgpu import QuantBlocks, int8_matmul_t
 
 PEAK = 4.3e12
 SHAPES = [(4096, 6144, "wqkv"), (4096, 4096, "wo"), (4096, 28672, "gate_up"), (14336, 4096, "down")]
 ROWS = [1, 8, 64]
-# The best two of 10 configs on 2026-12-01 (docs/perf.md); wider tiles and a gemv way (no dot) were slower.
-CONFIGS = [Int8Blocks(128, 128, 4, loads="block"), Int8Blocks(128, 128, 4)]
 # The Mosaic GPU int8 kernel (weights stored [N, K], A operand in registers): block_m, block_k, stages, min_ctas.
 MOSAIC = [QuantBlocks(64, 128, 4, 132), QuantBlocks(64, 128, 4, 132, probe=True), QuantBlocks(64, 128, 4, 264),
           QuantBlocks(64, 256, 4, 132), QuantBlocks(128, 128, 4, 132)]
@@ -80,9 +76,8 @@ def int4_dot(rows: int = 0):
     return run
 
 
-def main(quick: bool, shapes: set[str] | None = None, only: set[str] | None = None) -> None:
+def main(shapes: set[str] | None = None, only: set[str] | None = None) -> None:
     rng = np.random.default_rng(0)
-    configs = CONFIGS[:1] if quick else CONFIGS
     rows = []
     for k, n, name in SHAPES:
         if shapes and name not in shapes:
@@ -97,11 +92,10 @@ def main(quick: bool, shapes: set[str] | None = None, only: set[str] | None = No
 
         int8_bytes, int4_bytes = k * n + 4 * n, q4.size + 2 * s4.size
         qs, q4s, q8s = copies(q, int8_bytes), copies(q4, int4_bytes), copies(q8, int8_bytes)
-        qkn = [a.T for a in qs] if not only or any(w.startswith("pallas") for w in only) else []  # Triton: [K, N]
         bf = copies(w, 2 * k * n)[:4]
         for m in sorted(int(r) for r in _option("--rows") or ROWS):
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-            want = np.asarray(int8_matmul_reference(x, q.T, s), np.float32)
+            want = np.asarray(x.astype(jnp.float32) @ quant.dequantize_int8(q, s))
             want4 = np.asarray(x.astype(jnp.float32) @ quant.dequantize_int4(q4, s4, k))
             want8 = np.asarray(x.astype(jnp.float32) @ quant.dequantize_fp8(q8, s8))
             ways = {"xla int8": (quant.int8_matmul, qs, [s] * len(qs), int8_bytes, want),
@@ -111,9 +105,6 @@ def main(quick: bool, shapes: set[str] | None = None, only: set[str] | None = No
                     "xla int4 dot pad8": (int4_dot(rows=8), q4s, [s4] * len(q4s), int4_bytes, want4),
                     "xla fp8": (quant.fp8_matmul, q8s, [s8] * len(q8s), int8_bytes, want8),
                     "bf16 dot": (lambda x, w, s: jnp.dot(x, w), bf, [s] * len(bf), 2 * k * n, None)}
-            for c in configs:
-                ways[f"pallas {c.loads} n{c.block_n} k{c.block_k} w{c.num_warps}"] = (
-                    lambda x, q, s, c=c: int8_matmul(x, q, s, blocks=c), qkn, [s] * len(qkn), int8_bytes, want)
             for c in MOSAIC:
                 way = f"mosaic int8 m{c.block_m} k{c.block_k} st{c.stages} c{c.min_ctas}{' probe' * c.probe}"
                 ways[way] = (lambda x, q, s, c=c: int8_matmul_t(x, q, s, blocks=c), qs, [s] * len(qs),
@@ -140,7 +131,7 @@ def main(quick: bool, shapes: set[str] | None = None, only: set[str] | None = No
         print(f"{name} | {k} x {n} | {m} | {way} | {tc:.1f} | {pc:.0f} | {ts:.1f} | {ps:.0f}")
     best = {}
     for name, k, n, m, way, tc, pc, ts, ps in rows:
-        if way.startswith(("pallas", "mosaic")) and not way.endswith("probe") and pc > best.get((name, m), ("", 0))[1]:
+        if way.startswith("mosaic") and not way.endswith("probe") and pc > best.get((name, m), ("", 0))[1]:
             best[name, m] = (way, pc)
     print("best kernel config per shape and M (chained):", best)
 
@@ -150,4 +141,4 @@ def _option(name: str) -> set[str] | None:
 
 
 if __name__ == "__main__":
-    main("--quick" in sys.argv, _option("--shapes"), _option("--ways"))
+    main(_option("--shapes"), _option("--ways"))
