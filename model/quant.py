@@ -128,7 +128,7 @@ def dequantize_int4(packed, scale, k: int | None = None, dtype=jnp.float32) -> j
 
 
 # Up to this many rows reduce over the packed weights, more dequantize them inside dots (below): per llama3-8b
-# layer on the H200 the reductions take 101 / 172 / 323 us at 1 / 2 / 4 rows, the dots 297 at 4 (docs/perf.md).
+# layer on the H200 the reductions take 100 / 173 / 323 us at 1 / 2 / 4 rows, the dots 297 at 4 (docs/perf.md).
 INT4_ROW_MAX = 3
 
 
@@ -148,7 +148,7 @@ def _int4_rows(x, packed, scale):
 def _int4_dot(x, packed, scale):
     """x [T, K] @ the dequantized weights as two dots, x's even columns against the low nibbles and its odd ones
     against the high: each half dequantizes element-wise. (Interleaving the nibbles back into one [out, K] operand
-    ran at 4 % of the H200's bandwidth, these at 8-9 %; writing the halves to memory first changed nothing.)"""
+    ran at 4 % of the H200's bandwidth, these at 6-9 %; writing the halves to memory first was no faster.)"""
     n, groups = scale.shape
     s = scale.astype(jnp.float32)[..., None]
     lo, hi = ((v.astype(jnp.float32).reshape(n, groups, -1) * s).reshape(n, -1).astype(x.dtype)
