@@ -11,6 +11,9 @@ ROPE_KINDS = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "gelu_tanh")
 QK_NORMS = ("none", "rms", "rms_scaleless")
 QUANT_FORMATS = ("none", "int8", "int4", "fp8")  # weight formats of the linears (model/quant.py)
+DTYPES = ("bfloat16", "float32", "float16")
+QUANTIZE_HELP = ("int8: weight-only, per output channel; int4: weight-only, per group of input rows and output "
+                 "channel; fp8: float8_e4m3fn weights per output channel and activations per token (W8A8)")
 # How the formats lay out their arrays (model/quant.py); 1 (a glint.json without the field): int8 and int4
 # stored [in, out], which this glint no longer reads.
 QUANT_LAYOUT = 2
@@ -20,9 +23,6 @@ def _layout_changed(quantize: str, quantize_head: bool, tie_embeddings: bool) ->
     """Whether layout 1 stored these arrays otherwise: int8 / int4 linears and an untied int8 head were [in, out]
     (a tied head's table and fp8 were [out, in] already)."""
     return quantize in ("int8", "int4") or (quantize_head and not tie_embeddings)
-DTYPES = ("bfloat16", "float32", "float16")
-QUANTIZE_HELP = ("int8: weight-only, per output channel; int4: weight-only, per group of input rows and output "
-                 "channel; fp8: float8_e4m3fn weights per output channel and activations per token (W8A8)")
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,7 @@ def storage(cfg: ModelConfig, name: str, lay: Layout | None) -> tuple[int | None
     # qweight [out, in] (int4: u8[out, in / 2], two input rows per byte), int4 scale [out, in / group]
     if field not in ("qweight", "scale"):
         raise ValueError(f"{name}: no tensor-parallel layout for a linear's {field!r} (kernel, qweight or scale)")
-    per = {"qweight": 2 if cfg.quantize == "int4" else 1, "scale": cfg.quant_group}[field]
+    per = (2 if cfg.quantize == "int4" else 1) if field == "qweight" else cfg.quant_group
     return (0, 1) if col else (1, per)
 
 
