@@ -82,15 +82,11 @@ def int8_matmul(x, q, scale, dtype=None):
 
 # int4 -------------------------------------------------------------------------------------------------------------
 
-def _check_group(group: int):
-    if group < 2 or group % 2:
-        raise ValueError(f"int4 group {group} must be even and >= 2 (two input rows per byte, whole bytes per group)")
-
-
 def quantize_int4(w, group: int = DEFAULT_GROUP) -> tuple[jax.Array, jax.Array]:
     """w [in, out] -> (packed u8[out, ceil(in / group) * group / 2], scale bf16[out, ceil(in / group)]); q is
     rounded against the stored (bfloat16) scale, so dequantizing is exactly q * scale."""
-    _check_group(group)
+    if group < 2 or group % 2:
+        raise ValueError(f"int4 group {group} must be even and >= 2 (two input rows per byte, whole bytes per group)")
     w = jnp.asarray(w, jnp.float32)
     k, n = w.shape
     groups = -(-k // group)
@@ -108,22 +104,17 @@ def _nibbles(packed):
     return jnp.left_shift(signed, 4) >> 4, signed >> 4
 
 
-def unpack_int4(packed) -> jax.Array:
-    """u8[out, K / 2] -> int8[out, K] (input row 2i from the low nibble)."""
-    lo, hi = _nibbles(packed)
-    return jnp.stack([lo, hi], axis=-1).reshape(packed.shape[0], -1)
-
-
-def _dequantize_t(packed, scale, dtype):
-    """-> w.T [out, K] with K = 2 * packed.shape[1] (zero past the kernel's input rows)."""
+def _dequantized_halves(packed, scale, dtype):
+    """The weights of the even and of the odd input rows, each [out, K / 2]: q * scale in float32, then `dtype`."""
     n, groups = scale.shape
-    q = unpack_int4(packed).astype(jnp.float32).reshape(n, groups, -1)
-    return (q * scale.astype(jnp.float32)[..., None]).reshape(n, -1).astype(dtype)
+    s = scale.astype(jnp.float32)[..., None]
+    return tuple((v.astype(jnp.float32).reshape(n, groups, -1) * s).reshape(n, -1).astype(dtype)
+                 for v in _nibbles(packed))
 
 
 def dequantize_int4(packed, scale, k: int | None = None, dtype=jnp.float32) -> jax.Array:
-    """-> w [k, out] (k: the kernel's input rows; all of the packed ones by default)."""
-    w = _dequantize_t(packed, scale, dtype).T
+    """-> w [k, out] (k: the kernel's input rows; all of the packed ones, zero past the kernel's, by default)."""
+    w = jnp.stack(_dequantized_halves(packed, scale, dtype), axis=-1).reshape(packed.shape[0], -1).T
     return w if k is None else w[:k]
 
 
@@ -137,9 +128,7 @@ def _int4_rows(x, packed, scale):
     the low nibbles meet x's even columns, the high ones its odd columns. The weights are dequantized to x's dtype
     first, as `_int4_dot` does, so both ways multiply by the same weights whatever the step's width."""
     n, groups = scale.shape
-    s = scale.astype(jnp.float32)[..., None]
-    lo, hi = ((v.astype(jnp.float32).reshape(n, groups, -1) * s).astype(x.dtype).astype(jnp.float32)
-              for v in _nibbles(packed))
+    lo, hi = (v.astype(jnp.float32).reshape(n, groups, -1) for v in _dequantized_halves(packed, scale, x.dtype))
     x32 = x.astype(jnp.float32)
     xe, xo = (v.reshape(x.shape[0], 1, groups, -1) for v in (x32[:, 0::2], x32[:, 1::2]))
     return jnp.sum(lo * xe + hi * xo, axis=(2, 3))
@@ -149,10 +138,7 @@ def _int4_dot(x, packed, scale):
     """x [T, K] @ the dequantized weights as two dots, x's even columns against the low nibbles and its odd ones
     against the high: each half dequantizes element-wise. (Interleaving the nibbles back into one [out, K] operand
     ran at 4 % of the H200's bandwidth, these at 6-9 %; writing the halves to memory first was no faster.)"""
-    n, groups = scale.shape
-    s = scale.astype(jnp.float32)[..., None]
-    lo, hi = ((v.astype(jnp.float32).reshape(n, groups, -1) * s).reshape(n, -1).astype(x.dtype)
-              for v in _nibbles(packed))
+    lo, hi = _dequantized_halves(packed, scale, x.dtype)
     return _dot_t(x[:, 0::2], lo) + _dot_t(x[:, 1::2], hi)
 
 
