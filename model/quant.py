@@ -10,17 +10,22 @@ A kernel w [in, out] is stored output-major, each output channel's weights conti
 - fp8: q = w / scale in float8_e4m3fn [out, in] (the K-major operand layout of Hopper's FP8 GEMM), scale =
   max |w[:, j]| / 448 in float32 [out]; each step's activations are quantized per token the same way (dynamic
   scales), the dot runs fp8 x fp8 with float32 accumulation and both scales multiply its result.
-Decode is bound by reading the weights, so fewer bytes per weight is the lever. The weight-only formats leave the
-kernel to XLA, in the formulation measured fastest per token count on the H200 (docs/perf.md, "Output-major
-int8 and int4"): int8 widens q inside a dot over rows padded to 8; int4 reduces each output channel's row of
-nibbles for up to 3 tokens and dequantizes them inside two dots (even and odd input rows) for more. Embedding
-and LM head stay in the model dtype unless `quantize_head` (int8 per vocab entry, model/transformer.py).
+Decode is bound by reading the weights, so fewer bytes per weight is the lever. Each weight-only format runs the
+formulation measured fastest per token count on the H200 (docs/perf.md, "Output-major int8 and int4" and "A
+Mosaic GPU int4 kernel"): int8 widens q inside XLA's dot over rows padded to 8; int4 runs the Mosaic GPU kernel
+(pallas_kernels/quant_matmul_mgpu.py, nibbles widened in registers) on Hopper for steps of up to
+`tuning.INT4_MOSAIC_MAX_ROWS` rows where it covers the shapes, and otherwise XLA: a reduction of each output
+channel's row of nibbles for up to 3 tokens, two dots (even and odd input rows) over dequantized halves for
+more. Embedding and LM head stay in the model dtype unless `quantize_head` (int8 per vocab entry,
+model/transformer.py).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from glint.pallas_kernels import quant_matmul_mgpu, tuning
+from glint.pallas_kernels.varlen_attention_mgpu import is_hopper
 
 INT8_MAX = 127
 INT4_MAX = 7
@@ -143,14 +148,30 @@ def _int4_dot(x, packed, scale):
 
 
 def int4_matmul(x, packed, scale, dtype=None):
-    """x [T, in] @ dequant(packed, scale) in `dtype` (x's by default). Up to INT4_ROW_MAX rows each row is reduced
-    against the packed weights (read once per row); wider steps dequantize the weights inside two dots
-    (`_int4_dot`; docs/perf.md)."""
+    """x [T, in] @ dequant(packed, scale) in `dtype` (x's by default): the Mosaic GPU kernel where it runs (Hopper,
+    decode widths, shapes it covers); else up to INT4_ROW_MAX rows each row is reduced against the packed weights
+    (read once per row) and wider steps dequantize the weights inside two dots (`_int4_dot`; docs/perf.md). All
+    three multiply by the same bf16-rounded weights."""
     pad = 2 * packed.shape[1] - x.shape[1]
     if pad:
         x = jnp.pad(x, ((0, 0), (0, pad)))
-    y = _int4_rows(x, packed, scale) if x.shape[0] <= INT4_ROW_MAX else _int4_dot(x, packed, scale)
+    if _int4_on_mosaic(x, packed, scale):
+        y = quant_matmul_mgpu.int4_matmul_t(x, packed, scale, blocks=_INT4_BLOCKS, out_dtype=jnp.float32)
+    elif x.shape[0] <= INT4_ROW_MAX:
+        y = _int4_rows(x, packed, scale)
+    else:
+        y = _int4_dot(x, packed, scale)
     return y.astype(dtype or x.dtype)
+
+
+_INT4_BLOCKS = quant_matmul_mgpu.QuantBlocks(**tuning.INT4_MOSAIC_BLOCKS)
+
+
+def _int4_on_mosaic(x, packed, scale) -> bool:
+    """Whether this call runs the Mosaic GPU kernel: a Hopper GPU, a decode-wide step, shapes it covers."""
+    (rows, k), (n, groups) = x.shape, scale.shape
+    return (rows <= tuning.INT4_MOSAIC_MAX_ROWS and is_hopper()
+            and quant_matmul_mgpu.int4_supports(rows, n, k, k // groups, x.dtype, _INT4_BLOCKS))
 
 
 # fp8 (W8A8) -------------------------------------------------------------------------------------------------------

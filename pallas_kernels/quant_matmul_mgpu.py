@@ -1,24 +1,27 @@
-"""Weight-only int8 matmul for decode widths on Hopper (Pallas, Mosaic GPU: TMA + wgmma with A in registers).
+"""Weight-only int8 and int4 matmuls for decode widths on Hopper (Pallas, Mosaic GPU: TMA + wgmma, A in registers).
 
-y [T, N] = (x [T, K] @ q.T) * scale for a few rows T (a decode step's tokens) against q i8[N, K] (the weight
-stored output-major, K contiguous) with per-output-channel scales f32[N]. Decode reads q once per step and
-does almost no arithmetic, so the kernel is built to stream q: it computes y.T = q @ x.T, with the weight as
-wgmma's A operand - loaded from shared memory into registers and widened there to x's dtype - and the
-handful of token rows, padded to a multiple of 8, as the B operand (wgmma's N can be as small as 8). Each CTA
-owns `2 * block_m` weight rows (two compute warpgroups of block_m) and one of `splits` ranges of K; a memory
-warpgroup streams [2 * block_m, block_k] int8 tiles and the matching x tiles into `stages` shared-memory slots
-with TMA. Splitting K keeps every SM busy when N is narrow; the splits' float32 partial sums are added (and
-the scales applied) after the kernel, by XLA.
+y [T, N] = x [T, K] @ w.T for a few rows T (a decode step's tokens) against weights stored output-major (K
+contiguous): int8 [N, K] with per-output-channel scales f32[N], or int4 [N, K] (glint.model.quant's packed
+bytes, read as XLA's int4 type: the same bits) with bf16 scales per output channel and group of K. Decode reads
+the weights once per step and does almost no arithmetic, so the kernel is built to stream them: it computes
+y.T = w @ x.T, with the weight as wgmma's A operand - loaded from shared memory into registers and widened
+there to x's dtype (int4's group scales multiply the widened tile) - and the handful of token rows, padded to a
+multiple of 8, as the B operand (wgmma's N can be as small as 8). Each CTA owns `2 * block_m` weight rows (two
+compute warpgroups of block_m) and one of `splits` ranges of K; a memory warpgroup streams [2 * block_m,
+block_k] weight tiles and the matching x tiles (and int4's scales) into `stages` shared-memory slots with TMA.
+Splitting K keeps every SM busy when N is narrow; the splits' float32 partial sums are added (and int8's
+scales applied) after the kernel, by XLA.
 
-Measured on the H200 (docs/perf.md, 2026-12-02): correct, but it streams int8 at 41-56 % of 4.3 TB/s at
-llama3-8b's shapes (bf16 through XLA: 69-86 %), about XLA's own int8 (43-49 %); with `probe` (no multiply)
-the same pipeline moves 53-72 %. Not wired into the model. Tried and dropped (no faster): weights pre-tiled
-so each step's tile is one contiguous run, one warpgroup doing both TMA and math (plgpu.emit_pipeline), 6-8
-stages, 256-wide K steps; keeping one wgmma in flight (wgmma_wait(1), slots released a step late) gave wrong
-results.
+Measured on the H200 (docs/perf.md): int8 streams at 41-56 % of 4.3 TB/s at llama3-8b's shapes, about XLA's
+own int8, so the model's int8 stays on XLA; with `probe` (no multiply) the same pipeline moves 53-72 %. Tried
+and dropped for int8 (no faster): weights pre-tiled so each step's tile is one contiguous run, one warpgroup
+doing both TMA and math (plgpu.emit_pipeline), 6-8 stages, 256-wide K steps; keeping one wgmma in flight
+(wgmma_wait(1), slots released a step late) gave wrong results. The model's int4 linears run this kernel on
+Hopper for steps of up to `tuning.INT4_MOSAIC_MAX_ROWS` rows (model/quant.py).
 
-Scope: bf16/f16 activations, N a multiple of 2 * block_m, K a multiple of block_k (llama-style shapes);
-`supports` says whether a call is covered.
+Scope: bf16/f16 activations, N a multiple of 2 * block_m, K a multiple of block_k (int4: also whole groups
+of a multiple of 128, a group dividing block_k or the other way round) (llama-style shapes); `supports` and
+`int4_supports` say whether a call is covered.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["QuantBlocks", "int8_matmul_t", "int8_matmul_t_reference", "supports"]
+__all__ = ["QuantBlocks", "int4_matmul_t", "int4_supports", "int8_matmul_t", "int8_matmul_t_reference", "supports"]
 
 _COMPUTE_WGS = 2
 MAX_ROWS = 64  # decode widths (wider steps are compute-bound: a plain GEMM's job)
@@ -69,15 +72,29 @@ def _swizzle(minor_bytes: int) -> int:
 
 def _transforms(minor: int, dtype) -> tuple:
     """Tiling + swizzle of a shared-memory tile whose last dimension holds `minor` elements of `dtype`."""
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = _swizzle(minor * itemsize)
-    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+    bits = jnp.iinfo(dtype).bits if jnp.issubdtype(dtype, jnp.integer) else jnp.finfo(dtype).bits
+    swizzle = _swizzle(minor * bits // 8)
+    return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-def supports(rows: int, n: int, k: int, dtype, blocks: QuantBlocks = QuantBlocks()) -> bool:
-    """Whether `int8_matmul_t` covers x dtype[rows, k] against q [n, k] with these blocks."""
+SMEM_BYTES = 232448 - 1024  # an H100/H200 CTA's shared memory, less room for the pipeline's barriers
+
+
+def smem_bytes(rows: int, blocks: QuantBlocks, weight_bits: int = 8, scale_rows: int = 0) -> int:
+    """Shared memory the kernel takes: `stages` slots of a weight tile, an x tile and int4's scale rows, and the
+    float32 output tiles."""
+    tn = _rows_tile(rows)
+    slot = blocks.cta_m * blocks.block_k * weight_bits // 8 + tn * blocks.block_k * 2 + scale_rows * blocks.cta_m * 2
+    return blocks.stages * slot + _COMPUTE_WGS * blocks.block_m * tn * 4
+
+
+def supports(rows: int, n: int, k: int, dtype, blocks: QuantBlocks = QuantBlocks(), weight_bits: int = 8,
+             scale_rows: int = 0) -> bool:
+    """Whether `int8_matmul_t` covers x dtype[rows, k] against q [n, k] with these blocks (and fits, with
+    weights of `weight_bits` and `scale_rows` rows of scales per step)."""
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and 1 <= rows <= MAX_ROWS and n > 0 and k > 0 and n % blocks.cta_m == 0 and k % blocks.block_k == 0)
+            and 1 <= rows <= MAX_ROWS and n > 0 and k > 0 and n % blocks.cta_m == 0 and k % blocks.block_k == 0
+            and smem_bytes(rows, blocks, weight_bits, scale_rows) <= SMEM_BYTES)
 
 
 def num_splits(n: int, k: int, blocks: QuantBlocks) -> int:
@@ -97,23 +114,45 @@ def int8_matmul_t(x, q, scale, *, blocks: QuantBlocks = QuantBlocks()):
     if not supports(rows, n, k, x.dtype, blocks):
         raise ValueError(f"int8_matmul_t: x {x.dtype}{list(x.shape)} against q [{n}, {k}] is not covered by "
                          f"{blocks} (1..{MAX_ROWS} bf16/f16 rows, N % {blocks.cta_m}, "
-                         f"K % {blocks.block_k})")
-    bm, bk = blocks.block_m, blocks.block_k
-    cta_m = blocks.cta_m
+                         f"K % {blocks.block_k}, {SMEM_BYTES} bytes of shared memory)")
+    return (_partial_sums(x, q, None, blocks)[:, :rows] * scale[:, None]).T.astype(x.dtype)
+
+
+_WGMMA = plgpu.Layout.WGMMA
+_WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)
+_UPCAST = {jnp.dtype(jnp.int8): plgpu.Layout.WGMMA_UPCAST_2X, jnp.dtype(jnp.int4): plgpu.Layout.WGMMA_UPCAST_4X}
+
+
+def _partial_sums(x, q, scale_t, blocks: QuantBlocks):
+    """f32[N, T padded] = q @ x.T, the kernel both formats share. q int8 or int4 [N, K]; scale_t None (int8: its
+    per-channel scale is applied after) or [K / group, N] in x's dtype (int4: each widened tile is multiplied by
+    its group's scales before the wgmma). The splits' partial sums are added here, by XLA."""
+    (rows, k), n = x.shape, q.shape[0]
+    bm, bk, cta_m = blocks.block_m, blocks.block_k, blocks.cta_m
     tn = _rows_tile(rows)
     splits = num_splits(n, k, blocks)
     span = k // splits
     dtype = x.dtype
+    group = k if scale_t is None else k // scale_t.shape[0]
+    chunk = min(bk, group)  # K per wgmma: int4 applies one row of scales to each
 
-    def kernel(x_ref, q_ref, out_ref, out_smem):
+    def kernel(x_ref, q_ref, *refs, out_smem):
+        *s_ref, out_ref = refs
         tile, split, wg = lax.axis_index("tiles"), lax.axis_index("splits"), lax.axis_index("wg")
-        ks = pl.ds(split * span, span)
+        ks, cols, rows_wg = pl.ds(split * span, span), pl.ds(tile * cta_m, cta_m), pl.ds(wg * bm, bm)
 
-        def body(_, q_smem, x_smem, acc_ref):
+        def body(_, q_smem, *smem):
+            *s_smem, x_smem, acc_ref = smem
             if blocks.probe:
                 return acc_ref
-            a = q_smem[pl.ds(wg * bm, bm)].astype(dtype)  # widened in registers
-            plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(x_smem, (1, 0)))
+            for c in range(bk // chunk):  # int4: one wgmma per group in the step, after its scales
+                ck = pl.ds(c * chunk, chunk)
+                w = plgpu.load(q_smem.at[rows_wg, ck], layout=_UPCAST[q.dtype])
+                w = plgpu.layout_cast(w, _WGMMA).astype(dtype)  # widened in registers
+                if s_smem:
+                    s = plgpu.load(s_smem[0].at[c * chunk // group, rows_wg], layout=_WGMMA_ROW)
+                    w = w * lax.broadcast_in_dim(s, w.shape, [0])
+                plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem.at[:, ck], (1, 0)))
             plgpu.wgmma_wait(0)
             return acc_ref
 
@@ -126,24 +165,27 @@ def int8_matmul_t(x, q, scale, *, blocks: QuantBlocks = QuantBlocks()):
                 plgpu.copy_smem_to_gmem(out_smem.at[wg], out_ref.at[split, pl.ds(tile * cta_m + wg * bm, bm)])
                 plgpu.wait_smem_to_gmem(0)
 
+        specs = [plgpu.BlockSpec((cta_m, bk), lambda s: (0, s), transforms=_transforms(chunk, q.dtype),
+                                 memory_space=plgpu.SMEM)]
+        if s_ref:  # the rows of scales of the groups this K step covers (or is inside)
+            first = split * (span // bk)
+            index = (lambda s: (first + s, 0)) if bk >= group else (lambda s: ((first + s) // (group // bk), 0))
+            specs.append(plgpu.BlockSpec((max(1, bk // group), cta_m), index, memory_space=plgpu.SMEM))
+        specs.append(plgpu.BlockSpec((tn, bk), lambda s: (0, s), transforms=_transforms(bk, dtype),
+                                     memory_space=plgpu.SMEM))
         pipeline = plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(span // bk,),
             memory_registers=40,
-            in_specs=[
-                plgpu.BlockSpec((cta_m, bk), lambda s: (0, s), transforms=_transforms(bk, jnp.int8),
-                                memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((tn, bk), lambda s: (0, s), transforms=_transforms(bk, dtype),
-                                memory_space=plgpu.SMEM),
-            ],
+            in_specs=specs,
             wg_axis="wg",
             num_compute_wgs=_COMPUTE_WGS,
             max_concurrent_steps=blocks.stages,
             compute_context=compute_context,
         )
-        pipeline(q_ref.at[pl.ds(tile * cta_m, cta_m), ks], x_ref.at[:, ks])
+        pipeline(q_ref.at[cols, ks], *(r.at[:, cols] for r in s_ref), x_ref.at[:, ks])
 
-    x_pad = jnp.pad(x, ((0, tn - rows), (0, 0)))
+    fmt = "int4" if scale_t is not None else "int8"
     partial = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((splits, n, tn), jnp.float32),
@@ -151,15 +193,47 @@ def int8_matmul_t(x, q, scale, *, blocks: QuantBlocks = QuantBlocks()):
         grid_names=("tiles", "splits"),
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types={"out_smem": plgpu.SMEM((_COMPUTE_WGS, bm, tn), jnp.float32,
                                                   transforms=_transforms(tn, jnp.float32))},
-        kernel_name=f"int8_matmul_t_m{bm}_k{bk}_n{tn}_s{splits}",
-    )(x_pad, q)
-    return (partial.sum(axis=0)[:, :rows] * scale[:, None]).T.astype(dtype)
+        kernel_name=f"{fmt}_matmul_t_m{bm}_k{bk}_n{tn}_s{splits}",
+    )(jnp.pad(x, ((0, tn - rows), (0, 0))), q, *([] if scale_t is None else [scale_t]))
+    return partial.sum(axis=0)
 
 
 def int8_matmul_t_reference(x, q, scale):
     """The same in plain jnp: (x @ q.T) * scale, float32 accumulation, in x's dtype."""
     y = jnp.dot(x, q.T.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y * scale).astype(x.dtype)
+
+# int4 ---------------------------------------------------------------------------------------------------------------
+
+def int4_supports(rows: int, n: int, k: int, group: int, dtype, blocks: QuantBlocks = QuantBlocks()) -> bool:
+    """Whether `int4_matmul_t` covers x dtype[rows, k] against int4 weights [n, k] in groups of `group`."""
+    bk = blocks.block_k
+    return (group > 0 and k % group == 0 and group % 128 == 0 and (group % bk == 0 or bk % group == 0)
+            and supports(rows, n, k, dtype, blocks, 4, max(1, bk // group)))
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "out_dtype"))
+def int4_matmul_t(x, packed, scale, *, blocks: QuantBlocks = QuantBlocks(), out_dtype=None):
+    """x [T, K] @ the int4 weights in `out_dtype` (x's by default): packed u8[N, K / 2] (input row 2i in byte i's
+    low nibble, 2i + 1 in its high one; glint.model.quant's int4 format), scale bf16[N, K / group]. Each weight
+    is q * scale rounded to x's dtype, as the model's XLA ways multiply by."""
+    if x.ndim != 2 or packed.ndim != 2 or packed.dtype != jnp.uint8 or scale.ndim != 2 or \
+            scale.shape[0] != packed.shape[0] or x.shape[1] != 2 * packed.shape[1]:
+        raise ValueError(f"int4_matmul_t: x [T, K], packed u8[N, K / 2], scale [N, groups] expected, got x "
+                         f"{x.shape}, packed {packed.dtype}{list(packed.shape)}, scale {scale.shape}")
+    (rows, k), (n, groups) = x.shape, scale.shape
+    if k % groups or not int4_supports(rows, n, k, k // groups, x.dtype, blocks):
+        raise ValueError(f"int4_matmul_t: x {x.dtype}{list(x.shape)} against int4 [{n}, {k}] in {groups} groups "
+                         f"is not covered by {blocks} (1..{MAX_ROWS} bf16/f16 rows, N % {blocks.cta_m}, "
+                         f"group a multiple of 128 that divides or is divided by {blocks.block_k}, "
+                         f"{SMEM_BYTES} bytes of shared memory)")
+    q = lax.bitcast_convert_type(packed, jnp.int4).reshape(n, k)  # the same bits, two per byte, low nibble first
+    return int4_kernel(x, q, scale.astype(x.dtype).T, blocks=blocks, out_dtype=out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "out_dtype"))
+def int4_kernel(x, q, scale_t, *, blocks: QuantBlocks = QuantBlocks(), out_dtype=None):
+    """`int4_matmul_t` on the kernel's own operands: q int4[N, K], scale_t [K / group, N] in x's dtype."""
+    return _partial_sums(x, q, scale_t, blocks)[:, :x.shape[0]].T.astype(out_dtype or x.dtype)

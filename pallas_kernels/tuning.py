@@ -60,3 +60,11 @@ MOSAIC_PREFILL = dict(block_q=64, block_kv=128, num_stages=2)
 # Triton. 2026-12-01, H200, causal prefill 16x512 .. 2x4096 (GQA 32/8, D 128, bf16, page 16): Mosaic
 # ran 1.5-1.7x Triton's TFLOP/s on whole tiles, so a Mosaic row costs about 0.6 of a Triton row.
 MOSAIC_ROW_COST = 0.6
+
+# int4 weight-only linears on Hopper: steps of up to INT4_MOSAIC_MAX_ROWS token rows run the Mosaic GPU kernel
+# (quant_matmul_mgpu.int4_matmul_t) with these blocks where it covers the shapes; wider steps and other GPUs
+# keep XLA's formulations (model/quant.py). 2026-12-03 (tools/gpu_quant_kernels.py, llama3-8b's four linears,
+# chained, M = 1 and 8 summed): block_m 128 / block_k 128 / 4 stages / 132 CTAs 180.9 us, within 2 % of the
+# best (block_k 256: 177.9, which overflows shared memory at 32 rows and more); block_m 64 / 264 CTAs 211.4.
+INT4_MOSAIC_MAX_ROWS = 64
+INT4_MOSAIC_BLOCKS = {"block_m": 128, "block_k": 128, "stages": 4, "min_ctas": 132}

@@ -505,3 +505,87 @@ def test_mosaic_int8_matmul_matches_the_float64_product(m, block_m, block_k, sta
     bound = 2 ** -8 * np.abs(want) + k * np.finfo(np.float32).eps * (np.abs(x.astype(np.float64)) @ np.abs(
         q.T.astype(np.float64) * scale)) + 1e-6
     assert np.all(err <= bound), (err.max(), err[err > bound][:4], bound[err > bound][:4])
+
+
+def test_mosaic_int4_matmul_checks_its_operands():
+    from glint.pallas_kernels import quant_matmul_mgpu as qm
+
+    assert qm.int4_supports(8, 256, 256, 128, jnp.bfloat16) and qm.int4_supports(8, 256, 512, 256, jnp.bfloat16)
+    assert not qm.int4_supports(8, 256, 256, 64, jnp.bfloat16)  # a group narrower than one wgmma's 128
+    assert qm.int4_supports(8, 256, 512, 128, jnp.bfloat16, qm.QuantBlocks(block_k=256))
+    assert not qm.int4_supports(8, 256, 768, 384, jnp.bfloat16, qm.QuantBlocks(block_k=256))
+    assert not qm.int4_supports(8, 256, 384, 256, jnp.bfloat16)  # K not whole groups
+    assert not qm.int4_supports(65, 256, 256, 128, jnp.bfloat16)
+    # shared memory: 4 slots of [256, 256] int4 and [32, 256] bf16 tiles with the output tiles do not fit, 16 rows do
+    wide = qm.QuantBlocks(block_m=128, block_k=256, stages=4)
+    assert qm.smem_bytes(32, wide, 4, 2) > qm.SMEM_BYTES >= qm.smem_bytes(16, wide, 4, 2)
+    assert qm.int4_supports(16, 4096, 4096, 128, jnp.bfloat16, wide)
+    assert not qm.int4_supports(32, 4096, 4096, 128, jnp.bfloat16, wide)
+    with pytest.raises(ValueError, match=r"packed u8\[N, K / 2\], scale \[N, groups\] expected, got x \(2, 256\), "
+                                         r"packed int8\[256, 128\]"):
+        qm.int4_matmul_t(jnp.zeros((2, 256), jnp.bfloat16), jnp.zeros((256, 128), jnp.int8),
+                         jnp.ones((256, 2), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"against int4 \[256, 256\] in 4 groups is not covered"):
+        qm.int4_matmul_t(jnp.zeros((2, 256), jnp.bfloat16), jnp.zeros((256, 128), jnp.uint8),
+                         jnp.ones((256, 4), jnp.bfloat16))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
+@pytest.mark.parametrize("m", [1, 3, 8, 17, 64])
+@pytest.mark.parametrize("block_m,block_k,stages,group", [(64, 128, 3, 128), (128, 128, 2, 128), (64, 128, 2, 256),
+                                                          (64, 256, 2, 128), (128, 256, 2, 256)])
+def test_mosaic_int4_matmul_matches_the_float64_product(m, block_m, block_k, stages, group):
+    from glint.pallas_kernels import quant_matmul_mgpu as qm
+    from glint.pallas_kernels.varlen_attention_mgpu import is_hopper
+
+    if not is_hopper():
+        pytest.skip("needs a Hopper GPU (compute capability 9.0)")
+    k, n = 6 * block_k, 512
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+    packed, scale = reference_int4(rng.standard_normal((k, n)).astype(np.float32), group)
+    w = dequantize_int4_reference(packed, scale, group, k)
+    want = x.astype(np.float64) @ w
+    # K split in two ranges of three pipeline steps each: a step holds two groups, one, or half of one (then the
+    # second split starts inside a group)
+    blocks = qm.QuantBlocks(block_m=block_m, block_k=block_k, stages=stages, min_ctas=2 * n // (2 * block_m))
+    assert qm.num_splits(n, k, blocks) == 2
+    got = qm.int4_matmul_t(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scale), blocks=blocks)
+    # each weight q * scale rounded to bfloat16 (as the XLA ways do), float32 accumulation, one rounding of the result
+    err = np.abs(np.asarray(got, np.float64) - want)
+    xw = np.abs(x.astype(np.float64)) @ np.abs(w)
+    bound = 2 ** -8 * np.abs(want) + (2 ** -8 + k * np.finfo(np.float32).eps) * xw + 1e-6
+    assert np.all(err <= bound), (err.max(), err[err > bound][:4], bound[err > bound][:4])
+    # and the same weights as the model's XLA ways: equal to them up to the order of the float32 sums
+    xla = quant.int4_matmul(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scale))
+    diff = np.abs(np.asarray(got, np.float64) - np.asarray(xla, np.float64))
+    assert np.all(diff <= 2 ** -7 * np.abs(want) + 2 * k * np.finfo(np.float32).eps * xw + 1e-6), diff.max()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
+@pytest.mark.parametrize("length", [1, 5, 8, 40])
+def test_int4_model_on_the_mosaic_kernel_matches_its_xla_ways(length, monkeypatch):
+    """A model whose linears the int4 kernel covers (every N a multiple of 256, K of the group): its logits with
+    the kernel against the same weights through the XLA ways, for decode-wide and prefill-chunk-wide steps."""
+    from glint.model.presets import preset
+    from glint.pallas_kernels import quant_matmul_mgpu as qm
+    from glint.pallas_kernels.varlen_attention_mgpu import is_hopper
+    from glint.runtime.loading import random_params
+
+    if not is_hopper():
+        pytest.skip("needs a Hopper GPU (compute capability 9.0)")
+    cfg = preset("tiny", dtype="bfloat16").replace(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                                                      intermediate_size=512, vocab_size=512, quantize="int4")
+    graphdef, shapes = transformer.split(transformer.abstract_model(cfg))
+    params = random_params(shapes, seed=length)
+    tokens = np.random.default_rng(length).integers(0, cfg.vocab_size, length).tolist()
+    calls = []
+    kernel = qm.int4_matmul_t
+    monkeypatch.setattr(qm, "int4_matmul_t", lambda *a, **kw: calls.append(a[0].shape) or kernel(*a, **kw))
+    got = np.asarray(transformer.full_sequence_logits(graphdef, params, tokens), np.float64)
+    assert len(calls) == 4 * cfg.num_layers, calls  # qkv, o, gate/up, down in every layer
+    monkeypatch.setattr(quant, "_int4_on_mosaic", lambda *a: False)
+    want = np.asarray(transformer.full_sequence_logits(graphdef, params, tokens), np.float64)
+    # the same bf16 weights; the sums' order and the bf16 rounding of each linear's output differ
+    assert np.abs(got - want).max() <= 0.02 * np.abs(want).max(), np.abs(got - want).max()
+    assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.9

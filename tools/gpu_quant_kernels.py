@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 from glint.model import quant
-from glint.pallas_kernels.quant_matmul_mgpu import QuantBlocks, int8_matmul_t
+from glint.pallas_kernels.quant_matmul_mgpu import QuantBlocks, int4_kernel, int4_matmul_t, int8_matmul_t
 
 PEAK = 4.3e12
 SHAPES = [(4096, 6144, "wqkv"), (4096, 4096, "wo"), (4096, 28672, "gate_up"), (14336, 4096, "down")]
@@ -25,6 +25,10 @@ ROWS = [1, 8, 64]
 # The Mosaic GPU int8 kernel (weights stored [N, K], A operand in registers): block_m, block_k, stages, min_ctas.
 MOSAIC = [QuantBlocks(64, 128, 4, 132), QuantBlocks(64, 128, 4, 132, probe=True), QuantBlocks(64, 128, 4, 264),
           QuantBlocks(64, 256, 4, 132), QuantBlocks(128, 128, 4, 132)]
+# The Mosaic GPU int4 kernel (nibbles widened in registers, group scales applied to the widened tile).
+MOSAIC4 = [QuantBlocks(64, 128, 4, 264), QuantBlocks(128, 128, 4, 132), QuantBlocks(64, 256, 4, 264),
+           QuantBlocks(64, 256, 4, 264, probe=True), QuantBlocks(128, 256, 4, 132), QuantBlocks(128, 256, 3, 264),
+           QuantBlocks(64, 512, 3, 264)]
 REPS = 20
 
 
@@ -109,6 +113,14 @@ def main(shapes: set[str] | None = None, only: set[str] | None = None) -> None:
                 way = f"mosaic int8 m{c.block_m} k{c.block_k} st{c.stages} c{c.min_ctas}{' probe' * c.probe}"
                 ways[way] = (lambda x, q, s, c=c: int8_matmul_t(x, q, s, blocks=c), qs, [s] * len(qs),
                              int8_bytes, None if c.probe else want)
+            for c in MOSAIC4:
+                way = f"mosaic int4 m{c.block_m} k{c.block_k} st{c.stages} c{c.min_ctas}{' probe' * c.probe}"
+                ways[way] = (lambda x, q, s, c=c: int4_matmul_t(x, q, s, blocks=c), q4s, [s4] * len(q4s),
+                             int4_bytes, None if c.probe else want4)
+            # the kernel on operands converted beforehand (int4 type, scales [groups, N]): the wrapper's own cost
+            q4k = [lax.bitcast_convert_type(a, jnp.int4).reshape(n, -1) for a in q4s]
+            ways["mosaic int4 pre"] = (lambda x, q, s: int4_kernel(x, q, s), q4k, [s4.T] * len(q4k), int4_bytes,
+                                       want4)
             for way, (fn, ws, scales, nbytes, ref) in ways.items():
                 if only and not any(way.startswith(o) for o in only):
                     continue
