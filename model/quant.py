@@ -12,8 +12,8 @@ A kernel w [in, out] is stored output-major, each output channel's weights conti
   scales), the dot runs fp8 x fp8 with float32 accumulation and both scales multiply its result.
 Decode is bound by reading the weights, so fewer bytes per weight is the lever. Each weight-only format runs the
 formulation measured fastest per token count on the H200 (docs/perf.md, "Output-major int8 and int4" and "A
-Mosaic GPU int4 kernel"): int8 widens q inside XLA's dot over rows padded to 8; int4 runs the Mosaic GPU kernel
-(pallas_kernels/quant_matmul_mgpu.py, nibbles widened in registers) on Hopper for steps of up to
+Mosaic GPU int4 kernel in the model"): int8 widens q inside XLA's dot over rows padded to 8; int4 runs the Mosaic
+GPU kernel (pallas_kernels/quant_matmul_mgpu.py, nibbles widened in registers) on Hopper for steps of up to
 `tuning.INT4_MOSAIC_MAX_ROWS` rows where it covers the shapes, and otherwise XLA: a reduction of each output
 channel's row of nibbles for up to 3 tokens, two dots (even and odd input rows) over dequantized halves for
 more. Embedding and LM head stay in the model dtype unless `quantize_head` (int8 per vocab entry,
@@ -170,7 +170,7 @@ _INT4_BLOCKS = quant_matmul_mgpu.QuantBlocks(**tuning.INT4_MOSAIC_BLOCKS)
 def _int4_on_mosaic(x, packed, scale) -> bool:
     """Whether this call runs the Mosaic GPU kernel: a Hopper GPU, a decode-wide step, shapes it covers."""
     (rows, k), (n, groups) = x.shape, scale.shape
-    return (rows <= tuning.INT4_MOSAIC_MAX_ROWS and is_hopper()
+    return (rows <= tuning.INT4_MOSAIC_MAX_ROWS and k % groups == 0 and is_hopper()
             and quant_matmul_mgpu.int4_supports(rows, n, k, k // groups, x.dtype, _INT4_BLOCKS))
 
 

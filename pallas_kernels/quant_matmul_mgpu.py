@@ -12,8 +12,11 @@ block_k] weight tiles and the matching x tiles (and int4's scales) into `stages`
 Splitting K keeps every SM busy when N is narrow; the splits' float32 partial sums are added (and int8's
 scales applied) after the kernel, by XLA.
 
-Measured on the H200 (docs/perf.md): int8 streams at 41-56 % of 4.3 TB/s at llama3-8b's shapes, about XLA's
-own int8, so the model's int8 stays on XLA; with `probe` (no multiply) the same pipeline moves 53-72 %. Tried
+Measured on the H200 (docs/perf.md): int8 streamed at 41-56 % of 4.3 TB/s at llama3-8b's shapes (2026-12-02,
+then in Warpgroup semantics; 45-54 % on gate_up and down after the move to the shared Lane-semantics body on
+2026-12-03), below XLA's own int8 (60-66 %), so the model's int8 stays on XLA; with `probe` (no multiply) the
+same pipeline moves 53-72 %. int4 reads 28-30 % at M = 1..8 (its probe 36-42 %: rows of 64 bytes a step),
+still 1.45-1.56x bf16 per layer and 1.1-3.4x XLA's int4 ways. Tried
 and dropped for int8 (no faster): weights pre-tiled so each step's tile is one contiguous run, one warpgroup
 doing both TMA and math (plgpu.emit_pipeline), 6-8 stages, 256-wide K steps; keeping one wgmma in flight
 (wgmma_wait(1), slots released a step late) gave wrong results. The model's int4 linears run this kernel on
@@ -90,8 +93,9 @@ def smem_bytes(rows: int, blocks: QuantBlocks, weight_bits: int = 8, scale_rows:
 
 def supports(rows: int, n: int, k: int, dtype, blocks: QuantBlocks = QuantBlocks(), weight_bits: int = 8,
              scale_rows: int = 0) -> bool:
-    """Whether `int8_matmul_t` covers x dtype[rows, k] against q [n, k] with these blocks (and fits, with
-    weights of `weight_bits` and `scale_rows` rows of scales per step)."""
+    """Whether the kernel covers x dtype[rows, k] against weights [n, k] with these blocks and fits in shared
+    memory, with weights of `weight_bits` (int8: 8; int4: 4, via `int4_supports`) and `scale_rows` rows of scales
+    per step."""
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and 1 <= rows <= MAX_ROWS and n > 0 and k > 0 and n % blocks.cta_m == 0 and k % blocks.block_k == 0
             and smem_bytes(rows, blocks, weight_bits, scale_rows) <= SMEM_BYTES)
@@ -230,10 +234,4 @@ def int4_matmul_t(x, packed, scale, *, blocks: QuantBlocks = QuantBlocks(), out_
                          f"group a multiple of 128 that divides or is divided by {blocks.block_k}, "
                          f"{SMEM_BYTES} bytes of shared memory)")
     q = lax.bitcast_convert_type(packed, jnp.int4).reshape(n, k)  # the same bits, two per byte, low nibble first
-    return int4_kernel(x, q, scale.astype(x.dtype).T, blocks=blocks, out_dtype=out_dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("blocks", "out_dtype"))
-def int4_kernel(x, q, scale_t, *, blocks: QuantBlocks = QuantBlocks(), out_dtype=None):
-    """`int4_matmul_t` on the kernel's own operands: q int4[N, K], scale_t [K / group, N] in x's dtype."""
-    return _partial_sums(x, q, scale_t, blocks)[:, :x.shape[0]].T.astype(out_dtype or x.dtype)
+    return _partial_sums(x, q, scale.astype(x.dtype).T, blocks)[:, :rows].T.astype(out_dtype or x.dtype)

@@ -1,10 +1,9 @@
 """Quantized matmuls at llama3-8b's linear shapes and decode widths on the GPU: the Mosaic GPU int8 and int4 kernels
-(a few configs each; "mosaic int4 pre": the int4 kernel on operands converted beforehand), glint.model.quant's
-formulations (int8; "xla int4" as the model picks per row count, which on Hopper is the Mosaic kernel up to 64
-rows, and XLA's ways forced: "xla int4 rows", "xla int4 dot", "xla int4 dot pad8"; fp8 x fp8) and the plain bf16
-dot. Each is checked against its reference, then timed as % of 4.3 TB/s of the bytes it must read (weights +
-scales), two ways: chained inside one jit (a loop over enough distinct weight copies that they do not fit in L2)
-and as separate calls.
+(a few configs each), glint.model.quant's formulations (int8; "xla int4" as the model picks per row count, which
+on Hopper is the Mosaic kernel up to 64 rows, and XLA's ways forced: "xla int4 rows", "xla int4 dot", "xla int4
+dot pad8"; fp8 x fp8) and the plain bf16 dot. Each is checked against its reference, then timed as % of 4.3 TB/s
+of the bytes it must read (weights + scales), two ways: chained inside one jit (a loop over enough distinct weight
+copies that they do not fit in L2) and as separate calls.
 
   python tools/gpu_quant_kernels.py [--shapes gate_up,down] [--ways "xla int4,bf16 dot,mosaic"] [--rows 1,8]
   (--ways: name prefixes)
@@ -19,7 +18,7 @@ import numpy as np
 from jax import lax
 
 from glint.model import quant
-from glint.pallas_kernels.quant_matmul_mgpu import QuantBlocks, int4_kernel, int4_matmul_t, int8_matmul_t
+from glint.pallas_kernels.quant_matmul_mgpu import QuantBlocks, int4_matmul_t, int8_matmul_t
 
 PEAK = 4.3e12
 SHAPES = [(4096, 6144, "wqkv"), (4096, 4096, "wo"), (4096, 28672, "gate_up"), (14336, 4096, "down")]
@@ -119,10 +118,6 @@ def main(shapes: set[str] | None = None, only: set[str] | None = None) -> None:
                 way = f"mosaic int4 m{c.block_m} k{c.block_k} st{c.stages} c{c.min_ctas}{' probe' * c.probe}"
                 ways[way] = (lambda x, q, s, c=c: int4_matmul_t(x, q, s, blocks=c), q4s, [s4] * len(q4s),
                              int4_bytes, None if c.probe else want4)
-            # the kernel on operands converted beforehand (int4 type, scales [groups, N]): the wrapper's own cost
-            q4k = [lax.bitcast_convert_type(a, jnp.int4).reshape(n, -1) for a in q4s]
-            ways["mosaic int4 pre"] = (lambda x, q, s: int4_kernel(x, q, s), q4k, [s4.T] * len(q4k), int4_bytes,
-                                       want4)
             for way, (fn, ws, scales, nbytes, ref) in ways.items():
                 if only and not any(way.startswith(o) for o in only):
                     continue
