@@ -156,7 +156,7 @@ def _partial_sums(x, q, scale_t, blocks: QuantBlocks):
                 if s_smem:
                     s = plgpu.load(s_smem[0].at[c * chunk // group, rows_wg], layout=_WGMMA_ROW)
                     w = w * lax.broadcast_in_dim(s, w.shape, [0])
-                plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem.at[:, ck], (1, 0)))
+                plgpu.wgmma(acc_ref, w, x_smem.at[:, ck].T)
             plgpu.wgmma_wait(0)
             return acc_ref
 
