@@ -209,6 +209,7 @@ def int8_matmul_t_reference(x, q, scale):
     y = jnp.dot(x, q.T.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y * scale).astype(x.dtype)
 
+
 # int4 ---------------------------------------------------------------------------------------------------------------
 
 def int4_supports(rows: int, n: int, k: int, group: int, dtype, blocks: QuantBlocks = QuantBlocks()) -> bool:
