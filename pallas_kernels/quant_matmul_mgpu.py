@@ -16,11 +16,11 @@ Measured on the H200 (docs/perf.md): int8 streamed at 41-56 % of 4.3 TB/s at lla
 then in Warpgroup semantics; 45-54 % on gate_up and down after the move to the shared Lane-semantics body on
 2026-12-03), below XLA's own int8 (60-66 %), so the model's int8 stays on XLA; with `probe` (no multiply) the
 same pipeline moves 53-72 %. int4 reads 28-30 % at M = 1..8 (its probe 36-42 %: rows of 64 bytes a step),
-still 1.45-1.56x bf16 per layer and 1.1-3.4x XLA's int4 ways. Tried
-and dropped for int8 (no faster): weights pre-tiled so each step's tile is one contiguous run, one warpgroup
-doing both TMA and math (plgpu.emit_pipeline), 6-8 stages, 256-wide K steps; keeping one wgmma in flight
-(wgmma_wait(1), slots released a step late) gave wrong results. The model's int4 linears run this kernel on
-Hopper for steps of up to `tuning.INT4_MOSAIC_MAX_ROWS` rows (model/quant.py).
+still 1.45-1.56x bf16 per layer and 1.1-3.4x XLA's int4 ways. Tried and dropped for int8 (no faster): weights
+pre-tiled so each step's tile is one contiguous run, one warpgroup doing both TMA and math (plgpu.emit_pipeline),
+6-8 stages, 256-wide K steps; keeping one wgmma in flight (wgmma_wait(1), slots released a step late) gave wrong
+results. The model's int4 linears run this kernel on Hopper for steps of up to `tuning.INT4_MOSAIC_MAX_ROWS`
+rows (model/quant.py).
 
 Scope: bf16/f16 activations, N a multiple of 2 * block_m, K a multiple of block_k (int4: also whole groups
 of a multiple of 128, a group dividing block_k or the other way round) (llama-style shapes); `supports` and

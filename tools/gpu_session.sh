@@ -65,8 +65,8 @@ case "${1:-all}" in
     timeout 200 python3 tools/gpu_fp8_kv.py 64 4096 > "$out/fp8_kv.log" 2>&1
     grep -v cuda_timer "$out/fp8_kv.log" | tail -6
     ;;
-  quant-kernels)  # quantized matmuls at llama3-8b's shapes, M = 1, 8, 64: Mosaic int8 configs, XLA int8 / int4 /
-                 # fp8, bf16 (~6 min)
+  quant-kernels)  # quantized matmuls at llama3-8b's shapes, M = 1, 8, 64: Mosaic int8 and int4 configs, XLA int8 /
+                 # int4 / fp8, bf16 (~6 min before the int4 configs; give QUANT_ARGS --ways or --rows to fit 560 s)
     timeout 560 python3 tools/gpu_quant_kernels.py ${QUANT_ARGS:-} > "$out/quant_kernels.log" 2>&1
     sed -n '/^linear |/,$p' "$out/quant_kernels.log"; grep -E "^FAIL|Traceback" "$out/quant_kernels.log" | head -5
     ;;
