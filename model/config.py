@@ -14,15 +14,21 @@ QUANT_FORMATS = ("none", "int8", "int4", "fp8")  # weight formats of the linears
 DTYPES = ("bfloat16", "float32", "float16")
 QUANTIZE_HELP = ("int8: weight-only, per output channel; int4: weight-only, per group of input rows and output "
                  "channel; fp8: float8_e4m3fn weights per output channel and activations per token (W8A8)")
-# How the formats lay out their arrays (model/quant.py); 1 (a glint.json without the field): int8 and int4
-# stored [in, out], which this glint no longer reads.
-QUANT_LAYOUT = 2
+# How the formats lay out their arrays (model/quant.py): 1 (a glint.json without the field): int8 and int4 stored
+# [in, out]; 2: [out, in], int4's scales [out, groups]; 3: int4's scales [groups, out]. This glint reads layout 3
+# and the older ones wherever they stored the same arrays.
+QUANT_LAYOUT = 3
+_LAYOUT_CHANGES = {1: "int8 / int4 [in, out], before 2026-12-03", 2: "int4 scales [out, groups]"}
 
 
-def _layout_changed(quantize: str, quantize_head: bool, tie_embeddings: bool) -> bool:
-    """Whether layout 1 stored these arrays otherwise: int8 / int4 linears and an untied int8 head were [in, out]
-    (a tied head's table and fp8 were [out, in] already)."""
-    return quantize in ("int8", "int4") or (quantize_head and not tie_embeddings)
+def _layout_changed(quantize: str, quantize_head: bool, tie_embeddings: bool, layout: int) -> bool:
+    """Whether `layout` stored these arrays otherwise than QUANT_LAYOUT: layout 1 held int8 / int4 linears and an
+    untied int8 head [in, out] (a tied head's table and fp8 were [out, in] already), layouts 1 and 2 int4's scales
+    [out, groups]; a later layout, whatever another glint wrote, any quantized arrays."""
+    if layout > QUANT_LAYOUT:
+        return quantize != "none" or quantize_head
+    return (quantize == "int4" and layout < 3) or (
+        layout < 2 and (quantize == "int8" or (quantize_head and not tie_embeddings)))
 
 
 @dataclass(frozen=True)
@@ -144,11 +150,11 @@ class ModelConfig:
             raise ValueError(f"quant_group must be a positive int, got {self.quant_group!r}")
         if self.quantize == "int4" and self.quant_group % 2:
             raise ValueError(f"quant_group {self.quant_group} must be even for int4 (two input rows per byte)")
-        if self.quant_layout != QUANT_LAYOUT and _layout_changed(self.quantize, self.quantize_head,
-                                                                 self.tie_embeddings):
+        if _layout_changed(self.quantize, self.quantize_head, self.tie_embeddings, self.quant_layout):
+            was = _LAYOUT_CHANGES.get(self.quant_layout, "written by another glint")
             raise ValueError(f"quantize={self.quantize!r}, quantize_head={self.quantize_head} stored in layout "
-                             f"{self.quant_layout} (int8 / int4 [in, out], before 2026-12-03); this glint reads "
-                             f"layout {QUANT_LAYOUT} ([out, in]): convert or export the HF checkpoint again")
+                             f"{self.quant_layout} ({was}); this glint reads "
+                             f"layout {QUANT_LAYOUT}: convert or export the HF checkpoint again")
         for name in ("attn_softcap", "final_softcap", "query_scale", "norm_eps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -189,7 +195,7 @@ class ModelConfig:
         d = json.loads(text)
         if "quant_layout" not in d:  # written before the field existed: layout 1 where it differs
             changed = _layout_changed(d.get("quantize", "none"), d.get("quantize_head", False),
-                                      d.get("tie_embeddings", False))
+                                      d.get("tie_embeddings", False), 1)
             d["quant_layout"] = 1 if changed else QUANT_LAYOUT
         d["layer_rope"] = tuple(None if r is None else RopeConfig(**r) for r in d["layer_rope"])
         return cls(**d)

@@ -5,8 +5,9 @@ A kernel w [in, out] is stored output-major, each output channel's weights conti
 - int8: q = round(w / scale) in int8 [out, in], scale = max |w[:, j]| / 127 in float32 [out] (symmetric per
   output channel); y = (x @ q.T) * scale.
 - int4: symmetric per output channel and group of `group` (even) input rows: scale = max |w[g, j]| / 7 in bfloat16
-  [out, ceil(in / group)], q = round(w / scale) in [-7, 7], packed two per byte along the input dimension (input
-  row 2i in the low nibble, 2i + 1 in the high one; uint8 [out, ceil(in / group) * group / 2], zero past `in`).
+  [ceil(in / group), out] (group-major: a kernel reads a group's scales as one row), q = round(w / scale) in
+  [-7, 7], packed two per byte along the input dimension (input row 2i in the low nibble, 2i + 1 in the high one;
+  uint8 [out, ceil(in / group) * group / 2], zero past `in`).
 - fp8: q = w / scale in float8_e4m3fn [out, in] (the K-major operand layout of Hopper's FP8 GEMM), scale =
   max |w[:, j]| / 448 in float32 [out]; each step's activations are quantized per token the same way (dynamic
   scales), the dot runs fp8 x fp8 with float32 accumulation and both scales multiply its result.
@@ -88,7 +89,7 @@ def int8_matmul(x, q, scale, dtype=None):
 # int4 -------------------------------------------------------------------------------------------------------------
 
 def quantize_int4(w, group: int = DEFAULT_GROUP) -> tuple[jax.Array, jax.Array]:
-    """w [in, out] -> (packed u8[out, ceil(in / group) * group / 2], scale bf16[out, ceil(in / group)]); q is
+    """w [in, out] -> (packed u8[out, ceil(in / group) * group / 2], scale bf16[ceil(in / group), out]); q is
     rounded against the stored (bfloat16) scale, so dequantizing is exactly q * scale."""
     if group < 2 or group % 2:
         raise ValueError(f"int4 group {group} must be even and >= 2 (two input rows per byte, whole bytes per group)")
@@ -100,7 +101,7 @@ def quantize_int4(w, group: int = DEFAULT_GROUP) -> tuple[jax.Array, jax.Array]:
     q = jnp.clip(jnp.round(wt / scale.astype(jnp.float32)[..., None]), -INT4_MAX, INT4_MAX)
     q = q.astype(jnp.int8).reshape(n, groups * group)
     packed = (q[:, 0::2] & 0xF) | (q[:, 1::2] << 4)
-    return packed.astype(jnp.uint8), scale
+    return packed.astype(jnp.uint8), scale.T
 
 
 def _nibbles(packed):
@@ -111,8 +112,8 @@ def _nibbles(packed):
 
 def _dequantized_halves(packed, scale, dtype):
     """The weights of the even and of the odd input rows, each [out, K / 2]: q * scale in float32, then `dtype`."""
-    n, groups = scale.shape
-    s = scale.astype(jnp.float32)[..., None]
+    groups, n = scale.shape
+    s = scale.T.astype(jnp.float32)[..., None]
     return tuple((v.astype(jnp.float32).reshape(n, groups, -1) * s).reshape(n, -1).astype(dtype)
                  for v in _nibbles(packed))
 
@@ -132,7 +133,7 @@ def _int4_rows(x, packed, scale):
     """x [T, K] . the weights of each output channel in float32, one pass over the packed weights per row of x:
     the low nibbles meet x's even columns, the high ones its odd columns. The weights are dequantized to x's dtype
     first, as `_int4_dot` does, so both ways multiply by the same weights whatever the step's width."""
-    n, groups = scale.shape
+    groups, n = scale.shape
     lo, hi = (v.astype(jnp.float32).reshape(n, groups, -1) for v in _dequantized_halves(packed, scale, x.dtype))
     x32 = x.astype(jnp.float32)
     xe, xo = (v.reshape(x.shape[0], 1, groups, -1) for v in (x32[:, 0::2], x32[:, 1::2]))
@@ -169,7 +170,7 @@ _INT4_BLOCKS = quant_matmul_mgpu.QuantBlocks(**tuning.INT4_MOSAIC_BLOCKS)
 
 def _int4_on_mosaic(x, packed, scale) -> bool:
     """Whether this call runs the Mosaic GPU kernel: a Hopper GPU, a decode-wide step, shapes it covers."""
-    (rows, k), (n, groups) = x.shape, scale.shape
+    (rows, k), (groups, n) = x.shape, scale.shape
     return (rows <= tuning.INT4_MOSAIC_MAX_ROWS and k % groups == 0 and is_hopper()
             and quant_matmul_mgpu.int4_supports(rows, n, k, k // groups, x.dtype, _INT4_BLOCKS))
 
@@ -231,7 +232,7 @@ class Int8Linear(nnx.Module):
 
 class Int4Linear(nnx.Module):
     """y = x @ kernel with the kernel stored as packed int4 `qweight` u8[out, ceil(in / group) * group / 2] and
-    bfloat16 group scales `scale` [out, ceil(in / group)]."""
+    bfloat16 group scales `scale` [ceil(in / group), out]."""
 
     def __init__(self, d_in: int, d_out: int, *, dtype, rngs: nnx.Rngs, group: int = DEFAULT_GROUP):
         q, scale = quantize_int4(_random_kernel(rngs, d_in, d_out, dtype), group)

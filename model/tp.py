@@ -115,11 +115,12 @@ def storage(cfg: ModelConfig, name: str, lay: Layout | None) -> tuple[int | None
         return (1 if col else 0), 1
     if field == "scale" and cfg.quantize != "int4":  # [out]
         return (0 if col else None), 1
-    # qweight [out, in] (int4: u8[out, in / 2], two input rows per byte), int4 scale [out, in / group]
-    if field not in ("qweight", "scale"):
+    if field == "scale":  # int4 [in / group, out]
+        return (1, 1) if col else (0, cfg.quant_group)
+    if field != "qweight":
         raise ValueError(f"{name}: no tensor-parallel layout for a linear's {field!r} (kernel, qweight or scale)")
-    per = (2 if cfg.quantize == "int4" else 1) if field == "qweight" else cfg.quant_group
-    return (0, 1) if col else (1, per)
+    # [out, in] (int4: u8[out, in / 2], two input rows per byte)
+    return (0, 1) if col else (1, 2 if cfg.quantize == "int4" else 1)
 
 
 def _ranges(cfg: ModelConfig, lay: Layout, d: int, n: int) -> list[tuple[int, int]]:

@@ -2,7 +2,7 @@
 
 y [T, N] = x [T, K] @ w.T for a few rows T (a decode step's tokens) against weights stored output-major (K
 contiguous): int8 [N, K] with per-output-channel scales f32[N], or int4 [N, K] (glint.model.quant's packed
-bytes, read as XLA's int4 type: the same bits) with bf16 scales per output channel and group of K. Decode reads
+bytes, read as XLA's int4 type: the same bits) with bf16 scales [K / group, N], a row per group. Decode reads
 the weights once per step and does almost no arithmetic, so the kernel is built to stream them: it computes
 y.T = w @ x.T, with the weight as wgmma's A operand - loaded from shared memory into registers and widened
 there to x's dtype (int4's group scales multiply the widened tile) - and the handful of token rows, padded to a
@@ -23,8 +23,8 @@ results. The model's int4 linears run this kernel on Hopper for steps of up to `
 rows (model/quant.py).
 
 Scope: bf16/f16 activations, N a multiple of 2 * block_m, K a multiple of block_k (int4: also whole groups
-of a multiple of 128, a group dividing block_k or the other way round) (llama-style shapes); `supports` and
-`int4_supports` say whether a call is covered.
+of a multiple of 64 - a half-width tile needs the 32-byte swizzle - a group dividing block_k or the other way
+round) (llama-style shapes); `supports` and `int4_supports` say whether a call is covered.
 """
 
 from __future__ import annotations
@@ -127,8 +127,8 @@ _WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)
 _UPCAST = {jnp.dtype(jnp.int8): plgpu.Layout.WGMMA_UPCAST_2X, jnp.dtype(jnp.int4): plgpu.Layout.WGMMA_UPCAST_4X}
 
 
-def _partial_sums(x, q, scale_t, blocks: QuantBlocks):
-    """f32[N, T padded] = q @ x.T, the kernel both formats share. q int8 or int4 [N, K]; scale_t None (int8: its
+def _partial_sums(x, q, group_scale, blocks: QuantBlocks):
+    """f32[N, T padded] = q @ x.T, the kernel both formats share. q int8 or int4 [N, K]; group_scale None (int8: its
     per-channel scale is applied after) or [K / group, N] in x's dtype (int4: each widened tile is multiplied by
     its group's scales before the wgmma). The splits' partial sums are added here, by XLA."""
     (rows, k), n = x.shape, q.shape[0]
@@ -137,7 +137,7 @@ def _partial_sums(x, q, scale_t, blocks: QuantBlocks):
     splits = num_splits(n, k, blocks)
     span = k // splits
     dtype = x.dtype
-    group = k if scale_t is None else k // scale_t.shape[0]
+    group = k if group_scale is None else k // group_scale.shape[0]
     chunk = min(bk, group)  # K per wgmma: int4 applies one row of scales to each
 
     def kernel(x_ref, q_ref, *refs, out_smem):
@@ -189,7 +189,7 @@ def _partial_sums(x, q, scale_t, blocks: QuantBlocks):
         )
         pipeline(q_ref.at[cols, ks], *(r.at[:, cols] for r in s_ref), x_ref.at[:, ks])
 
-    fmt = "int4" if scale_t is not None else "int8"
+    fmt = "int4" if group_scale is not None else "int8"
     partial = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((splits, n, tn), jnp.float32),
@@ -200,7 +200,7 @@ def _partial_sums(x, q, scale_t, blocks: QuantBlocks):
         scratch_types={"out_smem": plgpu.SMEM((_COMPUTE_WGS, bm, tn), jnp.float32,
                                                   transforms=_transforms(tn, jnp.float32))},
         kernel_name=f"{fmt}_matmul_t_m{bm}_k{bk}_n{tn}_s{splits}",
-    )(jnp.pad(x, ((0, tn - rows), (0, 0))), q, *([] if scale_t is None else [scale_t]))
+    )(jnp.pad(x, ((0, tn - rows), (0, 0))), q, *([] if group_scale is None else [group_scale]))
     return partial.sum(axis=0)
 
 
@@ -215,24 +215,24 @@ def int8_matmul_t_reference(x, q, scale):
 def int4_supports(rows: int, n: int, k: int, group: int, dtype, blocks: QuantBlocks = QuantBlocks()) -> bool:
     """Whether `int4_matmul_t` covers x dtype[rows, k] against int4 weights [n, k] in groups of `group`."""
     bk = blocks.block_k
-    return (group > 0 and k % group == 0 and group % 128 == 0 and (group % bk == 0 or bk % group == 0)
+    return (group > 0 and k % group == 0 and group % 64 == 0 and (group % bk == 0 or bk % group == 0)
             and supports(rows, n, k, dtype, blocks, 4, max(1, bk // group)))
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "out_dtype"))
 def int4_matmul_t(x, packed, scale, *, blocks: QuantBlocks = QuantBlocks(), out_dtype=None):
     """x [T, K] @ the int4 weights in `out_dtype` (x's by default): packed u8[N, K / 2] (input row 2i in byte i's
-    low nibble, 2i + 1 in its high one; glint.model.quant's int4 format), scale bf16[N, K / group]. Each weight
+    low nibble, 2i + 1 in its high one; glint.model.quant's int4 format), scale bf16[K / group, N]. Each weight
     is q * scale rounded to x's dtype, as the model's XLA ways multiply by."""
     if x.ndim != 2 or packed.ndim != 2 or packed.dtype != jnp.uint8 or scale.ndim != 2 or \
-            scale.shape[0] != packed.shape[0] or x.shape[1] != 2 * packed.shape[1]:
-        raise ValueError(f"int4_matmul_t: x [T, K], packed u8[N, K / 2], scale [N, groups] expected, got x "
+            scale.shape[1] != packed.shape[0] or x.shape[1] != 2 * packed.shape[1]:
+        raise ValueError(f"int4_matmul_t: x [T, K], packed u8[N, K / 2], scale [groups, N] expected, got x "
                          f"{x.shape}, packed {packed.dtype}{list(packed.shape)}, scale {scale.shape}")
-    (rows, k), (n, groups) = x.shape, scale.shape
+    (rows, k), (groups, n) = x.shape, scale.shape
     if k % groups or not int4_supports(rows, n, k, k // groups, x.dtype, blocks):
         raise ValueError(f"int4_matmul_t: x {x.dtype}{list(x.shape)} against int4 [{n}, {k}] in {groups} groups "
                          f"is not covered by {blocks} (1..{MAX_ROWS} bf16/f16 rows, N % {blocks.cta_m}, "
-                         f"group a multiple of 128 that divides or is divided by {blocks.block_k}, "
+                         f"group a multiple of 64 that divides or is divided by {blocks.block_k}, "
                          f"{SMEM_BYTES} bytes of shared memory)")
     q = lax.bitcast_convert_type(packed, jnp.int4).reshape(n, k)  # the same bits, two per byte, low nibble first
-    return _partial_sums(x, q, scale.astype(x.dtype).T, blocks)[:, :rows].T.astype(out_dtype or x.dtype)
+    return _partial_sums(x, q, scale.astype(x.dtype), blocks)[:, :rows].T.astype(out_dtype or x.dtype)

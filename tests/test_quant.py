@@ -30,7 +30,7 @@ def reference_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def reference_int4(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
-    """w [in, out] -> (packed u8 [out, groups * group / 2], bf16 scales [out, groups]), groups = ceil(in / group):
+    """w [in, out] -> (packed u8 [out, groups * group / 2], bf16 scales [groups, out]), groups = ceil(in / group):
     per output channel and group of input rows, scale = amax / 7 rounded to bfloat16, q = round(w / scale) in
     [-7, 7], zero past `in`, input row 2i in the low nibble."""
     k, n = w.shape
@@ -45,7 +45,7 @@ def reference_int4(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
             scale[j, g] = s
             q[j, g * group:g * group + len(rows)] = np.clip(np.round(rows / s), -7, 7)
     packed = (q[:, 0::2].astype(np.uint8) & 0xF) | (q[:, 1::2].astype(np.uint8) << 4)
-    return packed.astype(np.uint8), scale.astype(ml_dtypes.bfloat16)
+    return packed.astype(np.uint8), scale.T.astype(ml_dtypes.bfloat16)
 
 
 def dequantize_int4_reference(packed: np.ndarray, scale: np.ndarray, group: int, k: int) -> np.ndarray:
@@ -53,7 +53,7 @@ def dequantize_int4_reference(packed: np.ndarray, scale: np.ndarray, group: int,
     lo, hi = (packed & 0xF).astype(np.int16), (packed >> 4).astype(np.int16)
     q = np.stack([lo, hi], axis=-1).reshape(packed.shape[0], -1)
     q = np.where(q >= 8, q - 16, q)  # two's complement nibbles
-    return (q * np.repeat(scale.astype(np.float64), group, axis=1))[:, :k].T
+    return (q * np.repeat(scale.T.astype(np.float64), group, axis=1))[:, :k].T
 
 
 def reference_fp8(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
@@ -146,10 +146,19 @@ def test_convert_int8_is_smaller_and_loads_as_it_was_quantized(tmp_path):
     del plain["quant_layout"]  # a full-precision checkpoint of before: its layout did not change
     assert ModelConfig.from_json(json.dumps(plain)) == ModelConfig.from_json((full / "glint.json").read_text())
     stored = json.loads((small / "glint.json").read_text())
-    assert stored.pop("quant_layout") == 2
+    assert stored.pop("quant_layout") == 3
+    assert ModelConfig.from_json(json.dumps({**stored, "quant_layout": 2})).quantize == "int8"  # int8 as in 2
     (small / "glint.json").write_text(json.dumps(stored))  # as glint wrote it before the layout changed
     with pytest.raises(ValueError, match=r"stored in layout 1 \(int8 / int4 \[in, out\].*convert or export"):
         load_checkpoint(small)
+    int4 = json.loads((full / "glint.json").read_text()) | {"quantize": "int4"}
+    assert ModelConfig.from_json(json.dumps(int4)).quant_layout == 3
+    with pytest.raises(ValueError, match=r"stored in layout 2 \(int4 scales \[out, groups\]\); this glint reads "
+                                         r"layout 3: convert or export"):
+        ModelConfig.from_json(json.dumps(int4 | {"quant_layout": 2}))
+    with pytest.raises(ValueError, match=r"stored in layout 4 \(written by another glint\)"):
+        ModelConfig.from_json(json.dumps(stored | {"quant_layout": 4}))
+    assert ModelConfig.from_json(json.dumps(plain | {"quant_layout": 4})).quantize == "none"
 
 
 # Lower bounds on random tiny fixtures, which have near-ties and tiny dims (docs/perf.md reports each rate); a broken
@@ -233,7 +242,7 @@ def test_int4_format_matches_the_numpy_reference(shape, group):
     back = np.asarray(quant.dequantize_int4(packed, scale, shape[0]))
     want_back = dequantize_int4_reference(want_packed, want_scale, group, shape[0])
     np.testing.assert_allclose(back, want_back, rtol=1e-7)
-    step = np.repeat(want_scale.astype(np.float32), group, axis=1)[:, :shape[0]].T
+    step = np.repeat(want_scale.astype(np.float32), group, axis=0)[:shape[0]]
     assert (np.abs(back - w) <= step / 2 * (1 + 1e-2) + 1e-30).all()  # within half a step (scale rounded to bf16)
 
 
@@ -511,7 +520,8 @@ def test_mosaic_int4_matmul_checks_its_operands():
     from glint.pallas_kernels import quant_matmul_mgpu as qm
 
     assert qm.int4_supports(8, 256, 256, 128, jnp.bfloat16) and qm.int4_supports(8, 256, 512, 256, jnp.bfloat16)
-    assert not qm.int4_supports(8, 256, 256, 64, jnp.bfloat16)  # groups below 128 wide: not checked on a GPU
+    assert qm.int4_supports(8, 256, 256, 64, jnp.bfloat16)
+    assert not qm.int4_supports(8, 256, 256, 32, jnp.bfloat16)  # a 16-byte row: no swizzle Mosaic accepts
     assert qm.int4_supports(8, 256, 512, 128, jnp.bfloat16, qm.QuantBlocks(block_k=256))
     assert not qm.int4_supports(8, 256, 768, 384, jnp.bfloat16, qm.QuantBlocks(block_k=256))
     assert not qm.int4_supports(8, 256, 384, 256, jnp.bfloat16)  # K not whole groups
@@ -521,19 +531,20 @@ def test_mosaic_int4_matmul_checks_its_operands():
     assert qm.smem_bytes(32, wide, 4, 2) > qm.SMEM_BYTES >= qm.smem_bytes(16, wide, 4, 2)
     assert qm.int4_supports(16, 4096, 4096, 128, jnp.bfloat16, wide)
     assert not qm.int4_supports(32, 4096, 4096, 128, jnp.bfloat16, wide)
-    with pytest.raises(ValueError, match=r"packed u8\[N, K / 2\], scale \[N, groups\] expected, got x \(2, 256\), "
+    with pytest.raises(ValueError, match=r"packed u8\[N, K / 2\], scale \[groups, N\] expected, got x \(2, 256\), "
                                          r"packed int8\[256, 128\]"):
         qm.int4_matmul_t(jnp.zeros((2, 256), jnp.bfloat16), jnp.zeros((256, 128), jnp.int8),
-                         jnp.ones((256, 2), jnp.bfloat16))
-    with pytest.raises(ValueError, match=r"against int4 \[256, 256\] in 4 groups is not covered"):
+                         jnp.ones((2, 256), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"against int4 \[256, 256\] in 8 groups is not covered"):
         qm.int4_matmul_t(jnp.zeros((2, 256), jnp.bfloat16), jnp.zeros((256, 128), jnp.uint8),
-                         jnp.ones((256, 4), jnp.bfloat16))
+                         jnp.ones((8, 256), jnp.bfloat16))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
 @pytest.mark.parametrize("m", [1, 3, 8, 17, 64])
 @pytest.mark.parametrize("block_m,block_k,stages,group", [(64, 128, 3, 128), (128, 128, 2, 128), (64, 128, 2, 256),
-                                                          (64, 256, 2, 128), (128, 256, 2, 256)])
+                                                          (64, 256, 2, 128), (128, 256, 2, 256), (64, 128, 2, 64),
+                                                          (128, 256, 2, 64)])
 def test_mosaic_int4_matmul_matches_the_float64_product(m, block_m, block_k, stages, group, monkeypatch):
     from glint.pallas_kernels import quant_matmul_mgpu as qm
     from glint.pallas_kernels.varlen_attention_mgpu import is_hopper
