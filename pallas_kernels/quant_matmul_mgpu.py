@@ -48,16 +48,19 @@ MAX_ROWS = 64  # decode widths (wider steps are compute-bound: a plain GEMM's jo
 class QuantBlocks:
     block_m: int = 64  # weight rows per compute warpgroup (a multiple of 64)
     block_k: int = 128  # K per pipeline step (a multiple of 128: one 128-byte swizzle of int8)
-    stages: int = 4  # shared-memory slots in flight per CTA
-    min_ctas: int = 264  # split K until the grid has this many CTAs (2 per H200 SM)
+    stages: int = 4  # shared-memory slots in flight per CTA (at most: a work unit's steps are a multiple of them)
+    ctas: int = 132  # the persistent grid (one CTA per SM: an H200 has 132), each looping over work units
+    splits: int = 0  # K ranges per weight tile; 0: planned from the shapes (`plan`)
     probe: bool = False  # stream the tiles without multiplying: a bandwidth probe (its output is not the product)
+    post_scale: bool = False  # int4: scale each group's product [rows, bm] instead of its widened weights
 
     def __post_init__(self):
         if self.block_m <= 0 or self.block_m % 64 or self.block_k <= 0 or self.block_k % 128:
             raise ValueError(f"QuantBlocks: block_m {self.block_m} must be a multiple of 64 (wgmma's M) and block_k "
                              f"{self.block_k} a multiple of 128 (one 128-byte swizzle of int8)")
-        if self.stages < 1 or self.min_ctas < 1:
-            raise ValueError(f"QuantBlocks: stages {self.stages} and min_ctas {self.min_ctas} must be >= 1")
+        if self.stages < 1 or self.ctas < 1 or self.splits < 0:
+            raise ValueError(f"QuantBlocks: stages {self.stages} and ctas {self.ctas} must be >= 1, splits "
+                             f"{self.splits} >= 0")
 
     @property
     def cta_m(self) -> int:
@@ -98,14 +101,27 @@ def supports(rows: int, n: int, k: int, dtype, blocks: QuantBlocks = QuantBlocks
     per step."""
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and 1 <= rows <= MAX_ROWS and n > 0 and k > 0 and n % blocks.cta_m == 0 and k % blocks.block_k == 0
+            and (k // blocks.block_k) % max(1, blocks.splits) == 0
             and smem_bytes(rows, blocks, weight_bits, scale_rows) <= SMEM_BYTES)
 
 
-def num_splits(n: int, k: int, blocks: QuantBlocks) -> int:
-    """K ranges per weight tile: the fewest that give min_ctas CTAs, each a whole number of block_k steps."""
+def plan(n: int, k: int, blocks: QuantBlocks) -> tuple[int, int]:
+    """(splits, stages): the K ranges per weight tile (`blocks.splits`, or planned) and the pipeline depth, the
+    most slots up to `blocks.stages` that divide a work unit's steps. A work unit is one weight tile's K range; the
+    persistent grid's CTAs take them in turn, so the plan minimizes the steps of the busiest CTA, counting a unit's
+    epilogue as one more step and a shallower pipeline as proportionally slower; ties go to fewer splits."""
     tiles, steps = n // blocks.cta_m, k // blocks.block_k
-    want = max(1, min(steps, -(-blocks.min_ctas // tiles)))
-    return min(d for d in range(want, steps + 1) if steps % d == 0)
+
+    def depth(splits: int) -> int:
+        return max(d for d in range(1, min(blocks.stages, steps // splits) + 1) if steps // splits % d == 0)
+
+    def cost(splits: int) -> float:
+        units_per_cta = -(-tiles * splits // blocks.ctas)
+        return units_per_cta * (steps // splits + 1) * blocks.stages / depth(splits)
+
+    choices = [blocks.splits] if blocks.splits else [d for d in range(1, steps + 1) if steps % d == 0]
+    splits = min(choices, key=lambda d: (cost(d), d))
+    return splits, depth(splits)
 
 
 @functools.partial(jax.jit, static_argnames=("blocks",))
@@ -119,7 +135,7 @@ def int8_matmul_t(x, q, scale, *, blocks: QuantBlocks = QuantBlocks()):
         raise ValueError(f"int8_matmul_t: x {x.dtype}{list(x.shape)} against q [{n}, {k}] is not covered by "
                          f"{blocks} (1..{MAX_ROWS} bf16/f16 rows, N % {blocks.cta_m}, "
                          f"K % {blocks.block_k}, {SMEM_BYTES} bytes of shared memory)")
-    return (_partial_sums(x, q, None, blocks)[:, :rows] * scale[:, None]).T.astype(x.dtype)
+    return (_partial_sums(x, q, None, blocks) * scale[:, None]).T.astype(x.dtype)
 
 
 _WGMMA = plgpu.Layout.WGMMA
@@ -128,80 +144,120 @@ _UPCAST = {jnp.dtype(jnp.int8): plgpu.Layout.WGMMA_UPCAST_2X, jnp.dtype(jnp.int4
 
 
 def _partial_sums(x, q, group_scale, blocks: QuantBlocks):
-    """f32[N, T padded] = q @ x.T, the kernel both formats share. q int8 or int4 [N, K]; group_scale None (int8: its
+    """f32[N, T] = q @ x.T, the kernel both formats share. q int8 or int4 [N, K]; group_scale None (int8: its
     per-channel scale is applied after) or [K / group, N] in x's dtype (int4: each widened tile is multiplied by
-    its group's scales before the wgmma). The splits' partial sums are added here, by XLA."""
+    its group's scales before the wgmma). A persistent grid of `blocks.ctas` CTAs takes the work units (a weight
+    tile and one of `splits` ranges of K) in turn; one pipeline runs through all of a CTA's units, its memory
+    warpgroup fetching the next unit's first tiles while the compute warpgroups finish the last one. x's rows are
+    read as a tile of `_rows_tile(T)` rows, the rows past T zero: TMA fills them (x is padded only to a multiple of
+    8 rows, which TMA needs past 8). The splits' partial sums are added here, by XLA."""
     (rows, k), n = x.shape, q.shape[0]
     bm, bk, cta_m = blocks.block_m, blocks.block_k, blocks.cta_m
     tn = _rows_tile(rows)
-    splits = num_splits(n, k, blocks)
+    splits, stages = plan(n, k, blocks)
     span = k // splits
+    units = n // cta_m * splits
     dtype = x.dtype
     group = k if group_scale is None else k // group_scale.shape[0]
     chunk = min(bk, group)  # K per wgmma: int4 applies one row of scales to each
+    steady = plgpu.PipelinePipeline
 
-    def kernel(x_ref, q_ref, *refs, out_smem):
-        *s_ref, out_ref = refs
-        tile, split, wg = lax.axis_index("tiles"), lax.axis_index("splits"), lax.axis_index("wg")
-        ks, cols, rows_wg = pl.ds(split * span, span), pl.ds(tile * cta_m, cta_m), pl.ds(wg * bm, bm)
+    post_scale = group_scale is not None and blocks.post_scale
 
-        def body(_, q_smem, *smem):
-            *s_smem, x_smem, acc_ref = smem
-            if blocks.probe:
-                return acc_ref
-            for c in range(bk // chunk):  # int4: one wgmma per group in the step, after its scales
-                ck = pl.ds(c * chunk, chunk)
-                w = plgpu.load(q_smem.at[rows_wg, ck], layout=_UPCAST[q.dtype])
-                w = plgpu.layout_cast(w, _WGMMA).astype(dtype)  # widened in registers
-                if s_smem:
-                    s = plgpu.load(s_smem[0].at[c * chunk // group, rows_wg], layout=_WGMMA_ROW)
-                    w = w * lax.broadcast_in_dim(s, w.shape, [0])
-                plgpu.wgmma(acc_ref, w, x_smem.at[:, ck].T)
+    def body(_, q_smem, *smem):
+        *s_smem, x_smem, acc = smem
+        if blocks.probe:
+            return acc
+        rows_wg = pl.ds(lax.axis_index("wg") * bm, bm)
+        for c in range(bk // chunk):  # int4: one wgmma per group in the step, after its scales
+            ck = pl.ds(c * chunk, chunk)
+            w = plgpu.load(q_smem.at[rows_wg, ck], layout=_UPCAST[q.dtype])
+            w = plgpu.layout_cast(w, _WGMMA).astype(dtype)  # widened in registers
+            if s_smem:
+                s = plgpu.load(s_smem[0].at[c * chunk // group, rows_wg], layout=_WGMMA_ROW)
+            if post_scale:  # the group's product [bm, rows] times its scales, added to the carried sums
+
+                def group_dot(part_ref, w=w, ck=ck):
+                    plgpu.wgmma(part_ref, w, x_smem.at[:, ck].T)
+                    plgpu.wgmma_wait(0)
+                    return part_ref[...]
+
+                part = pl.run_scoped(group_dot, plgpu.ACC((bm, tn), jnp.float32))
+                acc = acc + part * lax.broadcast_in_dim(s.astype(jnp.float32), part.shape, [0])
+                continue
+            if s_smem:
+                w = w * lax.broadcast_in_dim(s, w.shape, [0])
+            plgpu.wgmma(acc, w, x_smem.at[:, ck].T)
+        if not post_scale:
             plgpu.wgmma_wait(0)
-            return acc_ref
+        return acc
 
-        def compute_context(eval_pipeline):
-            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, tn), jnp.float32))
-            def _(acc_ref):
-                eval_pipeline(acc_ref)
-                out_smem[wg] = acc_ref[...]
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_ref.at[split, pl.ds(tile * cta_m + wg * bm, bm)])
-                plgpu.wait_smem_to_gmem(0)
-
+    def pipeline(split, compute_context=None, state=None):
         specs = [plgpu.BlockSpec((cta_m, bk), lambda s: (0, s), transforms=_transforms(chunk, q.dtype),
                                  memory_space=plgpu.SMEM)]
-        if s_ref:  # the rows of scales of the groups this K step covers (or is inside)
+        if group_scale is not None:  # the rows of scales of the groups this K step covers (or is inside)
             first = split * (span // bk)
             index = (lambda s: (first + s, 0)) if bk >= group else (lambda s: ((first + s) // (group // bk), 0))
             specs.append(plgpu.BlockSpec((max(1, bk // group), cta_m), index, memory_space=plgpu.SMEM))
         specs.append(plgpu.BlockSpec((tn, bk), lambda s: (0, s), transforms=_transforms(bk, dtype),
                                      memory_space=plgpu.SMEM))
-        pipeline = plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(span // bk,),
-            memory_registers=40,
-            in_specs=specs,
-            wg_axis="wg",
-            num_compute_wgs=_COMPUTE_WGS,
-            max_concurrent_steps=blocks.stages,
-            compute_context=compute_context,
-        )
-        pipeline(q_ref.at[cols, ks], *(r.at[:, cols] for r in s_ref), x_ref.at[:, ks])
+        return plgpu.emit_pipeline_warp_specialized(
+            body if compute_context else (lambda *a: None), grid=(span // bk,), memory_registers=40, in_specs=specs,
+            wg_axis="wg", num_compute_wgs=_COMPUTE_WGS, max_concurrent_steps=stages,
+            compute_context=compute_context or (lambda *a: None), pipeline_state=state)
+
+    def kernel(x_ref, q_ref, *refs, out_smem):
+        *s_ref, out_ref = refs
+        wg = lax.axis_index("wg")
+
+        def operands(tile, split):
+            ks, cols = pl.ds(split * span, span), pl.ds(tile * cta_m, cta_m)
+            return q_ref.at[cols, ks], *(r.at[:, cols] for r in s_ref), x_ref.at[:, ks]
+
+        @functools.partial(pl.run_scoped, allocations=pipeline(0).get_allocations(*operands(0, 0)),
+                           collective_axes="wg")
+        def _(allocations):
+            @plgpu.nd_loop((units,), collective_axes="ctas")
+            def _unit(info):
+                tile, split = info.index[0] // splits, info.index[0] % splits
+
+                def store(acc):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last unit's tile has left
+                    out_smem[wg] = acc
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_ref.at[split, pl.ds(tile * cta_m + wg * bm, bm)])
+
+                def compute_context(eval_pipeline):
+                    if post_scale:
+                        store(eval_pipeline(plgpu.layout_cast(jnp.zeros((bm, tn), jnp.float32), _WGMMA)))
+                        return
+
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, tn), jnp.float32))
+                    def _(acc_ref):
+                        eval_pipeline(acc_ref)
+                        store(acc_ref[...])
+
+                # a CTA's first unit fills the pipeline, its last drains it (a lone unit is both: it fills, and
+                # the kernel's end needs no drain), the ones between run on from the last
+                i, last = info.local_index, info.num_local_steps - 1
+                state = jnp.where(i == 0, steady.START, jnp.where(i == last, steady.STOP, steady.STEADY))
+                pipeline(split, compute_context, state)(*operands(tile, split), allocations=allocations)
+
+        plgpu.wait_smem_to_gmem(0)
 
     fmt = "int4" if group_scale is not None else "int8"
     partial = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((splits, n, tn), jnp.float32),
-        grid=(n // cta_m, splits),
-        grid_names=("tiles", "splits"),
+        grid=(min(blocks.ctas, units),),
+        grid_names=("ctas",),
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
         scratch_types={"out_smem": plgpu.SMEM((_COMPUTE_WGS, bm, tn), jnp.float32,
                                                   transforms=_transforms(tn, jnp.float32))},
-        kernel_name=f"{fmt}_matmul_t_m{bm}_k{bk}_n{tn}_s{splits}",
-    )(jnp.pad(x, ((0, tn - rows), (0, 0))), q, *([] if group_scale is None else [group_scale]))
-    return partial.sum(axis=0)
+        kernel_name=f"{fmt}_matmul_t_m{bm}_k{bk}_n{tn}_s{splits}_st{stages}_c{blocks.ctas}{'_post' * post_scale}",
+    )(jnp.pad(x, ((0, -rows % 8), (0, 0))), q, *([] if group_scale is None else [group_scale]))
+    return partial[:, :, :rows].sum(axis=0)
 
 
 def int8_matmul_t_reference(x, q, scale):
@@ -235,4 +291,4 @@ def int4_matmul_t(x, packed, scale, *, blocks: QuantBlocks = QuantBlocks(), out_
                          f"group a multiple of 64 that divides or is divided by {blocks.block_k}, "
                          f"{SMEM_BYTES} bytes of shared memory)")
     q = lax.bitcast_convert_type(packed, jnp.int4).reshape(n, k)  # the same bits, two per byte, low nibble first
-    return _partial_sums(x, q, scale.astype(x.dtype), blocks)[:, :rows].T.astype(out_dtype or x.dtype)
+    return _partial_sums(x, q, scale.astype(x.dtype), blocks).T.astype(out_dtype or x.dtype)

@@ -67,4 +67,4 @@ MOSAIC_ROW_COST = 0.6
 # chained, M = 1 and 8 summed): block_m 128 / block_k 128 / 4 stages / 132 CTAs 180.9 us, within 2 % of the
 # best (block_k 256: 177.9, which overflows shared memory from 17 rows, padded to 32); block_m 64 / 264 CTAs 211.4.
 INT4_MOSAIC_MAX_ROWS = 64
-INT4_MOSAIC_BLOCKS = {"block_m": 128, "block_k": 128, "stages": 4, "min_ctas": 132}
+INT4_MOSAIC_BLOCKS = {"block_m": 128, "block_k": 128, "stages": 4, "ctas": 132}

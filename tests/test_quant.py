@@ -467,17 +467,20 @@ def test_kv_cache_dtype_choices():
         EngineConfig(kv_cache_dtype="bfloat16")
 
 
-def test_mosaic_int8_matmul_plans_its_splits_from_the_shapes():
+def test_mosaic_quant_matmul_plans_its_work_units_from_the_shapes():
     from glint.pallas_kernels import quant_matmul_mgpu as qm
 
-    blocks = qm.QuantBlocks(block_m=64, block_k=128, min_ctas=264)
-    for n, k in [(6144, 4096), (28672, 4096), (4096, 14336), (256, 128)]:
-        splits = qm.num_splits(n, k, blocks)
+    blocks = qm.QuantBlocks(block_m=128, block_k=128, stages=4, ctas=132)
+    for n, k in [(6144, 4096), (28672, 4096), (4096, 14336), (256, 128), (4096, 4096), (256, 1536)]:
+        splits, stages = qm.plan(n, k, blocks)
         tiles, steps = n // blocks.cta_m, k // blocks.block_k
-        assert steps % splits == 0, (n, k, splits)
-        # the fewest splits that reach min_ctas, or every K step its own split
-        assert tiles * splits >= blocks.min_ctas or splits == steps, (n, k, splits)
-        assert splits == 1 or tiles * max(d for d in range(1, splits) if steps % d == 0) < blocks.min_ctas
+        assert steps % splits == 0 and (steps // splits) % stages == 0 and 1 <= stages <= blocks.stages, (n, k)
+        if tiles < blocks.ctas // 8 and steps >= 8 * blocks.stages:  # narrow and long: spread over the grid
+            assert tiles * splits >= blocks.ctas // 2, (n, k, splits)
+    assert qm.plan(132 * 256, 4096, blocks) == (1, 4)  # a tile per CTA already: splitting only adds epilogues
+    assert qm.plan(256, 1536, blocks)[0] > 1 and qm.plan(256, 1536, blocks)[1] == 4  # one tile: split, full depth
+    assert qm.plan(256, 768, qm.QuantBlocks(block_m=64, stages=4, splits=2)) == (2, 3)  # 3 steps a unit: 3 slots
+    assert not qm.supports(8, 256, 768, jnp.bfloat16, qm.QuantBlocks(splits=4))  # 6 steps in 4 ranges
     assert qm.supports(64, 256, 128, jnp.bfloat16) and not qm.supports(65, 256, 128, jnp.bfloat16)
     assert not qm.supports(8, 192, 128, jnp.bfloat16) and not qm.supports(8, 256, 128, jnp.float32)
     assert not qm.supports(1, 0, 128, jnp.bfloat16) and not qm.supports(1, 256, 0, jnp.bfloat16)
@@ -500,14 +503,15 @@ def test_mosaic_int8_matmul_matches_the_float64_product(m, block_m, block_k, sta
 
     if not is_hopper():
         pytest.skip("needs a Hopper GPU (compute capability 9.0)")
-    k, n = 6 * block_k, 512
+    k, n = 2 * stages * block_k, 512
     rng = np.random.default_rng(m)
     x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
     q, scale = reference_int8(rng.standard_normal((k, n)).astype(np.float32))
     want = x.astype(np.float64) @ (q.T.astype(np.float64) * scale)
-    # K split in two ranges of three pipeline steps each (min_ctas twice the N tiles)
-    blocks = qm.QuantBlocks(block_m=block_m, block_k=block_k, stages=stages, min_ctas=2 * n // (2 * block_m))
-    assert qm.num_splits(n, k, blocks) == 2
+    # K split in two ranges of `stages` pipeline steps each; 3 CTAs take the 4 or 8 work units (a tile's K range)
+    # in turn, so a CTA runs one unit alone or several through one pipeline
+    blocks = qm.QuantBlocks(block_m=block_m, block_k=block_k, stages=stages, ctas=3, splits=2)
+    assert qm.plan(n, k, blocks) == (2, stages)
     got = qm.int8_matmul_t(jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale), blocks=blocks)
     # float32 accumulation, one bfloat16 rounding of the result
     err = np.abs(np.asarray(got, np.float64) - want)
@@ -542,36 +546,41 @@ def test_mosaic_int4_matmul_checks_its_operands():
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
 @pytest.mark.parametrize("m", [1, 3, 8, 17, 64])
-@pytest.mark.parametrize("block_m,block_k,stages,group", [(64, 128, 3, 128), (128, 128, 2, 128), (64, 128, 2, 256),
-                                                          (64, 256, 2, 128), (128, 256, 2, 256), (64, 128, 2, 64),
-                                                          (128, 256, 2, 64)])
-def test_mosaic_int4_matmul_matches_the_float64_product(m, block_m, block_k, stages, group, monkeypatch):
+@pytest.mark.parametrize("block_m,block_k,stages,group,post", [
+    (64, 128, 3, 256, False), (128, 128, 2, 128, False), (64, 128, 2, 256, False), (64, 256, 2, 128, False),
+    (128, 256, 2, 256, False), (64, 128, 2, 64, False), (128, 256, 2, 64, False), (64, 128, 3, 256, True),
+    (64, 256, 2, 128, True), (128, 128, 2, 128, True)])
+def test_mosaic_int4_matmul_matches_the_float64_product(m, block_m, block_k, stages, group, post, monkeypatch):
     from glint.pallas_kernels import quant_matmul_mgpu as qm
     from glint.pallas_kernels.varlen_attention_mgpu import is_hopper
 
     if not is_hopper():
         pytest.skip("needs a Hopper GPU (compute capability 9.0)")
-    k, n = 6 * block_k, 512
+    k, n = 2 * stages * block_k, 512
     rng = np.random.default_rng(m)
     x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
     packed, scale = reference_int4(rng.standard_normal((k, n)).astype(np.float32), group)
     w = dequantize_int4_reference(packed, scale, group, k)
     want = x.astype(np.float64) @ w
-    # K split in two ranges of three pipeline steps each: a step holds two groups, one, or half of one (then the
-    # second split starts inside a group)
-    blocks = qm.QuantBlocks(block_m=block_m, block_k=block_k, stages=stages, min_ctas=2 * n // (2 * block_m))
-    assert qm.num_splits(n, k, blocks) == 2
+    # K split in two ranges of `stages` pipeline steps each: a step holds several groups, one, or half of one (with 3
+    # steps of 128 and groups of 256 the second range starts inside a group); 3 CTAs take the 4 or 8 work units (a
+    # tile's K range) in turn, so a CTA runs one unit alone or several through one pipeline
+    blocks = qm.QuantBlocks(block_m=block_m, block_k=block_k, stages=stages, ctas=3, splits=2, post_scale=post)
+    assert qm.plan(n, k, blocks) == (2, stages)
     got = qm.int4_matmul_t(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scale), blocks=blocks)
-    # each weight q * scale rounded to bfloat16 (as the XLA ways do), float32 accumulation, one rounding of the result
+    # each weight q * scale rounded to bfloat16 (as the XLA ways do; post_scale: exact), float32 accumulation, one
+    # rounding of the result
     err = np.abs(np.asarray(got, np.float64) - want)
     xw = np.abs(x.astype(np.float64)) @ np.abs(w)
     bound = 2 ** -8 * np.abs(want) + (2 ** -8 + k * np.finfo(np.float32).eps) * xw + 1e-6
     assert np.all(err <= bound), (err.max(), err[err > bound][:4], bound[err > bound][:4])
-    # and the same weights as the model's XLA ways (kept off the kernel): equal up to the order of the float32 sums
+    # and the model's XLA ways (kept off the kernel): the same weights, equal up to the order of the float32 sums
+    # (post_scale: up to the XLA ways' bfloat16 rounding of each weight too)
     monkeypatch.setattr(quant, "_int4_on_mosaic", lambda *a: False)
     xla = quant.int4_matmul(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scale))
     diff = np.abs(np.asarray(got, np.float64) - np.asarray(xla, np.float64))
-    assert np.all(diff <= 2 ** -7 * np.abs(want) + 2 * k * np.finfo(np.float32).eps * xw + 1e-6), diff.max()
+    rounding = 2 ** -8 * xw if post else 0
+    assert np.all(diff <= 2 ** -7 * np.abs(want) + 2 * k * np.finfo(np.float32).eps * xw + rounding + 1e-6), diff.max()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
