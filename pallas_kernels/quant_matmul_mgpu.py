@@ -5,22 +5,25 @@ contiguous): int8 [N, K] with per-output-channel scales f32[N], or int4 [N, K] (
 bytes, read as XLA's int4 type: the same bits) with bf16 scales [K / group, N], a row per group. Decode reads
 the weights once per step and does almost no arithmetic, so the kernel is built to stream them: it computes
 y.T = w @ x.T, with the weight as wgmma's A operand - loaded from shared memory into registers and widened
-there to x's dtype (int4's group scales multiply the widened tile) - and the handful of token rows, padded to a
-multiple of 8, as the B operand (wgmma's N can be as small as 8). Each CTA owns `2 * block_m` weight rows (two
-compute warpgroups of block_m) and one of `splits` ranges of K; a memory warpgroup streams [2 * block_m,
-block_k] weight tiles and the matching x tiles (and int4's scales) into `stages` shared-memory slots with TMA.
-Splitting K keeps every SM busy when N is narrow; the splits' float32 partial sums are added (and int8's
-scales applied) after the kernel, by XLA.
+there to x's dtype (int4's group scales multiply the widened tile) - and the handful of token rows as the B
+operand (wgmma's N can be as small as 8; a tile of 8, 16, 32 or 64 rows, those past T zero). A work unit is
+`2 * block_m` weight rows (two compute warpgroups of block_m) and one of `splits` ranges of K; a persistent grid
+of `ctas` CTAs (one per SM) takes the units in turn, a memory warpgroup streaming [2 * block_m, block_k] weight
+tiles, the matching x tiles and int4's scale rows into `stages` shared-memory slots with TMA, one pipeline
+through all of a CTA's units. `plan` picks the splits (more when N is narrow) and the depth per shape; the
+splits' float32 partial sums are added (and int8's scales applied) after the kernel, by XLA.
 
 Measured on the H200 (docs/perf.md): int8 streamed at 41-56 % of 4.3 TB/s at llama3-8b's shapes (2026-12-02,
 then in Warpgroup semantics; 45-54 % on gate_up and down after the move to the shared Lane-semantics body on
 2026-12-03), below XLA's own int8 (60-66 %), so the model's int8 stays on XLA; with `probe` (no multiply) the
-same pipeline moves 53-72 %. int4 reads 28-30 % at M = 1..8 (its probe 36-42 %: rows of 64 bytes a step),
-still 1.45-1.56x bf16 per layer and 1.1-3.4x XLA's int4 ways. Tried and dropped for int8 (no faster): weights
-pre-tiled so each step's tile is one contiguous run, one warpgroup doing both TMA and math (plgpu.emit_pipeline),
-6-8 stages, 256-wide K steps; keeping one wgmma in flight (wgmma_wait(1), slots released a step late) gave wrong
-results. The model's int4 linears run this kernel on Hopper for steps of up to `tuning.INT4_MOSAIC_MAX_ROWS`
-rows (model/quant.py).
+same pipeline moves 53-72 %. int4, one token, kernel time alone: gate_up 31.3 us (45 %), down 17.5 us (40 %)
+on the persistent grid, from 33.2 / 18.7 us with one CTA per unit in two waves. Tried and no faster: for int4
+8 stages, 448 units chained through the pipeline (gate_up in 4 splits), scaling each group's product instead
+of the widened weights (within 2 % per kernel, 2.5 % faster in the engine at batch 1 and 8 % slower at 8); for
+int8 weights pre-tiled so each step's tile is one contiguous run, one warpgroup doing both TMA and math
+(plgpu.emit_pipeline), 6-8 stages, 256-wide K steps; keeping one wgmma in flight (wgmma_wait(1), slots
+released a step late) gave wrong results. The model's int4 linears run this kernel on Hopper for steps of up to
+`tuning.INT4_MOSAIC_MAX_ROWS` rows (model/quant.py).
 
 Scope: bf16/f16 activations, N a multiple of 2 * block_m, K a multiple of block_k (int4: also whole groups
 of a multiple of 64 - a half-width tile needs the 32-byte swizzle - a group dividing block_k or the other way
@@ -52,7 +55,6 @@ class QuantBlocks:
     ctas: int = 132  # the persistent grid (one CTA per SM: an H200 has 132), each looping over work units
     splits: int = 0  # K ranges per weight tile; 0: planned from the shapes (`plan`)
     probe: bool = False  # stream the tiles without multiplying: a bandwidth probe (its output is not the product)
-    post_scale: bool = False  # int4: scale each group's product [rows, bm] instead of its widened weights
 
     def __post_init__(self):
         if self.block_m <= 0 or self.block_m % 64 or self.block_k <= 0 or self.block_k % 128:
@@ -149,8 +151,8 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks):
     its group's scales before the wgmma). A persistent grid of `blocks.ctas` CTAs takes the work units (a weight
     tile and one of `splits` ranges of K) in turn; one pipeline runs through all of a CTA's units, its memory
     warpgroup fetching the next unit's first tiles while the compute warpgroups finish the last one. x's rows are
-    read as a tile of `_rows_tile(T)` rows, the rows past T zero: TMA fills them (x is padded only to a multiple of
-    8 rows, which TMA needs past 8). The splits' partial sums are added here, by XLA."""
+    read as a tile of `_rows_tile(T)` rows: x is padded to a multiple of 8 rows (TMA's tiling), TMA fills the
+    tile's rows past that with zeros. The splits' partial sums are added here, by XLA."""
     (rows, k), n = x.shape, q.shape[0]
     bm, bk, cta_m = blocks.block_m, blocks.block_k, blocks.cta_m
     tn = _rows_tile(rows)
@@ -161,8 +163,6 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks):
     group = k if group_scale is None else k // group_scale.shape[0]
     chunk = min(bk, group)  # K per wgmma: int4 applies one row of scales to each
     steady = plgpu.PipelinePipeline
-
-    post_scale = group_scale is not None and blocks.post_scale
 
     def body(_, q_smem, *smem):
         *s_smem, x_smem, acc = smem
@@ -175,21 +175,9 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks):
             w = plgpu.layout_cast(w, _WGMMA).astype(dtype)  # widened in registers
             if s_smem:
                 s = plgpu.load(s_smem[0].at[c * chunk // group, rows_wg], layout=_WGMMA_ROW)
-            if post_scale:  # the group's product [bm, rows] times its scales, added to the carried sums
-
-                def group_dot(part_ref, w=w, ck=ck):
-                    plgpu.wgmma(part_ref, w, x_smem.at[:, ck].T)
-                    plgpu.wgmma_wait(0)
-                    return part_ref[...]
-
-                part = pl.run_scoped(group_dot, plgpu.ACC((bm, tn), jnp.float32))
-                acc = acc + part * lax.broadcast_in_dim(s.astype(jnp.float32), part.shape, [0])
-                continue
-            if s_smem:
                 w = w * lax.broadcast_in_dim(s, w.shape, [0])
             plgpu.wgmma(acc, w, x_smem.at[:, ck].T)
-        if not post_scale:
-            plgpu.wgmma_wait(0)
+        plgpu.wgmma_wait(0)
         return acc
 
     def pipeline(split, compute_context=None, state=None):
@@ -228,10 +216,6 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks):
                     plgpu.copy_smem_to_gmem(out_smem.at[wg], out_ref.at[split, pl.ds(tile * cta_m + wg * bm, bm)])
 
                 def compute_context(eval_pipeline):
-                    if post_scale:
-                        store(eval_pipeline(plgpu.layout_cast(jnp.zeros((bm, tn), jnp.float32), _WGMMA)))
-                        return
-
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, tn), jnp.float32))
                     def _(acc_ref):
                         eval_pipeline(acc_ref)
@@ -255,7 +239,7 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks):
         thread_name="wg",
         scratch_types={"out_smem": plgpu.SMEM((_COMPUTE_WGS, bm, tn), jnp.float32,
                                                   transforms=_transforms(tn, jnp.float32))},
-        kernel_name=f"{fmt}_matmul_t_m{bm}_k{bk}_n{tn}_s{splits}_st{stages}_c{blocks.ctas}{'_post' * post_scale}",
+        kernel_name=f"{fmt}_matmul_t_m{bm}_k{bk}_n{tn}_s{splits}_st{stages}_c{blocks.ctas}",
     )(jnp.pad(x, ((0, -rows % 8), (0, 0))), q, *([] if group_scale is None else [group_scale]))
     return partial[:, :, :rows].sum(axis=0)
 

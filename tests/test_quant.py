@@ -546,11 +546,10 @@ def test_mosaic_int4_matmul_checks_its_operands():
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
 @pytest.mark.parametrize("m", [1, 3, 8, 17, 64])
-@pytest.mark.parametrize("block_m,block_k,stages,group,post", [
-    (64, 128, 3, 256, False), (128, 128, 2, 128, False), (64, 128, 2, 256, False), (64, 256, 2, 128, False),
-    (128, 256, 2, 256, False), (64, 128, 2, 64, False), (128, 256, 2, 64, False), (64, 128, 3, 256, True),
-    (64, 256, 2, 128, True), (128, 128, 2, 128, True)])
-def test_mosaic_int4_matmul_matches_the_float64_product(m, block_m, block_k, stages, group, post, monkeypatch):
+@pytest.mark.parametrize("block_m,block_k,stages,group", [(64, 128, 3, 256), (128, 128, 2, 128), (64, 128, 2, 256),
+                                                          (64, 256, 2, 128), (128, 256, 2, 256), (64, 128, 2, 64),
+                                                          (128, 256, 2, 64)])
+def test_mosaic_int4_matmul_matches_the_float64_product(m, block_m, block_k, stages, group, monkeypatch):
     from glint.pallas_kernels import quant_matmul_mgpu as qm
     from glint.pallas_kernels.varlen_attention_mgpu import is_hopper
 
@@ -565,22 +564,19 @@ def test_mosaic_int4_matmul_matches_the_float64_product(m, block_m, block_k, sta
     # K split in two ranges of `stages` pipeline steps each: a step holds several groups, one, or half of one (with 3
     # steps of 128 and groups of 256 the second range starts inside a group); 3 CTAs take the 4 or 8 work units (a
     # tile's K range) in turn, so a CTA runs one unit alone or several through one pipeline
-    blocks = qm.QuantBlocks(block_m=block_m, block_k=block_k, stages=stages, ctas=3, splits=2, post_scale=post)
+    blocks = qm.QuantBlocks(block_m=block_m, block_k=block_k, stages=stages, ctas=3, splits=2)
     assert qm.plan(n, k, blocks) == (2, stages)
     got = qm.int4_matmul_t(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scale), blocks=blocks)
-    # each weight q * scale rounded to bfloat16 (as the XLA ways do; post_scale: exact), float32 accumulation, one
-    # rounding of the result
+    # each weight q * scale rounded to bfloat16 (as the XLA ways do), float32 accumulation, one rounding of the result
     err = np.abs(np.asarray(got, np.float64) - want)
     xw = np.abs(x.astype(np.float64)) @ np.abs(w)
     bound = 2 ** -8 * np.abs(want) + (2 ** -8 + k * np.finfo(np.float32).eps) * xw + 1e-6
     assert np.all(err <= bound), (err.max(), err[err > bound][:4], bound[err > bound][:4])
-    # and the model's XLA ways (kept off the kernel): the same weights, equal up to the order of the float32 sums
-    # (post_scale: up to the XLA ways' bfloat16 rounding of each weight too)
+    # and the same weights as the model's XLA ways (kept off the kernel): equal up to the order of the float32 sums
     monkeypatch.setattr(quant, "_int4_on_mosaic", lambda *a: False)
     xla = quant.int4_matmul(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scale))
     diff = np.abs(np.asarray(got, np.float64) - np.asarray(xla, np.float64))
-    rounding = 2 ** -8 * xw if post else 0
-    assert np.all(diff <= 2 ** -7 * np.abs(want) + 2 * k * np.finfo(np.float32).eps * xw + rounding + 1e-6), diff.max()
+    assert np.all(diff <= 2 ** -7 * np.abs(want) + 2 * k * np.finfo(np.float32).eps * xw + 1e-6), diff.max()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")

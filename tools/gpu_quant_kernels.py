@@ -24,12 +24,11 @@ PEAK = 4.3e12
 SHAPES = [(4096, 6144, "wqkv"), (4096, 4096, "wo"), (4096, 28672, "gate_up"), (14336, 4096, "down")]
 ROWS = [1, 8, 64]
 # The Mosaic GPU int8 kernel (weights [N, K], A operand in registers): block_m, block_k, stages, ctas (persistent grid).
-MOSAIC = [QuantBlocks(64, 128, 4, 132), QuantBlocks(64, 128, 4, 132, probe=True), QuantBlocks(64, 128, 4, 264),
-          QuantBlocks(64, 256, 4, 132), QuantBlocks(128, 128, 4, 132)]
+MOSAIC = [QuantBlocks(64, 128, 4, 132), QuantBlocks(64, 128, 4, 132, probe=True), QuantBlocks(128, 128, 4, 132),
+          QuantBlocks(64, 256, 4, 132)]
 # The Mosaic GPU int4 kernel (nibbles widened in registers, group scales applied to the widened tile).
-MOSAIC4 = [QuantBlocks(64, 128, 4, 264), QuantBlocks(128, 128, 4, 132), QuantBlocks(64, 256, 4, 264),
-           QuantBlocks(64, 256, 4, 264, probe=True), QuantBlocks(128, 256, 4, 132), QuantBlocks(128, 256, 3, 264),
-           QuantBlocks(64, 512, 3, 264)]
+MOSAIC4 = [QuantBlocks(128, 128, 4, 132), QuantBlocks(128, 128, 4, 132, probe=True), QuantBlocks(128, 128, 8, 132),
+           QuantBlocks(128, 256, 4, 132), QuantBlocks(128, 128, 4, 132, splits=4)]
 REPS = 20
 
 
@@ -111,11 +110,11 @@ def main(shapes: set[str] | None = None, only: set[str] | None = None) -> None:
                     "xla fp8": (quant.fp8_matmul, q8s, [s8] * len(q8s), int8_bytes, want8),
                     "bf16 dot": (lambda x, w, s: jnp.dot(x, w), bf, [s] * len(bf), 2 * k * n, None)}
             for c in MOSAIC:
-                way = f"mosaic int8 m{c.block_m} k{c.block_k} st{c.stages} c{c.ctas}{' probe' * c.probe}"
+                way = f"mosaic int8 m{c.block_m} k{c.block_k} st{c.stages} c{c.ctas} s{c.splits}{' probe' * c.probe}"
                 ways[way] = (lambda x, q, s, c=c: int8_matmul_t(x, q, s, blocks=c), qs, [s] * len(qs),
                              int8_bytes, None if c.probe else want)
             for c in MOSAIC4:
-                way = f"mosaic int4 m{c.block_m} k{c.block_k} st{c.stages} c{c.ctas}{' probe' * c.probe}"
+                way = f"mosaic int4 m{c.block_m} k{c.block_k} st{c.stages} c{c.ctas} s{c.splits}{' probe' * c.probe}"
                 ways[way] = (lambda x, q, s, c=c: int4_matmul_t(x, q, s, blocks=c), q4s, [s4] * len(q4s),
                              int4_bytes, None if c.probe else want4)
             for way, (fn, ws, scales, nbytes, ref) in ways.items():
