@@ -162,7 +162,7 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks):
     dtype = x.dtype
     group = k if group_scale is None else k // group_scale.shape[0]
     chunk = min(bk, group)  # K per wgmma: int4 applies one row of scales to each
-    steady = plgpu.PipelinePipeline
+    phase = plgpu.PipelinePipeline
 
     def body(_, q_smem, *smem):
         *s_smem, x_smem, acc = smem
@@ -224,7 +224,7 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks):
                 # a CTA's first unit fills the pipeline, its last drains it (a lone unit is both: it fills, and
                 # the kernel's end needs no drain), the ones between run on from the last
                 i, last = info.local_index, info.num_local_steps - 1
-                state = jnp.where(i == 0, steady.START, jnp.where(i == last, steady.STOP, steady.STEADY))
+                state = jnp.where(i == 0, phase.START, jnp.where(i == last, phase.STOP, phase.STEADY))
                 pipeline(split, compute_context, state)(*operands(tile, split), allocations=allocations)
 
         plgpu.wait_smem_to_gmem(0)
