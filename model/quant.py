@@ -157,7 +157,7 @@ def int4_matmul(x, packed, scale, dtype=None):
     if pad:
         x = jnp.pad(x, ((0, 0), (0, pad)))
     if _int4_on_mosaic(x, packed, scale):
-        y = quant_matmul_mgpu.int4_matmul_t(x, packed, scale, blocks=_INT4_BLOCKS, out_dtype=jnp.float32)
+        y = quant_matmul_mgpu.int4_matmul_t(x, packed, scale, blocks=_int4_blocks(x.shape[0]), out_dtype=jnp.float32)
     elif x.shape[0] <= INT4_ROW_MAX:
         y = _int4_rows(x, packed, scale)
     else:
@@ -165,14 +165,21 @@ def int4_matmul(x, packed, scale, dtype=None):
     return y.astype(dtype or x.dtype)
 
 
-_INT4_BLOCKS = quant_matmul_mgpu.QuantBlocks(**tuning.INT4_MOSAIC_BLOCKS)
+_INT4_BLOCKS = {rows: quant_matmul_mgpu.QuantBlocks(**b) for rows, b in tuning.INT4_MOSAIC_BLOCKS.items()}
+
+
+def _int4_blocks(rows: int) -> quant_matmul_mgpu.QuantBlocks:
+    """The kernel's blocks for a step of `rows` token rows: those of the smallest bound that holds it (the widest
+    bound's past it, whose calls take quant_matmul_mgpu.MAX_ROWS rows at a time)."""
+    return _INT4_BLOCKS[min((b for b in _INT4_BLOCKS if b >= rows), default=max(_INT4_BLOCKS))]
 
 
 def _int4_on_mosaic(x, packed, scale) -> bool:
-    """Whether this call runs the Mosaic GPU kernel: a Hopper GPU, a decode-wide step, shapes it covers."""
+    """Whether this call runs the Mosaic GPU kernel: a Hopper GPU, a step of up to tuning.INT4_MOSAIC_MAX_ROWS
+    rows, shapes it covers."""
     (rows, k), (groups, n) = x.shape, scale.shape
     return (rows <= tuning.INT4_MOSAIC_MAX_ROWS and k % groups == 0 and is_hopper()
-            and quant_matmul_mgpu.int4_supports(rows, n, k, k // groups, x.dtype, _INT4_BLOCKS))
+            and quant_matmul_mgpu.int4_supports(rows, n, k, k // groups, x.dtype, _int4_blocks(rows)))
 
 
 # fp8 (W8A8) -------------------------------------------------------------------------------------------------------

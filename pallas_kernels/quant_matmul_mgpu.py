@@ -1,17 +1,19 @@
-"""Weight-only int8 and int4 matmuls for decode widths on Hopper (Pallas, Mosaic GPU: TMA + wgmma, A in registers).
+"""Weight-only int8 and int4 matmuls on Hopper (Pallas, Mosaic GPU: TMA + wgmma, A in registers).
 
-y [T, N] = x [T, K] @ w.T for a few rows T (a decode step's tokens) against weights stored output-major (K
+y [T, N] = x [T, K] @ w.T for a step's token rows T (a few in decode) against weights stored output-major (K
 contiguous): int8 [N, K] with per-output-channel scales f32[N], or int4 [N, K] (glint.model.quant's packed
 bytes, read as XLA's int4 type: the same bits) with bf16 scales [K / group, N], a row per group. Decode reads
 the weights once per step and does almost no arithmetic, so the kernel is built to stream them: it computes
 y.T = w @ x.T, with the weight as wgmma's A operand - loaded from shared memory into registers and widened
 there to x's dtype (int4's group scales multiply the widened tile) - and the handful of token rows as the B
-operand (wgmma's N can be as small as 8; a tile of 8, 16, 32 or 64 rows, those past T zero). A work unit is
+operand (wgmma's N: a tile of 8 to 256 rows, a power of two, those past T zero; wider x runs as calls of
+MAX_ROWS rows, each streaming the weights again, and the stages shrink to fit a wide x tile). A work unit is
 `2 * block_m` weight rows (two compute warpgroups of block_m) and one of `splits` ranges of K; a persistent grid
 of `ctas` CTAs (one per SM) takes the units in turn, a memory warpgroup streaming [2 * block_m, block_k] weight
 tiles, the matching x tiles and int4's scale rows into `stages` shared-memory slots with TMA, one pipeline
 through all of a CTA's units. `plan` picks the splits (more when N is narrow) and the depth per shape; the
-splits' float32 partial sums are added (and int8's scales applied) after the kernel, by XLA.
+splits' float32 partial sums are added (and int8's scales applied) after the kernel, by XLA. A compute
+warpgroup's output tile leaves through shared memory OUT_COLS token columns at a time.
 
 Measured on the H200 (docs/perf.md): int8 streamed at 41-56 % of 4.3 TB/s at llama3-8b's shapes (2026-12-02,
 then in Warpgroup semantics; 45-54 % on gate_up and down after the move to the shared Lane-semantics body on
@@ -22,12 +24,16 @@ on the persistent grid, from 33.2 / 18.7 us with one CTA per unit in two waves. 
 of the widened weights (within 2 % per kernel, 2.5 % faster in the engine at batch 1 and 8 % slower at 8); for
 int8 weights pre-tiled so each step's tile is one contiguous run, one warpgroup doing both TMA and math
 (plgpu.emit_pipeline), 6-8 stages, 256-wide K steps; keeping one wgmma in flight (wgmma_wait(1), slots
-released a step late) gave wrong results. The model's int4 linears run this kernel on Hopper for steps of up to
-`tuning.INT4_MOSAIC_MAX_ROWS` rows (model/quant.py).
+released a step late) gave wrong results. Wide steps (2026-12-03, fourth session, chained): int4 gate_up / down
+at 128 rows 1.12 / 1.32x the bf16 dot's speed, at 256 0.91 / 1.05x, at 512 0.78 / 0.87x, at 1024 0.72 / 0.80x
+(XLA's int4 two dots 0.73 / 0.75x), at 4096 0.76 / 0.82x (XLA's 0.92 / 0.84x): about 540 TFLOP/s from 256
+rows on. The model's int4 linears run this kernel on Hopper for steps of up to `tuning.INT4_MOSAIC_MAX_ROWS`
+rows (model/quant.py).
 
 Scope: bf16/f16 activations, N a multiple of 2 * block_m, K a multiple of block_k (int4: also whole groups
 of a multiple of 64 - a half-width tile needs the 32-byte swizzle - a group dividing block_k or the other way
-round) (llama-style shapes); `supports` and `int4_supports` say whether a call is covered.
+round), a compute warpgroup's accumulator in ACC_REGISTERS registers a thread (block_m 128 takes up to 128
+rows) (llama-style shapes); `supports` and `int4_supports` say whether a call is covered.
 """
 
 from __future__ import annotations
@@ -44,7 +50,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 __all__ = ["QuantBlocks", "int4_matmul_t", "int4_supports", "int8_matmul_t", "int8_matmul_t_reference", "supports"]
 
 _COMPUTE_WGS = 2
-MAX_ROWS = 64  # decode widths (wider steps are compute-bound: a plain GEMM's job)
+MAX_ROWS = 256  # token rows per call: wgmma's largest N (the wrappers run wider x as calls of this many rows)
+OUT_COLS = 64  # token columns of the output tile a compute warpgroup stages in shared memory at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +77,7 @@ class QuantBlocks:
 
 
 def _rows_tile(rows: int) -> int:
-    """Token rows padded for wgmma's N: a multiple of 8, a power of two."""
+    """Token rows padded for wgmma's N: a multiple of 8, a power of two (so up to 256: one of 6 tiles)."""
     return max(8, 1 << (rows - 1).bit_length())
 
 
@@ -86,25 +93,39 @@ def _transforms(minor: int, dtype) -> tuple:
 
 
 SMEM_BYTES = 232448 - 1024  # an H100/H200 CTA's shared memory, less room for the pipeline's barriers
+ACC_REGISTERS = 128  # of a compute thread's ~230 (the widened weight tile and addresses take the rest)
 
 
 def smem_bytes(rows: int, blocks: QuantBlocks, weight_bits: int = 8, scale_rows: int = 0) -> int:
     """Shared memory the kernel takes: `stages` slots of a weight tile, an x tile and int4's scale rows, and the
-    float32 output tiles."""
+    float32 output tiles (OUT_COLS token columns at a time)."""
     tn = _rows_tile(rows)
     slot = blocks.cta_m * blocks.block_k * weight_bits // 8 + tn * blocks.block_k * 2 + scale_rows * blocks.cta_m * 2
-    return blocks.stages * slot + _COMPUTE_WGS * blocks.block_m * tn * 4
+    return blocks.stages * slot + _COMPUTE_WGS * blocks.block_m * min(tn, OUT_COLS) * 4
+
+
+def fitted(rows: int, blocks: QuantBlocks, weight_bits: int = 8, scale_rows: int = 0) -> QuantBlocks:
+    """`blocks` with as many of its stages as fit in shared memory beside a call's x tile (a 256-row tile takes
+    64 KiB a slot at block_k 128), at least one."""
+    stages = blocks.stages
+    while stages > 1 and smem_bytes(rows, dataclasses.replace(blocks, stages=stages), weight_bits,
+                                    scale_rows) > SMEM_BYTES:
+        stages -= 1
+    return dataclasses.replace(blocks, stages=stages)
 
 
 def supports(rows: int, n: int, k: int, dtype, blocks: QuantBlocks = QuantBlocks(), weight_bits: int = 8,
              scale_rows: int = 0) -> bool:
-    """Whether the kernel covers x dtype[rows, k] against weights [n, k] with these blocks and fits in shared
-    memory, with weights of `weight_bits` (int8: 8; int4: 4, via `int4_supports`) and `scale_rows` rows of scales
-    per step."""
+    """Whether the kernel covers x dtype[rows, k] against weights [n, k] with these blocks (their stages as
+    `fitted`) in shared memory, with weights of `weight_bits` (int8: 8; int4: 4, via `int4_supports`) and
+    `scale_rows` rows of scales per step, and a compute warpgroup's float32 accumulator [block_m, token tile] in
+    at most ACC_REGISTERS registers a thread. Rows past MAX_ROWS run as further calls."""
+    rows = min(rows, MAX_ROWS)
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and 1 <= rows <= MAX_ROWS and n > 0 and k > 0 and n % blocks.cta_m == 0 and k % blocks.block_k == 0
+            and rows >= 1 and n > 0 and k > 0 and n % blocks.cta_m == 0 and k % blocks.block_k == 0
             and (k // blocks.block_k) % max(1, blocks.splits) == 0
-            and smem_bytes(rows, blocks, weight_bits, scale_rows) <= SMEM_BYTES)
+            and blocks.block_m * _rows_tile(rows) <= ACC_REGISTERS * 128
+            and smem_bytes(rows, fitted(rows, blocks, weight_bits, scale_rows), weight_bits, scale_rows) <= SMEM_BYTES)
 
 
 def plan(n: int, k: int, blocks: QuantBlocks) -> tuple[int, int]:
@@ -135,9 +156,16 @@ def int8_matmul_t(x, q, scale, *, blocks: QuantBlocks = QuantBlocks()):
     (rows, k), n = x.shape, q.shape[0]
     if not supports(rows, n, k, x.dtype, blocks):
         raise ValueError(f"int8_matmul_t: x {x.dtype}{list(x.shape)} against q [{n}, {k}] is not covered by "
-                         f"{blocks} (1..{MAX_ROWS} bf16/f16 rows, N % {blocks.cta_m}, "
+                         f"{blocks} (bf16/f16 rows, N % {blocks.cta_m}, "
                          f"K % {blocks.block_k}, {SMEM_BYTES} bytes of shared memory)")
-    return (_partial_sums(x, q, None, blocks) * scale[:, None]).T.astype(x.dtype)
+    return _by_rows(x, lambda x: (_partial_sums(x, q, None, blocks) * scale[:, None]).T.astype(x.dtype))
+
+
+def _by_rows(x, f):
+    """f over x's rows MAX_ROWS at a time (wider x: several calls, each streaming the weights), concatenated."""
+    if x.shape[0] <= MAX_ROWS:
+        return f(x)
+    return jnp.concatenate([f(x[r:r + MAX_ROWS]) for r in range(0, x.shape[0], MAX_ROWS)])
 
 
 _WGMMA = plgpu.Layout.WGMMA
@@ -154,13 +182,15 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks):
     read as a tile of `_rows_tile(T)` rows: x is padded to a multiple of 8 rows (TMA's tiling), TMA fills the
     tile's rows past that with zeros. The splits' partial sums are added here, by XLA."""
     (rows, k), n = x.shape, q.shape[0]
+    group = k if group_scale is None else k // group_scale.shape[0]
     bm, bk, cta_m = blocks.block_m, blocks.block_k, blocks.cta_m
+    blocks = fitted(rows, blocks, jnp.iinfo(q.dtype).bits, 0 if group_scale is None else max(1, bk // group))
     tn = _rows_tile(rows)
+    oc = min(tn, OUT_COLS)
     splits, stages = plan(n, k, blocks)
     span = k // splits
     units = n // cta_m * splits
     dtype = x.dtype
-    group = k if group_scale is None else k // group_scale.shape[0]
     chunk = min(bk, group)  # K per wgmma: int4 applies one row of scales to each
     phase = plgpu.PipelinePipeline
 
@@ -209,11 +239,13 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks):
             def _unit(info):
                 tile, split = info.index[0] // splits, info.index[0] % splits
 
-                def store(acc):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last unit's tile has left
-                    out_smem[wg] = acc
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_ref.at[split, pl.ds(tile * cta_m + wg * bm, bm)])
+                def store(acc):  # OUT_COLS token columns at a time through shared memory
+                    for c in range(0, tn, oc):
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile has left
+                        out_smem[wg] = acc[:, c:c + oc]
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg],
+                                                out_ref.at[split, pl.ds(tile * cta_m + wg * bm, bm), pl.ds(c, oc)])
 
                 def compute_context(eval_pipeline):
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, tn), jnp.float32))
@@ -237,8 +269,8 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks):
         grid_names=("ctas",),
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
-        scratch_types={"out_smem": plgpu.SMEM((_COMPUTE_WGS, bm, tn), jnp.float32,
-                                                  transforms=_transforms(tn, jnp.float32))},
+        scratch_types={"out_smem": plgpu.SMEM((_COMPUTE_WGS, bm, oc), jnp.float32,
+                                                  transforms=_transforms(oc, jnp.float32))},
         kernel_name=f"{fmt}_matmul_t_m{bm}_k{bk}_n{tn}_s{splits}_st{stages}_c{blocks.ctas}",
     )(jnp.pad(x, ((0, -rows % 8), (0, 0))), q, *([] if group_scale is None else [group_scale]))
     return partial[:, :, :rows].sum(axis=0)
@@ -271,8 +303,9 @@ def int4_matmul_t(x, packed, scale, *, blocks: QuantBlocks = QuantBlocks(), out_
     (rows, k), (groups, n) = x.shape, scale.shape
     if k % groups or not int4_supports(rows, n, k, k // groups, x.dtype, blocks):
         raise ValueError(f"int4_matmul_t: x {x.dtype}{list(x.shape)} against int4 [{n}, {k}] in {groups} groups "
-                         f"is not covered by {blocks} (1..{MAX_ROWS} bf16/f16 rows, N % {blocks.cta_m}, "
+                         f"is not covered by {blocks} (bf16/f16 rows, N % {blocks.cta_m}, "
                          f"group a multiple of 64 that divides or is divided by {blocks.block_k}, "
                          f"{SMEM_BYTES} bytes of shared memory)")
     q = lax.bitcast_convert_type(packed, jnp.int4).reshape(n, k)  # the same bits, two per byte, low nibble first
-    return _partial_sums(x, q, scale.astype(x.dtype), blocks).T.astype(out_dtype or x.dtype)
+    scale = scale.astype(x.dtype)
+    return _by_rows(x, lambda x: _partial_sums(x, q, scale, blocks).T.astype(out_dtype or x.dtype))

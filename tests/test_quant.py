@@ -481,7 +481,11 @@ def test_mosaic_quant_matmul_plans_its_work_units_from_the_shapes():
     assert qm.plan(256, 1536, blocks)[0] > 1 and qm.plan(256, 1536, blocks)[1] == 4  # one tile: split, full depth
     assert qm.plan(256, 768, qm.QuantBlocks(block_m=64, stages=4, splits=2)) == (2, 3)  # 3 steps a unit: 3 slots
     assert not qm.supports(8, 256, 768, jnp.bfloat16, qm.QuantBlocks(splits=4))  # 6 steps in 4 ranges
-    assert qm.supports(64, 256, 128, jnp.bfloat16) and not qm.supports(65, 256, 128, jnp.bfloat16)
+    # any number of rows (MAX_ROWS a call), while a compute warpgroup's accumulator [block_m, token tile] fits its
+    # registers: 128 weight rows against a 256-row tile do not
+    assert qm.supports(64, 256, 128, jnp.bfloat16) and qm.supports(1000, 256, 128, jnp.bfloat16)
+    assert qm.supports(128, 256, 128, jnp.bfloat16, qm.QuantBlocks(block_m=128))
+    assert not qm.supports(129, 256, 128, jnp.bfloat16, qm.QuantBlocks(block_m=128))
     assert not qm.supports(8, 192, 128, jnp.bfloat16) and not qm.supports(8, 256, 128, jnp.float32)
     assert not qm.supports(1, 0, 128, jnp.bfloat16) and not qm.supports(1, 256, 0, jnp.bfloat16)
     with pytest.raises(ValueError, match="block_m 32 must be a multiple of 64"):
@@ -529,12 +533,17 @@ def test_mosaic_int4_matmul_checks_its_operands():
     assert qm.int4_supports(8, 256, 512, 128, jnp.bfloat16, qm.QuantBlocks(block_k=256))
     assert not qm.int4_supports(8, 256, 768, 384, jnp.bfloat16, qm.QuantBlocks(block_k=256))
     assert not qm.int4_supports(8, 256, 384, 256, jnp.bfloat16)  # K not whole groups
-    assert not qm.int4_supports(65, 256, 256, 128, jnp.bfloat16)
-    # shared memory: 4 slots of [256, 256] int4 and [32, 256] bf16 tiles with the output tiles do not fit, 16 rows do
+    assert qm.int4_supports(300, 256, 256, 128, jnp.bfloat16)
+    assert not qm.int4_supports(129, 256, 256, 128, jnp.bfloat16, qm.QuantBlocks(block_m=128))
+    # shared memory: 4 slots of [256, 256] int4 and [32, 256] bf16 tiles with the output tiles do not fit, 16 rows
+    # do; a call takes as many of its stages as fit, at least one
     wide = qm.QuantBlocks(block_m=128, block_k=256, stages=4)
     assert qm.smem_bytes(32, wide, 4, 2) > qm.SMEM_BYTES >= qm.smem_bytes(16, wide, 4, 2)
-    assert qm.int4_supports(16, 4096, 4096, 128, jnp.bfloat16, wide)
-    assert not qm.int4_supports(32, 4096, 4096, 128, jnp.bfloat16, wide)
+    assert qm.fitted(16, wide, 4, 2) == wide and qm.fitted(32, wide, 4, 2).stages == 3
+    assert qm.smem_bytes(32, qm.fitted(32, wide, 4, 2), 4, 2) <= qm.SMEM_BYTES
+    assert qm.int4_supports(32, 4096, 4096, 128, jnp.bfloat16, wide)
+    assert qm.fitted(256, qm.QuantBlocks(block_k=512, stages=4), 4, 4).stages == 1
+    assert not qm.int4_supports(256, 4096, 4096, 128, jnp.bfloat16, qm.QuantBlocks(block_k=1024))
     with pytest.raises(ValueError, match=r"packed u8\[N, K / 2\], scale \[groups, N\] expected, got x \(2, 256\), "
                                          r"packed int8\[256, 128\]"):
         qm.int4_matmul_t(jnp.zeros((2, 256), jnp.bfloat16), jnp.zeros((256, 128), jnp.int8),
@@ -579,8 +588,58 @@ def test_mosaic_int4_matmul_matches_the_float64_product(m, block_m, block_k, sta
     assert np.all(diff <= 2 ** -7 * np.abs(want) + 2 * k * np.finfo(np.float32).eps * xw + 1e-6), diff.max()
 
 
+def test_int4_kernel_blocks_per_step_width_cover_their_widths():
+    """The tuned blocks per step width (tuning.INT4_MOSAIC_BLOCKS): a step takes the entry of the narrowest bound
+    that holds it, each entry covers the widest step it is keyed by at llama3-8b's shapes, and a step past the
+    last bound takes the last entry."""
+    from glint.pallas_kernels import quant_matmul_mgpu as qm
+    from glint.pallas_kernels import tuning
+
+    bounds = sorted(tuning.INT4_MOSAIC_BLOCKS)
+    for lo, hi in zip([0, *bounds], bounds):
+        want = qm.QuantBlocks(**tuning.INT4_MOSAIC_BLOCKS[hi])
+        assert quant._int4_blocks(lo + 1) == want and quant._int4_blocks(hi) == want
+        for k, n in [(4096, 6144), (4096, 28672), (14336, 4096)]:
+            assert qm.int4_supports(hi, n, k, quant.DEFAULT_GROUP, jnp.bfloat16, want), (hi, k, n)
+    assert quant._int4_blocks(10 * bounds[-1]) == qm.QuantBlocks(**tuning.INT4_MOSAIC_BLOCKS[bounds[-1]])
+
+
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
-@pytest.mark.parametrize("length", [1, 5, 8, 40])
+@pytest.mark.parametrize("m", [65, 128, 200, 256, 300, 520])  # token tiles of 128 and 256; 2 and 3 calls
+@pytest.mark.parametrize("fmt,block_m,block_k,stages", [("int4", 64, 128, 4), ("int4", 128, 128, 3),
+                                                        ("int4", 64, 256, 4), ("int8", 64, 128, 4)])
+def test_mosaic_quant_matmul_wide_steps_match_the_float64_product(fmt, m, block_m, block_k, stages):
+    """Prefill-wide steps: token tiles past 64 rows (the output leaves in 64-column pieces, the stages shrink to fit
+    the x tile) and past the 256 of one call."""
+    from glint.pallas_kernels import quant_matmul_mgpu as qm
+    from glint.pallas_kernels.varlen_attention_mgpu import is_hopper
+
+    if not is_hopper():
+        pytest.skip("needs a Hopper GPU (compute capability 9.0)")
+    k, n, group = 4 * block_k, 512, 128
+    blocks = qm.QuantBlocks(block_m=block_m, block_k=block_k, stages=stages, ctas=3, splits=2)
+    if not qm.supports(m, n, k, jnp.bfloat16, blocks, 4 if fmt == "int4" else 8, max(1, block_k // group)):
+        assert block_m * min(qm.MAX_ROWS, 1 << (m - 1).bit_length()) > qm.ACC_REGISTERS * 128  # only the registers
+        return
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+    if fmt == "int4":
+        packed, scale = reference_int4(rng.standard_normal((k, n)).astype(np.float32), group)
+        w = dequantize_int4_reference(packed, scale, group, k)
+        got = qm.int4_matmul_t(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scale), blocks=blocks)
+    else:
+        q, scale = reference_int8(rng.standard_normal((k, n)).astype(np.float32))
+        w = q.T.astype(np.float64) * scale
+        got = qm.int8_matmul_t(jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale), blocks=blocks)
+    want = x.astype(np.float64) @ w
+    err = np.abs(np.asarray(got, np.float64) - want)
+    bound = 2 ** -8 * np.abs(want) + (2 ** -8 + k * np.finfo(np.float32).eps) * (np.abs(x.astype(np.float64)) @
+                                                                               np.abs(w)) + 1e-6
+    assert got.shape == want.shape and np.all(err <= bound), (err.max(), err[err > bound][:4])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
+@pytest.mark.parametrize("length", [1, 5, 8, 40, 300])
 def test_int4_model_on_the_mosaic_kernel_matches_its_xla_ways(length, monkeypatch):
     """A model whose linears the int4 kernel covers (every N a multiple of 256, K of the group): its logits with
     the kernel against the same weights through the XLA ways, for decode-wide and prefill-chunk-wide steps."""

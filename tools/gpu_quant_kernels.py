@@ -27,8 +27,10 @@ ROWS = [1, 8, 64]
 MOSAIC = [QuantBlocks(64, 128, 4, 132), QuantBlocks(64, 128, 4, 132, probe=True), QuantBlocks(128, 128, 4, 132),
           QuantBlocks(64, 256, 4, 132)]
 # The Mosaic GPU int4 kernel (nibbles widened in registers, group scales applied to the widened tile).
+# (Stages are as many of these as fit beside the x tile: quant_matmul_mgpu.fitted.)
 MOSAIC4 = [QuantBlocks(128, 128, 4, 132), QuantBlocks(128, 128, 4, 132, probe=True), QuantBlocks(128, 128, 8, 132),
-           QuantBlocks(128, 256, 4, 132), QuantBlocks(128, 128, 4, 132, splits=4)]
+           QuantBlocks(128, 256, 4, 132), QuantBlocks(128, 128, 4, 132, splits=4), QuantBlocks(64, 128, 4, 132),
+           QuantBlocks(64, 256, 4, 132)]
 REPS = 20
 
 
@@ -134,9 +136,13 @@ def main(shapes: set[str] | None = None, only: set[str] | None = None) -> None:
                     rows.append((name, k, n, m, way, float("nan"), 0.0, float("nan"), 0.0))
                     print(f"FAIL {name} m={m} {way}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 print(rows[-1], flush=True)
-    print("linear | K x N | M | way | chained us | chained % of 4.3 TB/s | separate us | separate %")
+    bf16 = {(name, m): (tc, ts) for name, k, n, m, way, tc, pc, ts, ps in rows if way == "bf16 dot"}
+    print("linear | K x N | M | way | chained us | chained % of 4.3 TB/s | separate us | separate % | TFLOP/s chained "
+          "| bf16 dot's time / this (chained, separate)")
     for name, k, n, m, way, tc, pc, ts, ps in rows:
-        print(f"{name} | {k} x {n} | {m} | {way} | {tc:.1f} | {pc:.0f} | {ts:.1f} | {ps:.0f}")
+        tflops = 2 * m * k * n / tc / 1e6
+        ratio = " / ".join(f"{b / t:.2f}" for b, t in zip(bf16[name, m], (tc, ts))) if (name, m) in bf16 else "-"
+        print(f"{name} | {k} x {n} | {m} | {way} | {tc:.1f} | {pc:.0f} | {ts:.1f} | {ps:.0f} | {tflops:.0f} | {ratio}")
     best = {}
     for name, k, n, m, way, tc, pc, ts, ps in rows:
         if way.startswith("mosaic") and not way.endswith("probe") and pc > best.get((name, m), ("", 0))[1]:
