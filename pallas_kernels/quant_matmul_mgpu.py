@@ -13,7 +13,8 @@ of `ctas` CTAs (one per SM) takes the units in turn, a memory warpgroup streamin
 tiles, the matching x tiles and int4's scale rows into `stages` shared-memory slots with TMA, one pipeline
 through all of a CTA's units. `plan` picks the splits (more when N is narrow) and the depth per shape; the
 splits' float32 partial sums are added (and int8's scales applied) after the kernel, by XLA. A compute
-warpgroup's output tile leaves through shared memory OUT_COLS token columns at a time.
+warpgroup's output tile is transposed in registers and leaves through shared memory OUT_COLS tokens at a time,
+so y comes out [T, N].
 
 Measured on the H200 (docs/perf.md): int8 streamed at 41-56 % of 4.3 TB/s at llama3-8b's shapes (2026-12-02,
 then in Warpgroup semantics; 45-54 % on gate_up and down after the move to the shared Lane-semantics body on
@@ -24,10 +25,11 @@ on the persistent grid, from 33.2 / 18.7 us with one CTA per unit in two waves. 
 of the widened weights (within 2 % per kernel, 2.5 % faster in the engine at batch 1 and 8 % slower at 8); for
 int8 weights pre-tiled so each step's tile is one contiguous run, one warpgroup doing both TMA and math
 (plgpu.emit_pipeline), 6-8 stages, 256-wide K steps; keeping one wgmma in flight (wgmma_wait(1), slots
-released a step late) gave wrong results. Wide steps (2026-12-03, fourth session, chained): int4 gate_up / down
-at 128 rows 1.12 / 1.32x the bf16 dot's speed, at 256 0.91 / 1.05x, at 512 0.78 / 0.87x, at 1024 0.72 / 0.80x
-(XLA's int4 two dots 0.73 / 0.75x), at 4096 0.76 / 0.82x (XLA's 0.92 / 0.84x): about 540 TFLOP/s from 256
-rows on. The model's int4 linears run this kernel on Hopper for steps of up to `tuning.INT4_MOSAIC_MAX_ROWS`
+released a step late) gave wrong results. Wide steps (2026-12-03, fourth session, chained, against the bf16
+dot's time in the same call): int4 gate_up / down at 128 rows 1.12 / 1.32x, at 256 0.98 / 1.05x, at 512 0.83 /
+0.88x, about 560 TFLOP/s from 256 rows on; before the plan counted the partial sums (gate_up then in 4 splits
+from 256 rows) 0.72 / 0.80x at 1024 rows (XLA's int4 two dots 0.73 / 0.75x) and 0.76 / 0.82x at 4096 (XLA's
+0.92 / 0.84x). The model's int4 linears run this kernel on Hopper for steps of up to `tuning.INT4_MOSAIC_MAX_ROWS`
 rows (model/quant.py).
 
 Scope: bf16/f16 activations, N a multiple of 2 * block_m, K a multiple of block_k (int4: also whole groups
@@ -58,7 +60,8 @@ OUT_COLS = 64  # token columns of the output tile a compute warpgroup stages in 
 class QuantBlocks:
     block_m: int = 64  # weight rows per compute warpgroup (a multiple of 64)
     block_k: int = 128  # K per pipeline step (a multiple of 128: one 128-byte swizzle of int8)
-    stages: int = 4  # shared-memory slots in flight per CTA (at most: a work unit's steps are a multiple of them)
+    stages: int = 4  # shared-memory slots per CTA (at most: as many as fit beside x's tile, `fitted`, and divide
+    #                  a work unit's steps, `plan`)
     ctas: int = 132  # the persistent grid (one CTA per SM: an H200 has 132), each looping over work units
     splits: int = 0  # K ranges per weight tile; 0: planned from the shapes (`plan`)
     probe: bool = False  # stream the tiles without multiplying: a bandwidth probe (its output is not the product)
@@ -128,19 +131,31 @@ def supports(rows: int, n: int, k: int, dtype, blocks: QuantBlocks = QuantBlocks
             and smem_bytes(rows, fitted(rows, blocks, weight_bits, scale_rows), weight_bits, scale_rows) <= SMEM_BYTES)
 
 
-def plan(n: int, k: int, blocks: QuantBlocks) -> tuple[int, int]:
+# The plan's cost model (H200, 2026-12-03): a CTA's pipeline step takes STEP_US while it streams (one token:
+# gate_up's 66 steps of [256, 128] int4 in 31.3 us) or its wgmmas at MMA_TFLOPS over the grid (the kernel's rate
+# from 256 token rows on); XLA reads the splits' float32 partials and writes their sum at SUM_BYTES_PER_US.
+STEP_US = 0.47
+MMA_TFLOPS = 540
+SUM_BYTES_PER_US = 3.0e6
+
+
+def plan(n: int, k: int, blocks: QuantBlocks, rows: int = 1) -> tuple[int, int]:
     """(splits, stages): the K ranges per weight tile (`blocks.splits`, or planned) and the pipeline depth, the
     most slots up to `blocks.stages` that divide a work unit's steps. A work unit is one weight tile's K range; the
-    persistent grid's CTAs take them in turn, so the plan minimizes the steps of the busiest CTA, counting a unit's
-    epilogue as one more step and a shallower pipeline as proportionally slower; ties go to fewer splits."""
-    tiles, steps = n // blocks.cta_m, k // blocks.block_k
+    persistent grid's CTAs take them in turn, so the plan minimizes the time of the busiest CTA - counting a unit's
+    epilogue as one more step and a shallower pipeline as proportionally slower - plus that of adding the splits'
+    partial sums, which a wide token tile makes large (gate_up at 256 rows in 4 splits: 117 MB of them); ties go
+    to fewer splits."""
+    tiles, steps, tn = n // blocks.cta_m, k // blocks.block_k, _rows_tile(min(rows, MAX_ROWS))
+    step_us = max(STEP_US, 2 * blocks.cta_m * blocks.block_k * tn * blocks.ctas / (MMA_TFLOPS * 1e6))
 
     def depth(splits: int) -> int:
         return max(d for d in range(1, min(blocks.stages, steps // splits) + 1) if steps // splits % d == 0)
 
     def cost(splits: int) -> float:
         units_per_cta = -(-tiles * splits // blocks.ctas)
-        return units_per_cta * (steps // splits + 1) * blocks.stages / depth(splits)
+        sums = (splits + 1) * n * tn * 4 / SUM_BYTES_PER_US if splits > 1 else 0.0
+        return units_per_cta * (steps // splits + 1) * blocks.stages / depth(splits) * step_us + sums
 
     choices = [blocks.splits] if blocks.splits else [d for d in range(1, steps + 1) if steps % d == 0]
     splits = min(choices, key=lambda d: (cost(d), d))
@@ -149,7 +164,7 @@ def plan(n: int, k: int, blocks: QuantBlocks) -> tuple[int, int]:
 
 @functools.partial(jax.jit, static_argnames=("blocks",))
 def int8_matmul_t(x, q, scale, *, blocks: QuantBlocks = QuantBlocks()):
-    """(x @ q.T) * scale in x's dtype. x [T, K] bf16/f16 with 1 <= T <= 64; q int8 [N, K]; scale f32 [N]."""
+    """(x @ q.T) * scale in x's dtype. x [T, K] bf16/f16 (MAX_ROWS rows a call); q int8 [N, K]; scale f32 [N]."""
     if x.ndim != 2 or q.ndim != 2 or x.shape[1] != q.shape[1] or scale.shape != q.shape[:1] or q.dtype != jnp.int8:
         raise ValueError(f"int8_matmul_t: x [T, K], q int8 [N, K], scale [N] expected, got x {x.shape}, "
                          f"q {q.dtype}{list(q.shape)}, scale {scale.shape}")
@@ -158,7 +173,7 @@ def int8_matmul_t(x, q, scale, *, blocks: QuantBlocks = QuantBlocks()):
         raise ValueError(f"int8_matmul_t: x {x.dtype}{list(x.shape)} against q [{n}, {k}] is not covered by "
                          f"{blocks} (bf16/f16 rows, N % {blocks.cta_m}, "
                          f"K % {blocks.block_k}, {SMEM_BYTES} bytes of shared memory)")
-    return _by_rows(x, lambda x: (_partial_sums(x, q, None, blocks) * scale[:, None]).T.astype(x.dtype))
+    return _by_rows(x, lambda x: (_partial_sums(x, q, None, blocks) * scale).astype(x.dtype))
 
 
 def _by_rows(x, f):
@@ -174,20 +189,22 @@ _UPCAST = {jnp.dtype(jnp.int8): plgpu.Layout.WGMMA_UPCAST_2X, jnp.dtype(jnp.int4
 
 
 def _partial_sums(x, q, group_scale, blocks: QuantBlocks):
-    """f32[N, T] = q @ x.T, the kernel both formats share. q int8 or int4 [N, K]; group_scale None (int8: its
+    """f32[T, N] = x @ q.T for T <= MAX_ROWS, the kernel both formats share. q int8 or int4 [N, K]; group_scale None (int8: its
     per-channel scale is applied after) or [K / group, N] in x's dtype (int4: each widened tile is multiplied by
     its group's scales before the wgmma). A persistent grid of `blocks.ctas` CTAs takes the work units (a weight
     tile and one of `splits` ranges of K) in turn; one pipeline runs through all of a CTA's units, its memory
     warpgroup fetching the next unit's first tiles while the compute warpgroups finish the last one. x's rows are
     read as a tile of `_rows_tile(T)` rows: x is padded to a multiple of 8 rows (TMA's tiling), TMA fills the
-    tile's rows past that with zeros. The splits' partial sums are added here, by XLA."""
+    tile's rows past that with zeros. Each compute warpgroup's [block_m, tile] result is transposed in registers
+    (the WGMMA_TRANSPOSED layout) and leaves [tokens, outputs] through shared memory, OUT_COLS tokens at a time; the
+    splits' partial sums are added here, by XLA."""
     (rows, k), n = x.shape, q.shape[0]
     group = k if group_scale is None else k // group_scale.shape[0]
     bm, bk, cta_m = blocks.block_m, blocks.block_k, blocks.cta_m
     blocks = fitted(rows, blocks, jnp.iinfo(q.dtype).bits, 0 if group_scale is None else max(1, bk // group))
     tn = _rows_tile(rows)
     oc = min(tn, OUT_COLS)
-    splits, stages = plan(n, k, blocks)
+    splits, stages = plan(n, k, blocks, rows)
     span = k // splits
     units = n // cta_m * splits
     dtype = x.dtype
@@ -242,10 +259,10 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks):
                 def store(acc):  # OUT_COLS token columns at a time through shared memory
                     for c in range(0, tn, oc):
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile has left
-                        out_smem[wg] = acc[:, c:c + oc]
+                        out_smem.at[wg].T[...] = plgpu.layout_cast(acc[:, c:c + oc], plgpu.Layout.WGMMA_TRANSPOSED)
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(out_smem.at[wg],
-                                                out_ref.at[split, pl.ds(tile * cta_m + wg * bm, bm), pl.ds(c, oc)])
+                                                out_ref.at[split, pl.ds(c, oc), pl.ds(tile * cta_m + wg * bm, bm)])
 
                 def compute_context(eval_pipeline):
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, tn), jnp.float32))
@@ -264,16 +281,16 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks):
     fmt = "int4" if group_scale is not None else "int8"
     partial = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((splits, n, tn), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((splits, tn, n), jnp.float32),
         grid=(min(blocks.ctas, units),),
         grid_names=("ctas",),
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
-        scratch_types={"out_smem": plgpu.SMEM((_COMPUTE_WGS, bm, oc), jnp.float32,
-                                                  transforms=_transforms(oc, jnp.float32))},
+        scratch_types={"out_smem": plgpu.SMEM((_COMPUTE_WGS, oc, bm), jnp.float32,
+                                                  transforms=_transforms(bm, jnp.float32))},
         kernel_name=f"{fmt}_matmul_t_m{bm}_k{bk}_n{tn}_s{splits}_st{stages}_c{blocks.ctas}",
     )(jnp.pad(x, ((0, -rows % 8), (0, 0))), q, *([] if group_scale is None else [group_scale]))
-    return partial[:, :, :rows].sum(axis=0)
+    return partial[:, :rows].sum(axis=0)
 
 
 def int8_matmul_t_reference(x, q, scale):
@@ -308,4 +325,4 @@ def int4_matmul_t(x, packed, scale, *, blocks: QuantBlocks = QuantBlocks(), out_
                          f"{SMEM_BYTES} bytes of shared memory)")
     q = lax.bitcast_convert_type(packed, jnp.int4).reshape(n, k)  # the same bits, two per byte, low nibble first
     scale = scale.astype(x.dtype)
-    return _by_rows(x, lambda x: _partial_sums(x, q, scale, blocks).T.astype(out_dtype or x.dtype))
+    return _by_rows(x, lambda x: _partial_sums(x, q, scale, blocks).astype(out_dtype or x.dtype))

@@ -65,7 +65,7 @@ MOSAIC_ROW_COST = 0.6
 # (quant_matmul_mgpu.int4_matmul_t) with the blocks below where it covers the shapes; wider steps and other GPUs
 # keep XLA's formulations (model/quant.py). 2026-12-03 (tools/gpu_quant_kernels.py, llama3-8b's four linears,
 # chained, M = 1 and 8 summed): block_m 128 / block_k 128 / 4 stages 180.9 us, within 2 % of the best (block_k
-# 256: 177.9, which overflows shared memory from 17 rows, padded to 32); block_m 64 211.4. Later that day the
+# 256: 177.9, whose 4 stages overflow shared memory from 17 rows, padded to 32); block_m 64 211.4. Later that day the
 # grid became persistent, one CTA per SM (`ctas`: an H200 has 132); kernel time alone at one token, gate_up /
 # down: 31.3 / 17.5 us, 8 stages 31.7 on gate_up, 4 splits chained through the pipeline 31.6 (docs/perf.md).
 # Wide steps, 2026-12-03 fourth session (gpu_quant_kernels.py --shapes gate_up,down --rows 128..4096, chained /

@@ -599,28 +599,29 @@ def test_int4_kernel_blocks_per_step_width_cover_their_widths():
     for lo, hi in zip([0, *bounds], bounds):
         want = qm.QuantBlocks(**tuning.INT4_MOSAIC_BLOCKS[hi])
         assert quant._int4_blocks(lo + 1) == want and quant._int4_blocks(hi) == want
-        for k, n in [(4096, 6144), (4096, 28672), (14336, 4096)]:
+        for k, n in [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]:
             assert qm.int4_supports(hi, n, k, quant.DEFAULT_GROUP, jnp.bfloat16, want), (hi, k, n)
     assert quant._int4_blocks(10 * bounds[-1]) == qm.QuantBlocks(**tuning.INT4_MOSAIC_BLOCKS[bounds[-1]])
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
-@pytest.mark.parametrize("m", [65, 128, 200, 256, 300, 520])  # token tiles of 128 and 256; 2 and 3 calls
-@pytest.mark.parametrize("fmt,block_m,block_k,stages", [("int4", 64, 128, 4), ("int4", 128, 128, 3),
-                                                        ("int4", 64, 256, 4), ("int8", 64, 128, 4)])
-def test_mosaic_quant_matmul_wide_steps_match_the_float64_product(fmt, m, block_m, block_k, stages):
-    """Prefill-wide steps: token tiles past 64 rows (the output leaves in 64-column pieces, the stages shrink to fit
-    the x tile) and past the 256 of one call."""
+@pytest.mark.parametrize("fmt,block_m,block_k,stages,m", [
+    *[("int4", 64, 128, 4, m) for m in (65, 128, 200, 256, 300, 520)],  # tiles of 128 and 256 rows; 2 and 3 calls
+    *[("int4", 64, 256, 4, m) for m in (100, 256, 300)],
+    *[("int4", 128, 128, 3, m) for m in (65, 128)],  # block_m 128: at most 128 rows (its accumulator)
+    *[("int8", 64, 128, 4, m) for m in (100, 256, 300)]])
+def test_mosaic_quant_matmul_wide_steps_match_the_float64_product(fmt, block_m, block_k, stages, m):
+    """Prefill-wide steps: token tiles past 64 rows (the output leaves in 64-column pieces, transposed, and the
+    stages shrink to fit the x tile: 2 slots cycle through a unit's 4 steps at 256 rows) and past the 256 rows of
+    one call."""
     from glint.pallas_kernels import quant_matmul_mgpu as qm
     from glint.pallas_kernels.varlen_attention_mgpu import is_hopper
 
     if not is_hopper():
         pytest.skip("needs a Hopper GPU (compute capability 9.0)")
-    k, n, group = 4 * block_k, 512, 128
+    k, n, group = 8 * block_k, 512, 128
     blocks = qm.QuantBlocks(block_m=block_m, block_k=block_k, stages=stages, ctas=3, splits=2)
-    if not qm.supports(m, n, k, jnp.bfloat16, blocks, 4 if fmt == "int4" else 8, max(1, block_k // group)):
-        assert block_m * min(qm.MAX_ROWS, 1 << (m - 1).bit_length()) > qm.ACC_REGISTERS * 128  # only the registers
-        return
+    assert qm.supports(m, n, k, jnp.bfloat16, blocks, 4 if fmt == "int4" else 8, max(1, block_k // group))
     rng = np.random.default_rng(m)
     x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
     if fmt == "int4":

@@ -1,9 +1,10 @@
-"""Quantized matmuls at llama3-8b's linear shapes and decode widths on the GPU: the Mosaic GPU int8 and int4 kernels
-(a few configs each), glint.model.quant's formulations (int8; "xla int4" as the model picks per row count, which
-on Hopper is the Mosaic kernel up to 64 rows, and XLA's ways forced: "xla int4 rows", "xla int4 dot", "xla int4
-dot pad8"; fp8 x fp8) and the plain bf16 dot. Each is checked against its reference, then timed as % of 4.3 TB/s
-of the bytes it must read (weights + scales), two ways: chained inside one jit (a loop over enough distinct weight
-copies that they do not fit in L2) and as separate calls.
+"""Quantized matmuls at llama3-8b's linear shapes and decode (or, with --rows, prefill) widths on the GPU: the
+Mosaic GPU int8 and int4 kernels (a few configs each), glint.model.quant's formulations (int8; "xla int4" as the
+model picks per row count, which on Hopper is the Mosaic kernel up to tuning.INT4_MOSAIC_MAX_ROWS rows, and XLA's
+ways forced: "xla int4 rows", "xla int4 dot", "xla int4 dot pad8"; fp8 x fp8) and the plain bf16 dot. Each is
+checked against its reference, then timed as % of 4.3 TB/s of the bytes it must read (weights + scales), two
+ways: chained inside one jit (a loop over enough distinct weight copies that they do not fit in L2) and as
+separate calls.
 
   python tools/gpu_quant_kernels.py [--shapes gate_up,down] [--ways "xla int4,bf16 dot,mosaic"] [--rows 1,8]
   (--ways: name prefixes)
