@@ -480,6 +480,14 @@ def test_mosaic_quant_matmul_plans_its_work_units_from_the_shapes():
     assert qm.plan(132 * 256, 4096, blocks) == (1, 4)  # a tile per CTA already: splitting only adds epilogues
     assert qm.plan(256, 1536, blocks)[0] > 1 and qm.plan(256, 1536, blocks)[1] == 4  # one tile: split, full depth
     assert qm.plan(256, 768, qm.QuantBlocks(block_m=64, stages=4, splits=2)) == (2, 3)  # 3 steps a unit: 3 slots
+    # a wider token tile makes the splits' float32 partials larger, so it never takes more splits (llama3-8b's
+    # wqkv: fewer at 256 rows than at one), and gate_up at 256 rows is not split (4 splits: 117 MB of partials)
+    wide = qm.QuantBlocks(block_m=64, block_k=128, stages=2, ctas=132)
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
+        splits = [qm.plan(n, k, wide, rows=r)[0] for r in (1, 8, 64, 128, 256)]
+        assert splits == sorted(splits, reverse=True), (n, k, splits)
+    assert qm.plan(6144, 4096, wide, rows=1)[0] > qm.plan(6144, 4096, wide, rows=256)[0]
+    assert qm.plan(28672, 4096, wide, rows=256)[0] == 1 and qm.plan(4096, 14336, wide, rows=256)[0] > 1
     assert not qm.supports(8, 256, 768, jnp.bfloat16, qm.QuantBlocks(splits=4))  # 6 steps in 4 ranges
     # any number of rows (MAX_ROWS a call), while a compute warpgroup's accumulator [block_m, token tile] fits its
     # registers: 128 weight rows against a 256-row tile do not
