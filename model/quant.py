@@ -150,9 +150,9 @@ def _int4_dot(x, packed, scale):
 
 def int4_matmul(x, packed, scale, dtype=None):
     """x [T, in] @ dequant(packed, scale) in `dtype` (x's by default): the Mosaic GPU kernel where it runs (Hopper,
-    steps of up to tuning.INT4_MOSAIC_MAX_ROWS rows, shapes it covers); else up to INT4_ROW_MAX rows each row is reduced against the packed weights
-    (read once per row) and wider steps dequantize the weights inside two dots (`_int4_dot`; docs/perf.md). All
-    three multiply by the same bf16-rounded weights."""
+    steps of up to tuning.INT4_MOSAIC_MAX_ROWS rows, shapes it covers); else up to INT4_ROW_MAX rows each row is
+    reduced against the packed weights (read once per row) and wider steps dequantize the weights inside two dots
+    (`_int4_dot`; docs/perf.md). All three multiply by the same bf16-rounded weights."""
     pad = 2 * packed.shape[1] - x.shape[1]
     if pad:
         x = jnp.pad(x, ((0, 0), (0, pad)))

@@ -27,7 +27,7 @@ int8 weights pre-tiled so each step's tile is one contiguous run, one warpgroup 
 (plgpu.emit_pipeline), 6-8 stages, 256-wide K steps; keeping one wgmma in flight (wgmma_wait(1), slots
 released a step late) gave wrong results. Wide steps (2026-12-03, fourth session, chained, against the bf16
 dot's time in the same call): int4 gate_up / down at 128 rows 1.12 / 1.32x, at 256 0.98 / 1.05x, at 512 0.83 /
-0.88x, about 560 TFLOP/s from 256 rows on; before the plan counted the partial sums (gate_up then in 4 splits
+0.88x, 540-570 TFLOP/s from 256 rows on; before the plan counted the partial sums (gate_up then in 4 splits
 from 256 rows) 0.72 / 0.80x at 1024 rows (XLA's int4 two dots 0.73 / 0.75x) and 0.76 / 0.82x at 4096 (XLA's
 0.92 / 0.84x). The model's int4 linears run this kernel on Hopper for steps of up to `tuning.INT4_MOSAIC_MAX_ROWS`
 rows (model/quant.py).
@@ -131,10 +131,11 @@ def supports(rows: int, n: int, k: int, dtype, blocks: QuantBlocks = QuantBlocks
             and smem_bytes(rows, fitted(rows, blocks, weight_bits, scale_rows), weight_bits, scale_rows) <= SMEM_BYTES)
 
 
-# The plan's cost model (H200, 2026-12-03): a CTA's pipeline step takes STEP_US while it streams (one token:
-# gate_up's 66 steps of [256, 128] int4 in 31.3 us) or its wgmmas at MMA_TFLOPS over the grid (the kernel's rate
-# from 256 token rows on); XLA reads the splits' float32 partials and writes their sum at SUM_BYTES_PER_US.
-STEP_US = 0.47
+# The plan's cost model (H200, 2026-12-03): a CTA's pipeline step takes STEP_US per 256 weight rows while it
+# streams (one token: gate_up's 33 steps of [256, 128] int4 in 31.3 us, 112 units on as many CTAs) or its
+# wgmmas at MMA_TFLOPS over the grid (the kernel's rate from 256 token rows on); XLA reads the splits' float32
+# partials and writes their sum at SUM_BYTES_PER_US.
+STEP_US = 0.95
 MMA_TFLOPS = 540
 SUM_BYTES_PER_US = 3.0e6
 
@@ -147,7 +148,8 @@ def plan(n: int, k: int, blocks: QuantBlocks, rows: int = 1) -> tuple[int, int]:
     partial sums, which a wide token tile makes large (gate_up at 256 rows in 4 splits: 117 MB of them); ties go
     to fewer splits."""
     tiles, steps, tn = n // blocks.cta_m, k // blocks.block_k, _rows_tile(min(rows, MAX_ROWS))
-    step_us = max(STEP_US, 2 * blocks.cta_m * blocks.block_k * tn * blocks.ctas / (MMA_TFLOPS * 1e6))
+    flops = 2 * blocks.cta_m * blocks.block_k * tn
+    step_us = max(STEP_US * blocks.cta_m / 256, flops * blocks.ctas / (MMA_TFLOPS * 1e6))
 
     def depth(splits: int) -> int:
         return max(d for d in range(1, min(blocks.stages, steps // splits) + 1) if steps // splits % d == 0)
@@ -189,12 +191,12 @@ _UPCAST = {jnp.dtype(jnp.int8): plgpu.Layout.WGMMA_UPCAST_2X, jnp.dtype(jnp.int4
 
 
 def _partial_sums(x, q, group_scale, blocks: QuantBlocks):
-    """f32[T, N] = x @ q.T for T <= MAX_ROWS, the kernel both formats share. q int8 or int4 [N, K]; group_scale None (int8: its
-    per-channel scale is applied after) or [K / group, N] in x's dtype (int4: each widened tile is multiplied by
-    its group's scales before the wgmma). A persistent grid of `blocks.ctas` CTAs takes the work units (a weight
-    tile and one of `splits` ranges of K) in turn; one pipeline runs through all of a CTA's units, its memory
-    warpgroup fetching the next unit's first tiles while the compute warpgroups finish the last one. x's rows are
-    read as a tile of `_rows_tile(T)` rows: x is padded to a multiple of 8 rows (TMA's tiling), TMA fills the
+    """f32[T, N] = x @ q.T for T <= MAX_ROWS, the kernel both formats share. q int8 or int4 [N, K]; group_scale None
+    (int8: its per-channel scale is applied after) or [K / group, N] in x's dtype (int4: each widened tile is
+    multiplied by its group's scales before the wgmma). A persistent grid of `blocks.ctas` CTAs takes the work units
+    (a weight tile and one of `splits` ranges of K) in turn; one pipeline runs through all of a CTA's units, its
+    memory warpgroup fetching the next unit's first tiles while the compute warpgroups finish the last one. x's rows
+    are read as a tile of `_rows_tile(T)` rows: x is padded to a multiple of 8 rows (TMA's tiling), TMA fills the
     tile's rows past that with zeros. Each compute warpgroup's [block_m, tile] result is transposed in registers
     (the WGMMA_TRANSPOSED layout) and leaves [tokens, outputs] through shared memory, OUT_COLS tokens at a time; the
     splits' partial sums are added here, by XLA."""

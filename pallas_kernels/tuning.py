@@ -65,14 +65,14 @@ MOSAIC_ROW_COST = 0.6
 # (quant_matmul_mgpu.int4_matmul_t) with the blocks below where it covers the shapes; wider steps and other GPUs
 # keep XLA's formulations (model/quant.py). 2026-12-03 (tools/gpu_quant_kernels.py, llama3-8b's four linears,
 # chained, M = 1 and 8 summed): block_m 128 / block_k 128 / 4 stages 180.9 us, within 2 % of the best (block_k
-# 256: 177.9, whose 4 stages overflow shared memory from 17 rows, padded to 32); block_m 64 211.4. Later that day the
-# grid became persistent, one CTA per SM (`ctas`: an H200 has 132); kernel time alone at one token, gate_up /
+# 256: 177.9, whose 4 stages overflow shared memory from 17 rows, padded to 32); block_m 64 211.4. Later that day
+# the grid became persistent, one CTA per SM (`ctas`: an H200 has 132); kernel time alone at one token, gate_up /
 # down: 31.3 / 17.5 us, 8 stages 31.7 on gate_up, 4 splits chained through the pipeline 31.6 (docs/perf.md).
 # Wide steps, 2026-12-03 fourth session (gpu_quant_kernels.py --shapes gate_up,down --rows 128..4096, chained /
 # separate us, gate_up + down): at 128 rows block_m 128 102.8 / 122.7, block_m 64 102.3 / 134.9 (block_m 128
-# takes at most 128 rows: its accumulator); the kernel ahead of XLA's int4 two dots up to 512 rows (334 / 416
-# against 415 / 442), even at 1024 (666 / 829 against 673 / 730), behind at 4096 (2718 against 2381 chained):
-# so up to 512 rows.
+# takes at most 128 rows: its accumulator); the kernel ahead of XLA's int4 two dots up to 512 rows (first version
+# 336.9 / 418.6, final 326.5 / 344.8, against 413.9 / 446.0), even at 1024 chained and behind as separate calls
+# (666 / 829 against 673 / 730, first version), behind at 4096 (2718 against 2381 chained): so up to 512 rows.
 INT4_MOSAIC_MAX_ROWS = 512
 # Keyed by the widest step (token rows) each entry serves; past the last key its blocks run 256 rows a call.
 INT4_MOSAIC_BLOCKS = {128: {"block_m": 128, "block_k": 128, "stages": 4, "ctas": 132},

@@ -612,6 +612,20 @@ def test_int4_kernel_blocks_per_step_width_cover_their_widths():
     assert quant._int4_blocks(10 * bounds[-1]) == qm.QuantBlocks(**tuning.INT4_MOSAIC_BLOCKS[bounds[-1]])
 
 
+def test_int4_steps_past_the_kernel_limit_stay_on_xla(monkeypatch):
+    """On Hopper the kernel takes steps of up to tuning.INT4_MOSAIC_MAX_ROWS rows; one row more goes to XLA."""
+    from glint.pallas_kernels import tuning
+
+    monkeypatch.setattr(quant, "is_hopper", lambda: True)
+    k, n = 4096, 4096
+    packed, scale = (jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
+                     jax.ShapeDtypeStruct((k // quant.DEFAULT_GROUP, n), jnp.bfloat16))
+    for rows, want in [(1, True), (tuning.INT4_MOSAIC_MAX_ROWS, True), (tuning.INT4_MOSAIC_MAX_ROWS + 1, False)]:
+        x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
+        assert quant._int4_on_mosaic(x, packed, scale) is want, rows
+        assert quant._int4_on_mosaic(jax.ShapeDtypeStruct((rows, k), jnp.float32), packed, scale) is False
+
+
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
 @pytest.mark.parametrize("fmt,block_m,block_k,stages,m", [
     *[("int4", 64, 128, 4, m) for m in (65, 128, 200, 256, 300, 520)],  # tiles of 128 and 256 rows; 2 and 3 calls
@@ -629,7 +643,10 @@ def test_mosaic_quant_matmul_wide_steps_match_the_float64_product(fmt, block_m, 
         pytest.skip("needs a Hopper GPU (compute capability 9.0)")
     k, n, group = 8 * block_k, 512, 128
     blocks = qm.QuantBlocks(block_m=block_m, block_k=block_k, stages=stages, ctas=3, splits=2)
-    assert qm.supports(m, n, k, jnp.bfloat16, blocks, 4 if fmt == "int4" else 8, max(1, block_k // group))
+    bits, scale_rows = (4, max(1, block_k // group)) if fmt == "int4" else (8, 0)
+    assert qm.supports(m, n, k, jnp.bfloat16, blocks, bits, scale_rows)
+    if m > 128 and block_k == 128:  # a 256-row tile: 2 of the 4 slots fit, and they cycle through a unit's 4 steps
+        assert qm.plan(n, k, qm.fitted(256, blocks, bits, scale_rows), 256) == (2, 2)
     rng = np.random.default_rng(m)
     x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
     if fmt == "int4":
