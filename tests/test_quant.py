@@ -56,6 +56,18 @@ def dequantize_int4_reference(packed: np.ndarray, scale: np.ndarray, group: int,
     return (q * np.repeat(scale.T.astype(np.float64), group, axis=1))[:, :k].T
 
 
+def assert_product_of_bf16_weights(got, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """A kernel's x @ w against the float64 product: each weight rounded to bfloat16, float32 accumulation over
+    K, one rounding of the result. Returns |x| @ |w|, the scale of the sums' rounding."""
+    want = x.astype(np.float64) @ w
+    got = np.asarray(got, np.float64)
+    err = np.abs(got - want)
+    xw = np.abs(x.astype(np.float64)) @ np.abs(w)
+    bound = 2 ** -8 * np.abs(want) + (2 ** -8 + x.shape[1] * np.finfo(np.float32).eps) * xw + 1e-6
+    assert got.shape == want.shape and np.all(err <= bound), (err.max(), err[err > bound][:4], bound[err > bound][:4])
+    return xw
+
+
 def reference_fp8(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     """float8_e4m3fn values and float32 scales (amax / 448) along `axis` (0: per output column of a kernel; -1: per
     token of activations)."""
@@ -584,11 +596,7 @@ def test_mosaic_int4_matmul_matches_the_float64_product(m, block_m, block_k, sta
     blocks = qm.QuantBlocks(block_m=block_m, block_k=block_k, stages=stages, ctas=3, splits=2)
     assert qm.plan(n, k, blocks) == (2, stages)
     got = qm.int4_matmul_t(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scale), blocks=blocks)
-    # each weight q * scale rounded to bfloat16 (as the XLA ways do), float32 accumulation, one rounding of the result
-    err = np.abs(np.asarray(got, np.float64) - want)
-    xw = np.abs(x.astype(np.float64)) @ np.abs(w)
-    bound = 2 ** -8 * np.abs(want) + (2 ** -8 + k * np.finfo(np.float32).eps) * xw + 1e-6
-    assert np.all(err <= bound), (err.max(), err[err > bound][:4], bound[err > bound][:4])
+    xw = assert_product_of_bf16_weights(got, x, w)
     # and the same weights as the model's XLA ways (kept off the kernel): equal up to the order of the float32 sums
     monkeypatch.setattr(quant, "_int4_on_mosaic", lambda *a: False)
     xla = quant.int4_matmul(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scale))
@@ -657,11 +665,7 @@ def test_mosaic_quant_matmul_wide_steps_match_the_float64_product(fmt, block_m, 
         q, scale = reference_int8(rng.standard_normal((k, n)).astype(np.float32))
         w = q.T.astype(np.float64) * scale
         got = qm.int8_matmul_t(jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale), blocks=blocks)
-    want = x.astype(np.float64) @ w
-    err = np.abs(np.asarray(got, np.float64) - want)
-    bound = 2 ** -8 * np.abs(want) + (2 ** -8 + k * np.finfo(np.float32).eps) * (np.abs(x.astype(np.float64)) @
-                                                                               np.abs(w)) + 1e-6
-    assert got.shape == want.shape and np.all(err <= bound), (err.max(), err[err > bound][:4])
+    assert_product_of_bf16_weights(got, x, w)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
