@@ -119,16 +119,16 @@ def fitted(rows: int, blocks: QuantBlocks, weight_bits: int = 8, scale_rows: int
 
 def supports(rows: int, n: int, k: int, dtype, blocks: QuantBlocks = QuantBlocks(), weight_bits: int = 8,
              scale_rows: int = 0) -> bool:
-    """Whether the kernel covers x dtype[rows, k] against weights [n, k] with these blocks (their stages as
-    `fitted`) in shared memory, with weights of `weight_bits` (int8: 8; int4: 4, via `int4_supports`) and
-    `scale_rows` rows of scales per step, and a compute warpgroup's float32 accumulator [block_m, token tile] in
-    at most ACC_REGISTERS registers a thread. Rows past MAX_ROWS run as further calls."""
+    """Whether the kernel covers x dtype[rows, k] against weights [n, k] with these blocks (at least one stage in
+    shared memory: a call runs as many as fit, `fitted`), with weights of `weight_bits` (int8: 8; int4: 4, via
+    `int4_supports`) and `scale_rows` rows of scales per step, and a compute warpgroup's float32 accumulator
+    [block_m, token tile] in at most ACC_REGISTERS registers a thread. Rows past MAX_ROWS run as further calls."""
     rows = min(rows, MAX_ROWS)
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and rows >= 1 and n > 0 and k > 0 and n % blocks.cta_m == 0 and k % blocks.block_k == 0
             and (k // blocks.block_k) % max(1, blocks.splits) == 0
             and blocks.block_m * _rows_tile(rows) <= ACC_REGISTERS * 128
-            and smem_bytes(rows, fitted(rows, blocks, weight_bits, scale_rows), weight_bits, scale_rows) <= SMEM_BYTES)
+            and smem_bytes(rows, dataclasses.replace(blocks, stages=1), weight_bits, scale_rows) <= SMEM_BYTES)
 
 
 # The plan's cost model (H200, 2026-12-03): a CTA's pipeline step takes STEP_US per 256 weight rows while it
