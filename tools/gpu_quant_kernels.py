@@ -7,10 +7,17 @@ ways: chained inside one jit (a loop over enough distinct weight copies that the
 separate calls.
 
   python tools/gpu_quant_kernels.py [--shapes gate_up,down] [--ways "xla int4,bf16 dot,mosaic"] [--rows 1,8]
-  (--ways: name prefixes)
+      [--profile]
+  (--ways: name prefixes, or whole names ending in $; --profile adds each way's kernel time per call from a jax.profiler trace of its chained
+  run, which leaves out the host and launch gaps that the two timings include)
 """
+import glob
+import gzip
+import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -56,6 +63,21 @@ def chained(fn):
             return x
         return lax.fori_loop(0, REPS, body, x)
     return run
+
+
+def device_us(run, *args) -> float:
+    """The GPU's kernel time in one call of `run` (a jax.profiler trace's kernel events on the GPU summed), us."""
+    jax.block_until_ready(run(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            jax.block_until_ready(run(*args))
+        [path] = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
+        with gzip.open(path) as f:
+            events = json.load(f)["traceEvents"]
+    gpus = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+            and "/device:GPU" in e["args"]["name"]}
+    return sum(e.get("dur", 0) for e in events if e.get("ph") == "X" and e.get("pid") in gpus
+               and not e["name"].startswith("Memcpy"))
 
 
 def separate(fn):
@@ -121,7 +143,7 @@ def main(shapes: set[str] | None = None, only: set[str] | None = None) -> None:
                 ways[way] = (lambda x, q, s, c=c: int4_matmul_t(x, q, s, blocks=c), q4s, [s4] * len(q4s),
                              int4_bytes, None if c.probe else want4)
             for way, (fn, ws, scales, nbytes, ref) in ways.items():
-                if only and not any(way.startswith(o) for o in only):
+                if only and not any(way == o[:-1] if o.endswith("$") else way.startswith(o) for o in only):
                     continue
                 try:
                     got = np.asarray(fn(x, ws[0], scales[0]), np.float32)
@@ -131,21 +153,25 @@ def main(shapes: set[str] | None = None, only: set[str] | None = None) -> None:
                     calls = REPS * len(ws)
                     t_chain = timed(chained(fn), x, ws, scales) / calls
                     t_sep = timed(separate(fn), x, ws, scales) / calls
+                    t_dev = device_us(chained(fn), x, ws, scales) / calls / 1e6 if "--profile" in sys.argv else 0
                     rows.append((name, k, n, m, way, 1e6 * t_chain, 100 * nbytes / t_chain / PEAK, 1e6 * t_sep,
-                                 100 * nbytes / t_sep / PEAK))
+                                 100 * nbytes / t_sep / PEAK, 1e6 * t_dev))
                 except Exception as e:  # report and go on: one config failing to compile is data too
-                    rows.append((name, k, n, m, way, float("nan"), 0.0, float("nan"), 0.0))
+                    rows.append((name, k, n, m, way, float("nan"), 0.0, float("nan"), 0.0, float("nan")))
                     print(f"FAIL {name} m={m} {way}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 print(rows[-1], flush=True)
-    bf16 = {(name, m): (tc, ts) for name, k, n, m, way, tc, pc, ts, ps in rows if way == "bf16 dot"}
+    bf16 = {(name, m): (tc, ts, td) for name, k, n, m, way, tc, pc, ts, ps, td in rows if way == "bf16 dot"}
     print("linear | K x N | M | way | chained us | chained % of 4.3 TB/s | separate us | separate % | TFLOP/s chained "
-          "| bf16 dot's time / this (chained, separate)")
-    for name, k, n, m, way, tc, pc, ts, ps in rows:
+          "| device us (--profile: kernels of the chained run per call) | bf16 dot's time / this (chained, separate, "
+          "device)")
+    for name, k, n, m, way, tc, pc, ts, ps, td in rows:
         tflops = 2 * m * k * n / tc / 1e6
-        ratio = " / ".join(f"{b / t:.2f}" for b, t in zip(bf16[name, m], (tc, ts))) if (name, m) in bf16 else "-"
-        print(f"{name} | {k} x {n} | {m} | {way} | {tc:.1f} | {pc:.0f} | {ts:.1f} | {ps:.0f} | {tflops:.0f} | {ratio}")
+        ratio = " / ".join(f"{b / t:.2f}" for b, t in zip(bf16[name, m], (tc, ts, td)) if t) \
+            if (name, m) in bf16 else "-"
+        print(f"{name} | {k} x {n} | {m} | {way} | {tc:.1f} | {pc:.0f} | {ts:.1f} | {ps:.0f} | {tflops:.0f} | "
+              f"{td:.1f} | {ratio}")
     best = {}
-    for name, k, n, m, way, tc, pc, ts, ps in rows:
+    for name, k, n, m, way, tc, pc, ts, ps, td in rows:
         if way.startswith("mosaic") and not way.endswith("probe") and pc > best.get((name, m), ("", 0))[1]:
             best[name, m] = (way, pc)
     print("best kernel config per shape and M (chained):", best)
