@@ -157,7 +157,8 @@ def int4_matmul(x, packed, scale, dtype=None):
     if pad:
         x = jnp.pad(x, ((0, 0), (0, pad)))
     if _int4_on_mosaic(x, packed, scale):
-        y = quant_matmul_mgpu.int4_matmul_t(x, packed, scale, blocks=_int4_blocks(x.shape[0]), out_dtype=jnp.float32)
+        y = quant_matmul_mgpu.int4_matmul_t(x, packed, scale, blocks=_int4_blocks(x.shape[0]),
+                                            out_dtype=dtype or x.dtype)
     elif x.shape[0] <= INT4_ROW_MAX:
         y = _int4_rows(x, packed, scale)
     else:

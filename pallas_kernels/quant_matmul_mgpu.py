@@ -12,9 +12,9 @@ MAX_ROWS rows, each streaming the weights again, and the stages shrink to fit a 
 of `ctas` CTAs (one per SM) takes the units in turn, a memory warpgroup streaming [2 * block_m, block_k] weight
 tiles, the matching x tiles and int4's scale rows into `stages` shared-memory slots with TMA, one pipeline
 through all of a CTA's units. `plan` picks the splits (more when N is narrow) and the depth per shape; the
-splits' float32 partial sums are added (and int8's scales applied) after the kernel, by XLA. A compute
-warpgroup's output tile is transposed in registers and leaves through shared memory OUT_COLS tokens at a time,
-so y comes out [T, N].
+splits' float32 partial sums are added (and int8's scales applied) after the kernel, by XLA; an int4 call in one
+split stores its result in x's dtype itself. A compute warpgroup's output tile is transposed in registers and
+leaves through shared memory OUT_COLS tokens at a time, so y comes out [T, N].
 
 Measured on the H200 (docs/perf.md): int8 streamed at 41-56 % of 4.3 TB/s at llama3-8b's shapes (2026-12-02,
 then in Warpgroup semantics; 45-54 % on gate_up and down after the move to the shared Lane-semantics body on
@@ -190,16 +190,16 @@ _WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)
 _UPCAST = {jnp.dtype(jnp.int8): plgpu.Layout.WGMMA_UPCAST_2X, jnp.dtype(jnp.int4): plgpu.Layout.WGMMA_UPCAST_4X}
 
 
-def _partial_sums(x, q, group_scale, blocks: QuantBlocks):
-    """f32[T, N] = x @ q.T for T <= MAX_ROWS, the kernel both formats share. q int8 or int4 [N, K]; group_scale None
-    (int8: its per-channel scale is applied after) or [K / group, N] in x's dtype (int4: each widened tile is
-    multiplied by its group's scales before the wgmma). A persistent grid of `blocks.ctas` CTAs takes the work units
+def _partial_sums(x, q, group_scale, blocks: QuantBlocks, out_dtype=jnp.float32):
+    """[T, N] = x @ q.T for T <= MAX_ROWS, the kernel both formats share: in `out_dtype` when K is not split, stored
+    so by the kernel, else float32 (the splits' partial sums, added here by XLA). q int8 or int4 [N, K];
+    group_scale None (int8: its per-channel scale is applied after) or [K / group, N] in x's dtype (int4: each
+    widened tile is multiplied by its group's scales before the wgmma). A persistent grid of `blocks.ctas` CTAs takes the work units
     (a weight tile and one of `splits` ranges of K) in turn; one pipeline runs through all of a CTA's units, its
     memory warpgroup fetching the next unit's first tiles while the compute warpgroups finish the last one. x's rows
     are read as a tile of `_rows_tile(T)` rows: x is padded to a multiple of 8 rows (TMA's tiling), TMA fills the
     tile's rows past that with zeros. Each compute warpgroup's [block_m, tile] result is transposed in registers
-    (the WGMMA_TRANSPOSED layout) and leaves [tokens, outputs] through shared memory, OUT_COLS tokens at a time; the
-    splits' partial sums are added here, by XLA."""
+    (the WGMMA_TRANSPOSED layout) and leaves [tokens, outputs] through shared memory, OUT_COLS tokens at a time."""
     (rows, k), n = x.shape, q.shape[0]
     group = k if group_scale is None else k // group_scale.shape[0]
     bm, bk, cta_m = blocks.block_m, blocks.block_k, blocks.cta_m
@@ -211,6 +211,7 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks):
     units = n // cta_m * splits
     dtype = x.dtype
     chunk = min(bk, group)  # K per wgmma: int4 applies one row of scales to each
+    out_dtype = out_dtype if splits == 1 else jnp.float32  # a split's partial sums stay float32 for XLA to add
     phase = plgpu.PipelinePipeline
 
     def body(_, q_smem, *smem):
@@ -261,7 +262,8 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks):
                 def store(acc):  # OUT_COLS token columns at a time through shared memory
                     for c in range(0, tn, oc):
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile has left
-                        out_smem.at[wg].T[...] = plgpu.layout_cast(acc[:, c:c + oc], plgpu.Layout.WGMMA_TRANSPOSED)
+                        out_smem.at[wg].T[...] = plgpu.layout_cast(
+                            acc[:, c:c + oc].astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(out_smem.at[wg],
                                                 out_ref.at[split, pl.ds(c, oc), pl.ds(tile * cta_m + wg * bm, bm)])
@@ -283,16 +285,16 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks):
     fmt = "int4" if group_scale is not None else "int8"
     partial = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((splits, tn, n), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((splits, tn, n), out_dtype),
         grid=(min(blocks.ctas, units),),
         grid_names=("ctas",),
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
-        scratch_types={"out_smem": plgpu.SMEM((_COMPUTE_WGS, oc, bm), jnp.float32,
-                                                  transforms=_transforms(bm, jnp.float32))},
+        scratch_types={"out_smem": plgpu.SMEM((_COMPUTE_WGS, oc, bm), out_dtype,
+                                                  transforms=_transforms(bm, out_dtype))},
         kernel_name=f"{fmt}_matmul_t_m{bm}_k{bk}_n{tn}_s{splits}_st{stages}_c{blocks.ctas}",
     )(jnp.pad(x, ((0, -rows % 8), (0, 0))), q, *([] if group_scale is None else [group_scale]))
-    return partial[:, :rows].sum(axis=0)
+    return partial[0, :rows] if splits == 1 else partial[:, :rows].sum(axis=0)
 
 
 def int8_matmul_t_reference(x, q, scale):
@@ -327,4 +329,5 @@ def int4_matmul_t(x, packed, scale, *, blocks: QuantBlocks = QuantBlocks(), out_
                          f"{SMEM_BYTES} bytes of shared memory)")
     q = lax.bitcast_convert_type(packed, jnp.int4).reshape(n, k)  # the same bits, two per byte, low nibble first
     scale = scale.astype(x.dtype)
-    return _by_rows(x, lambda x: _partial_sums(x, q, scale, blocks).astype(out_dtype or x.dtype))
+    out_dtype = out_dtype or x.dtype
+    return _by_rows(x, lambda x: _partial_sums(x, q, scale, blocks, out_dtype).astype(out_dtype))

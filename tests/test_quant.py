@@ -669,6 +669,32 @@ def test_mosaic_quant_matmul_wide_steps_match_the_float64_product(fmt, block_m, 
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
+@pytest.mark.parametrize("block_m,m", [(64, 1), (64, 40), (64, 300), (128, 100)])
+def test_mosaic_int4_matmul_in_one_split_stores_the_output_dtype(block_m, m):
+    """With K in one range the kernel's result is final and leaves in the asked dtype (no float32 partials): float32
+    and bfloat16 come from the same sums, so the bfloat16 call is the float32 one rounded once."""
+    from glint.pallas_kernels import quant_matmul_mgpu as qm
+    from glint.pallas_kernels.varlen_attention_mgpu import is_hopper
+
+    if not is_hopper():
+        pytest.skip("needs a Hopper GPU (compute capability 9.0)")
+    k, n, group = 1024, 512, 128
+    blocks = qm.QuantBlocks(block_m=block_m, block_k=128, stages=4, ctas=3, splits=1)
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+    packed, scale = reference_int4(rng.standard_normal((k, n)).astype(np.float32), group)
+    w = dequantize_int4_reference(packed, scale, group, k)
+    args = jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scale)
+    f32 = qm.int4_matmul_t(*args, blocks=blocks, out_dtype=jnp.float32)
+    bf16 = qm.int4_matmul_t(*args, blocks=blocks)
+    assert f32.dtype == jnp.float32 and bf16.dtype == jnp.bfloat16
+    assert_product_of_bf16_weights(f32, x, w)
+    f32 = np.asarray(f32)
+    assert np.any(f32 != f32.astype(ml_dtypes.bfloat16).astype(np.float32))  # not rounded on the way out
+    np.testing.assert_array_equal(np.asarray(bf16), f32.astype(ml_dtypes.bfloat16))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
 @pytest.mark.parametrize("length", [1, 5, 8, 40, 300])
 def test_int4_model_on_the_mosaic_kernel_matches_its_xla_ways(length, monkeypatch):
     """A model whose linears the int4 kernel covers (every N a multiple of 256, K of the group): its logits with
