@@ -13,8 +13,8 @@ of `ctas` CTAs (one per SM) takes the units in turn, a memory warpgroup streamin
 tiles, the matching x tiles and int4's scale rows into `stages` shared-memory slots with TMA, one pipeline
 through all of a CTA's units. `plan` picks the splits (more when N is narrow) and the depth per shape; the
 splits' float32 partial sums are added (and int8's scales applied) after the kernel, by XLA; an int4 call in one
-split stores its result in x's dtype itself. A compute warpgroup's output tile is transposed in registers and
-leaves through shared memory OUT_COLS tokens at a time, so y comes out [T, N].
+split stores its result in the asked dtype (x's by default) itself. A compute warpgroup's output tile is
+transposed in registers and leaves through shared memory OUT_COLS tokens at a time, so y comes out [T, N].
 
 Measured on the H200 (docs/perf.md): int8 streamed at 41-56 % of 4.3 TB/s at llama3-8b's shapes (2026-12-02,
 then in Warpgroup semantics; 45-54 % on gate_up and down after the move to the shared Lane-semantics body on
@@ -101,7 +101,7 @@ ACC_REGISTERS = 128  # of a compute thread's ~230 (the widened weight tile and a
 
 def smem_bytes(rows: int, blocks: QuantBlocks, weight_bits: int = 8, scale_rows: int = 0) -> int:
     """Shared memory the kernel takes: `stages` slots of a weight tile, an x tile and int4's scale rows, and the
-    float32 output tiles (OUT_COLS token columns at a time)."""
+    output tiles (OUT_COLS token columns at a time), counted as float32 (a bound for a call that stores bf16)."""
     tn = _rows_tile(rows)
     slot = blocks.cta_m * blocks.block_k * weight_bits // 8 + tn * blocks.block_k * 2 + scale_rows * blocks.cta_m * 2
     return blocks.stages * slot + _COMPUTE_WGS * blocks.block_m * min(tn, OUT_COLS) * 4
@@ -194,12 +194,13 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks, out_dtype=jnp.float32)
     """[T, N] = x @ q.T for T <= MAX_ROWS, the kernel both formats share: in `out_dtype` when K is not split, stored
     so by the kernel, else float32 (the splits' partial sums, added here by XLA). q int8 or int4 [N, K];
     group_scale None (int8: its per-channel scale is applied after) or [K / group, N] in x's dtype (int4: each
-    widened tile is multiplied by its group's scales before the wgmma). A persistent grid of `blocks.ctas` CTAs takes the work units
-    (a weight tile and one of `splits` ranges of K) in turn; one pipeline runs through all of a CTA's units, its
-    memory warpgroup fetching the next unit's first tiles while the compute warpgroups finish the last one. x's rows
-    are read as a tile of `_rows_tile(T)` rows: x is padded to a multiple of 8 rows (TMA's tiling), TMA fills the
-    tile's rows past that with zeros. Each compute warpgroup's [block_m, tile] result is transposed in registers
-    (the WGMMA_TRANSPOSED layout) and leaves [tokens, outputs] through shared memory, OUT_COLS tokens at a time."""
+    widened tile is multiplied by its group's scales before the wgmma). A persistent grid of `blocks.ctas` CTAs
+    takes the work units (a weight tile and one of `splits` ranges of K) in turn; one pipeline runs through all of
+    a CTA's units, its memory warpgroup fetching the next unit's first tiles while the compute warpgroups finish
+    the last one. x's rows are read as a tile of `_rows_tile(T)` rows: x is padded to a multiple of 8 rows (TMA's
+    tiling), TMA fills the tile's rows past that with zeros. Each compute warpgroup's [block_m, tile] result is
+    transposed in registers (the WGMMA_TRANSPOSED layout) and leaves [tokens, outputs] through shared memory,
+    OUT_COLS tokens at a time."""
     (rows, k), n = x.shape, q.shape[0]
     group = k if group_scale is None else k // group_scale.shape[0]
     bm, bk, cta_m = blocks.block_m, blocks.block_k, blocks.cta_m

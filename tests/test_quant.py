@@ -668,6 +668,25 @@ def test_mosaic_quant_matmul_wide_steps_match_the_float64_product(fmt, block_m, 
     assert_product_of_bf16_weights(got, x, w)
 
 
+@pytest.mark.parametrize("rows,splits,out_dtype,stored", [(3, 1, None, "bf16"), (300, 1, None, "bf16"),
+                                                           (3, 1, jnp.float32, "f32"), (3, 2, None, "f32")])
+def test_mosaic_int4_kernel_stores_the_asked_dtype_in_one_split(rows, splits, out_dtype, stored):
+    """What the kernel writes, lowered for CUDA on any machine: in one K split the result in the asked dtype (x's,
+    bf16, by default: no float32 array for XLA to cast); in several, float32 partial sums."""
+    from glint.pallas_kernels import quant_matmul_mgpu as qm
+
+    k, n, group = 1024, 512, 128
+    blocks = qm.QuantBlocks(block_m=64, block_k=128, stages=4, ctas=3, splits=splits)
+    args = (jax.ShapeDtypeStruct((rows, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((k // group, n), jnp.bfloat16))
+    fn = jax.jit(lambda *a: qm.int4_matmul_t(*a, blocks=blocks, out_dtype=out_dtype))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    tile = qm._rows_tile(min(rows, qm.MAX_ROWS))
+    assert len(calls) == -(-rows // qm.MAX_ROWS)
+    assert calls[0].rstrip().endswith(f"-> tensor<{splits}x{tile}x{n}x{stored}>"), calls[0][-80:]
+
+
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
 @pytest.mark.parametrize("block_m,m", [(64, 1), (64, 40), (64, 300), (128, 100)])
 def test_mosaic_int4_matmul_in_one_split_stores_the_output_dtype(block_m, m):

@@ -8,8 +8,8 @@ separate calls.
 
   python tools/gpu_quant_kernels.py [--shapes gate_up,down] [--ways "xla int4,bf16 dot,mosaic"] [--rows 1,8]
       [--profile]
-  (--ways: name prefixes, or whole names ending in $; --profile adds each way's kernel time per call from a jax.profiler trace of its chained
-  run, which leaves out the host and launch gaps that the two timings include)
+  (--ways: name prefixes, or whole names ending in $; --profile adds each way's GPU kernel time per call from a
+  jax.profiler trace of its chained run, which leaves out the host and launch gaps that the two timings include)
 """
 import glob
 import gzip
