@@ -191,8 +191,8 @@ _UPCAST = {jnp.dtype(jnp.int8): plgpu.Layout.WGMMA_UPCAST_2X, jnp.dtype(jnp.int4
 
 
 def _partial_sums(x, q, group_scale, blocks: QuantBlocks, out_dtype=jnp.float32):
-    """[T, N] = x @ q.T for T <= MAX_ROWS, the kernel both formats share: in `out_dtype` when K is not split, stored
-    so by the kernel, else float32 (the splits' partial sums, added here by XLA). q int8 or int4 [N, K];
+    """[T, N] = x @ q.T in `out_dtype` for T <= MAX_ROWS, the kernel both formats share: stored so by the kernel
+    when K is not split, else from the splits' float32 partial sums, added here by XLA. q int8 or int4 [N, K];
     group_scale None (int8: its per-channel scale is applied after) or [K / group, N] in x's dtype (int4: each
     widened tile is multiplied by its group's scales before the wgmma). A persistent grid of `blocks.ctas` CTAs
     takes the work units (a weight tile and one of `splits` ranges of K) in turn; one pipeline runs through all of
@@ -212,7 +212,7 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks, out_dtype=jnp.float32)
     units = n // cta_m * splits
     dtype = x.dtype
     chunk = min(bk, group)  # K per wgmma: int4 applies one row of scales to each
-    out_dtype = out_dtype if splits == 1 else jnp.float32  # a split's partial sums stay float32 for XLA to add
+    stored = out_dtype if splits == 1 else jnp.float32  # a split's partial sums stay float32 for XLA to add
     phase = plgpu.PipelinePipeline
 
     def body(_, q_smem, *smem):
@@ -264,7 +264,7 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks, out_dtype=jnp.float32)
                     for c in range(0, tn, oc):
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile has left
                         out_smem.at[wg].T[...] = plgpu.layout_cast(
-                            acc[:, c:c + oc].astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+                            acc[:, c:c + oc].astype(stored), plgpu.Layout.WGMMA_TRANSPOSED)
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(out_smem.at[wg],
                                                 out_ref.at[split, pl.ds(c, oc), pl.ds(tile * cta_m + wg * bm, bm)])
@@ -286,16 +286,16 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks, out_dtype=jnp.float32)
     fmt = "int4" if group_scale is not None else "int8"
     partial = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((splits, tn, n), out_dtype),
+        out_type=jax.ShapeDtypeStruct((splits, tn, n), stored),
         grid=(min(blocks.ctas, units),),
         grid_names=("ctas",),
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
-        scratch_types={"out_smem": plgpu.SMEM((_COMPUTE_WGS, oc, bm), out_dtype,
-                                                  transforms=_transforms(bm, out_dtype))},
+        scratch_types={"out_smem": plgpu.SMEM((_COMPUTE_WGS, oc, bm), stored,
+                                                  transforms=_transforms(bm, stored))},
         kernel_name=f"{fmt}_matmul_t_m{bm}_k{bk}_n{tn}_s{splits}_st{stages}_c{blocks.ctas}",
     )(jnp.pad(x, ((0, -rows % 8), (0, 0))), q, *([] if group_scale is None else [group_scale]))
-    return partial[0, :rows] if splits == 1 else partial[:, :rows].sum(axis=0)
+    return partial[0, :rows] if splits == 1 else partial[:, :rows].sum(axis=0).astype(out_dtype)
 
 
 def int8_matmul_t_reference(x, q, scale):
@@ -330,5 +330,4 @@ def int4_matmul_t(x, packed, scale, *, blocks: QuantBlocks = QuantBlocks(), out_
                          f"{SMEM_BYTES} bytes of shared memory)")
     q = lax.bitcast_convert_type(packed, jnp.int4).reshape(n, k)  # the same bits, two per byte, low nibble first
     scale = scale.astype(x.dtype)
-    out_dtype = out_dtype or x.dtype
-    return _by_rows(x, lambda x: _partial_sums(x, q, scale, blocks, out_dtype).astype(out_dtype))
+    return _by_rows(x, lambda x: _partial_sums(x, q, scale, blocks, out_dtype or x.dtype))
