@@ -150,12 +150,12 @@ def main(shapes: set[str] | None = None, only: set[str] | None = None) -> None:
                     if ref is not None:  # fp8 also rounds the activations: a looser bound
                         err = float(np.abs(got - ref).max() / (np.abs(ref).max() + 1e-9))
                         assert err < (0.1 if way == "xla fp8" else 2e-2), f"{way}: relative error {err}"
-                    calls = REPS * len(ws)
-                    t_chain = timed(chained(fn), x, ws, scales) / calls
+                    calls, run = REPS * len(ws), chained(fn)
+                    t_chain = timed(run, x, ws, scales) / calls
                     t_sep = timed(separate(fn), x, ws, scales) / calls
-                    t_dev = device_us(chained(fn), x, ws, scales) / calls / 1e6 if "--profile" in sys.argv else 0
+                    us_dev = device_us(run, x, ws, scales) / calls if "--profile" in sys.argv else 0
                     rows.append((name, k, n, m, way, 1e6 * t_chain, 100 * nbytes / t_chain / PEAK, 1e6 * t_sep,
-                                 100 * nbytes / t_sep / PEAK, 1e6 * t_dev))
+                                 100 * nbytes / t_sep / PEAK, us_dev))
                 except Exception as e:  # report and go on: one config failing to compile is data too
                     rows.append((name, k, n, m, way, float("nan"), 0.0, float("nan"), 0.0, float("nan")))
                     print(f"FAIL {name} m={m} {way}: {type(e).__name__}: {str(e)[:300]}", flush=True)
