@@ -6,15 +6,16 @@ bytes, read as XLA's int4 type: the same bits) with bf16 scales [K / group, N], 
 the weights once per step and does almost no arithmetic, so the kernel is built to stream them: it computes
 y.T = w @ x.T, with the weight as wgmma's A operand - loaded from shared memory into registers and widened
 there to x's dtype (int4's group scales multiply the widened tile) - and the handful of token rows as the B
-operand (wgmma's N: a tile of 8 to 256 rows, a power of two, those past T zero; wider x runs as calls of
-MAX_ROWS rows, each streaming the weights again, and the stages shrink to fit a wide x tile). A work unit is
-`2 * block_m` weight rows (two compute warpgroups of block_m) and one of `splits` ranges of K; a persistent grid
-of `ctas` CTAs (one per SM) takes the units in turn, a memory warpgroup streaming [2 * block_m, block_k] weight
-tiles, the matching x tiles and int4's scale rows into `stages` shared-memory slots with TMA, one pipeline
-through all of a CTA's units. `plan` picks the splits (more when N is narrow) and the depth per shape; the
-splits' float32 partial sums are added (and int8's scales applied) after the kernel, by XLA; an int4 call in one
-split stores its result in the asked dtype (x's by default) itself. A compute warpgroup's output tile is
-transposed in registers and leaves through shared memory OUT_COLS tokens at a time, so y comes out [T, N].
+operand (wgmma's N: a tile of 8 to 256 rows, a power of two, those past T zero; wider x runs as several token
+tiles of MAX_ROWS rows in the same call, each streaming the weights again, and the stages shrink to fit a wide x
+tile). A work unit is `2 * block_m` weight rows (two compute warpgroups of block_m), one of `splits` ranges of K
+and one token tile; a persistent grid of `ctas` CTAs (one per SM) takes the units in turn, a memory warpgroup
+streaming [2 * block_m, block_k] weight tiles, the matching x tiles and int4's scale rows into `stages`
+shared-memory slots with TMA, one pipeline through all of a CTA's units. `plan` picks the splits (more when N
+is narrow) and the depth per shape; the splits' float32 partial sums are added (and int8's scales applied) after
+the kernel, by XLA; an int4 call in one split stores its result in the asked dtype (x's by default) itself. A
+compute warpgroup's output tile is transposed in registers and leaves through shared memory OUT_COLS tokens at a
+time, so y comes out [T, N].
 
 Measured on the H200 (docs/perf.md): int8 streamed at 41-56 % of 4.3 TB/s at llama3-8b's shapes (2026-12-02,
 then in Warpgroup semantics; 45-54 % on gate_up and down after the move to the shared Lane-semantics body on
@@ -52,7 +53,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 __all__ = ["QuantBlocks", "int4_matmul_t", "int4_supports", "int8_matmul_t", "int8_matmul_t_reference", "supports"]
 
 _COMPUTE_WGS = 2
-MAX_ROWS = 256  # token rows per call: wgmma's largest N (the wrappers run wider x as calls of this many rows)
+MAX_ROWS = 256  # token rows per tile: wgmma's largest N (wider x runs as several tiles, in one call)
 OUT_COLS = 64  # token columns of the output tile a compute warpgroup stages in shared memory at a time
 
 
@@ -148,6 +149,7 @@ def plan(n: int, k: int, blocks: QuantBlocks, rows: int = 1) -> tuple[int, int]:
     partial sums, which a wide token tile makes large (gate_up at 256 rows in 4 splits: 117 MB of them); ties go
     to fewer splits."""
     tiles, steps, tn = n // blocks.cta_m, k // blocks.block_k, _rows_tile(min(rows, MAX_ROWS))
+    chunks = -(-rows // tn)  # token tiles: each streams the weights again
     flops = 2 * blocks.cta_m * blocks.block_k * tn
     step_us = max(STEP_US * blocks.cta_m / 256, flops * blocks.ctas / (MMA_TFLOPS * 1e6))
 
@@ -155,8 +157,8 @@ def plan(n: int, k: int, blocks: QuantBlocks, rows: int = 1) -> tuple[int, int]:
         return max(d for d in range(1, min(blocks.stages, steps // splits) + 1) if steps // splits % d == 0)
 
     def cost(splits: int) -> float:
-        units_per_cta = -(-tiles * splits // blocks.ctas)
-        sums = (splits + 1) * n * tn * 4 / SUM_BYTES_PER_US if splits > 1 else 0.0
+        units_per_cta = -(-tiles * splits * chunks // blocks.ctas)
+        sums = (splits + 1) * n * chunks * tn * 4 / SUM_BYTES_PER_US if splits > 1 else 0.0
         return units_per_cta * (steps // splits + 1) * blocks.stages / depth(splits) * step_us + sums
 
     choices = [blocks.splits] if blocks.splits else [d for d in range(1, steps + 1) if steps % d == 0]
@@ -166,7 +168,7 @@ def plan(n: int, k: int, blocks: QuantBlocks, rows: int = 1) -> tuple[int, int]:
 
 @functools.partial(jax.jit, static_argnames=("blocks",))
 def int8_matmul_t(x, q, scale, *, blocks: QuantBlocks = QuantBlocks()):
-    """(x @ q.T) * scale in x's dtype. x [T, K] bf16/f16 (MAX_ROWS rows a call); q int8 [N, K]; scale f32 [N]."""
+    """(x @ q.T) * scale in x's dtype. x [T, K] bf16/f16 (MAX_ROWS rows a token tile); q int8 [N, K]; scale f32 [N]."""
     if x.ndim != 2 or q.ndim != 2 or x.shape[1] != q.shape[1] or scale.shape != q.shape[:1] or q.dtype != jnp.int8:
         raise ValueError(f"int8_matmul_t: x [T, K], q int8 [N, K], scale [N] expected, got x {x.shape}, "
                          f"q {q.dtype}{list(q.shape)}, scale {scale.shape}")
@@ -175,14 +177,7 @@ def int8_matmul_t(x, q, scale, *, blocks: QuantBlocks = QuantBlocks()):
         raise ValueError(f"int8_matmul_t: x {x.dtype}{list(x.shape)} against q [{n}, {k}] is not covered by "
                          f"{blocks} (bf16/f16 rows, N % {blocks.cta_m}, "
                          f"K % {blocks.block_k}, {SMEM_BYTES} bytes of shared memory)")
-    return _by_rows(x, lambda x: (_partial_sums(x, q, None, blocks) * scale).astype(x.dtype))
-
-
-def _by_rows(x, f):
-    """f over x's rows MAX_ROWS at a time (wider x: several calls, each streaming the weights), concatenated."""
-    if x.shape[0] <= MAX_ROWS:
-        return f(x)
-    return jnp.concatenate([f(x[r:r + MAX_ROWS]) for r in range(0, x.shape[0], MAX_ROWS)])
+    return (_partial_sums(x, q, None, blocks) * scale).astype(x.dtype)
 
 
 _WGMMA = plgpu.Layout.WGMMA
@@ -204,12 +199,13 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks, out_dtype=jnp.float32)
     (rows, k), n = x.shape, q.shape[0]
     group = k if group_scale is None else k // group_scale.shape[0]
     bm, bk, cta_m = blocks.block_m, blocks.block_k, blocks.cta_m
-    blocks = fitted(rows, blocks, jnp.iinfo(q.dtype).bits, 0 if group_scale is None else max(1, bk // group))
-    tn = _rows_tile(rows)
+    tn = _rows_tile(min(rows, MAX_ROWS))
+    chunks = -(-rows // tn)  # token tiles, one after another in each work unit's place
+    blocks = fitted(tn, blocks, jnp.iinfo(q.dtype).bits, 0 if group_scale is None else max(1, bk // group))
     oc = min(tn, OUT_COLS)
     splits, stages = plan(n, k, blocks, rows)
     span = k // splits
-    units = n // cta_m * splits
+    units = n // cta_m * splits * chunks
     dtype = x.dtype
     chunk = min(bk, group)  # K per wgmma: int4 applies one row of scales to each
     stored = out_dtype if splits == 1 else jnp.float32  # a split's partial sums stay float32 for XLA to add
@@ -249,16 +245,20 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks, out_dtype=jnp.float32)
         *s_ref, out_ref = refs
         wg = lax.axis_index("wg")
 
-        def operands(tile, split):
+        def operands(tile, split, token_tile):
             ks, cols = pl.ds(split * span, span), pl.ds(tile * cta_m, cta_m)
-            return q_ref.at[cols, ks], *(r.at[:, cols] for r in s_ref), x_ref.at[:, ks]
+            x_rows = x_ref.at[pl.ds(token_tile * tn, tn)] if chunks > 1 else x_ref  # one tile: TMA fills past x
+            return q_ref.at[cols, ks], *(r.at[:, cols] for r in s_ref), x_rows.at[:, ks]
 
-        @functools.partial(pl.run_scoped, allocations=pipeline(0).get_allocations(*operands(0, 0)),
+        @functools.partial(pl.run_scoped, allocations=pipeline(0).get_allocations(*operands(0, 0, 0)),
                            collective_axes="wg")
         def _(allocations):
             @plgpu.nd_loop((units,), collective_axes="ctas")
             def _unit(info):
-                tile, split = info.index[0] // splits, info.index[0] % splits
+                # a weight tile's token tiles are neighbours, taken at once by neighbouring CTAs (one weight read
+                # from memory serves them through L2)
+                unit = info.index[0]
+                token_tile, split, tile = unit % chunks, unit // chunks % splits, unit // (chunks * splits)
 
                 def store(acc):  # OUT_COLS token columns at a time through shared memory
                     for c in range(0, tn, oc):
@@ -267,7 +267,8 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks, out_dtype=jnp.float32)
                             acc[:, c:c + oc].astype(stored), plgpu.Layout.WGMMA_TRANSPOSED)
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(out_smem.at[wg],
-                                                out_ref.at[split, pl.ds(c, oc), pl.ds(tile * cta_m + wg * bm, bm)])
+                                                out_ref.at[split, pl.ds(token_tile * tn + c, oc),
+                                                           pl.ds(tile * cta_m + wg * bm, bm)])
 
                 def compute_context(eval_pipeline):
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, tn), jnp.float32))
@@ -279,14 +280,14 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks, out_dtype=jnp.float32)
                 # the kernel's end needs no drain), the ones between run on from the last
                 i, last = info.local_index, info.num_local_steps - 1
                 state = jnp.where(i == 0, phase.START, jnp.where(i == last, phase.STOP, phase.STEADY))
-                pipeline(split, compute_context, state)(*operands(tile, split), allocations=allocations)
+                pipeline(split, compute_context, state)(*operands(tile, split, token_tile), allocations=allocations)
 
         plgpu.wait_smem_to_gmem(0)
 
     fmt = "int4" if group_scale is not None else "int8"
     partial = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((splits, tn, n), stored),
+        out_type=jax.ShapeDtypeStruct((splits, chunks * tn, n), stored),
         grid=(min(blocks.ctas, units),),
         grid_names=("ctas",),
         num_threads=_COMPUTE_WGS + 1,
@@ -294,7 +295,8 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks, out_dtype=jnp.float32)
         scratch_types={"out_smem": plgpu.SMEM((_COMPUTE_WGS, oc, bm), stored,
                                                   transforms=_transforms(bm, stored))},
         kernel_name=f"{fmt}_matmul_t_m{bm}_k{bk}_n{tn}_s{splits}_st{stages}_c{blocks.ctas}",
-    )(jnp.pad(x, ((0, -rows % 8), (0, 0))), q, *([] if group_scale is None else [group_scale]))
+    )(jnp.pad(x, ((0, (chunks * tn if chunks > 1 else -(-rows // 8) * 8) - rows), (0, 0))), q,
+      *([] if group_scale is None else [group_scale]))
     return partial[0, :rows] if splits == 1 else partial[:, :rows].sum(axis=0).astype(out_dtype)
 
 
@@ -330,4 +332,4 @@ def int4_matmul_t(x, packed, scale, *, blocks: QuantBlocks = QuantBlocks(), out_
                          f"{SMEM_BYTES} bytes of shared memory)")
     q = lax.bitcast_convert_type(packed, jnp.int4).reshape(n, k)  # the same bits, two per byte, low nibble first
     scale = scale.astype(x.dtype)
-    return _by_rows(x, lambda x: _partial_sums(x, q, scale, blocks, out_dtype or x.dtype))
+    return _partial_sums(x, q, scale, blocks, out_dtype or x.dtype)

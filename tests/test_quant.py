@@ -636,14 +636,14 @@ def test_int4_steps_past_the_kernel_limit_stay_on_xla(monkeypatch):
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
 @pytest.mark.parametrize("fmt,block_m,block_k,stages,m", [
-    *[("int4", 64, 128, 4, m) for m in (65, 128, 200, 256, 300, 520)],  # tiles of 128 and 256 rows; 2 and 3 calls
+    *[("int4", 64, 128, 4, m) for m in (65, 128, 200, 256, 300, 520)],  # tiles of 128 and 256 rows; 2 and 3 of them
     *[("int4", 64, 256, 4, m) for m in (100, 256, 300)],
     *[("int4", 128, 128, 3, m) for m in (65, 128)],  # block_m 128: at most 128 rows (its accumulator)
     *[("int8", 64, 128, 4, m) for m in (100, 256, 300)]])
 def test_mosaic_quant_matmul_wide_steps_match_the_float64_product(fmt, block_m, block_k, stages, m):
     """Prefill-wide steps: token tiles past 64 rows (the output leaves in 64-column pieces, transposed, and the
     stages shrink to fit the x tile: 2 slots cycle through a unit's 4 steps at 256 rows) and past the 256 rows of
-    one call."""
+    one token tile."""
     from glint.pallas_kernels import quant_matmul_mgpu as qm
     from glint.pallas_kernels.varlen_attention_mgpu import is_hopper
 
@@ -683,8 +683,8 @@ def test_mosaic_int4_kernel_stores_the_asked_dtype_in_one_split(rows, splits, ou
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
     tile = qm._rows_tile(min(rows, qm.MAX_ROWS))
-    assert len(calls) == -(-rows // qm.MAX_ROWS)
-    assert calls[0].rstrip().endswith(f"-> tensor<{splits}x{tile}x{n}x{stored}>"), calls[0][-80:]
+    [call] = calls  # one call, whose token tiles follow one another
+    assert call.rstrip().endswith(f"-> tensor<{splits}x{-(-rows // tile) * tile}x{n}x{stored}>"), call[-80:]
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
