@@ -192,10 +192,10 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks, out_dtype=jnp.float32)
     widened tile is multiplied by its group's scales before the wgmma). A persistent grid of `blocks.ctas` CTAs
     takes the work units (a weight tile and one of `splits` ranges of K) in turn; one pipeline runs through all of
     a CTA's units, its memory warpgroup fetching the next unit's first tiles while the compute warpgroups finish
-    the last one. x's rows are read as a tile of `_rows_tile(T)` rows: x is padded to a multiple of 8 rows (TMA's
-    tiling), TMA fills the tile's rows past that with zeros. Each compute warpgroup's [block_m, tile] result is
-    transposed in registers (the WGMMA_TRANSPOSED layout) and leaves [tokens, outputs] through shared memory,
-    OUT_COLS tokens at a time."""
+    the last one. x's rows are read as a tile of `_rows_tile(T)` rows, TMA filling the rows past x's with zeros
+    (past 8 rows x is first padded to a multiple of 8, TMA's tiling; up to 8 it is read as it is, no pad kernel).
+    Each compute warpgroup's [block_m, tile] result is transposed in registers (the WGMMA_TRANSPOSED layout) and
+    leaves [tokens, outputs] through shared memory, OUT_COLS tokens at a time."""
     (rows, k), n = x.shape, q.shape[0]
     group = k if group_scale is None else k // group_scale.shape[0]
     bm, bk, cta_m = blocks.block_m, blocks.block_k, blocks.cta_m
@@ -295,7 +295,7 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks, out_dtype=jnp.float32)
         scratch_types={"out_smem": plgpu.SMEM((_COMPUTE_WGS, oc, bm), stored,
                                                   transforms=_transforms(bm, stored))},
         kernel_name=f"{fmt}_matmul_t_m{bm}_k{bk}_n{tn}_s{splits}_st{stages}_c{blocks.ctas}",
-    )(jnp.pad(x, ((0, (chunks * tn if chunks > 1 else -(-rows // 8) * 8) - rows), (0, 0))), q,
+    )(x if rows <= 8 else jnp.pad(x, ((0, (chunks * tn if chunks > 1 else -(-rows // 8) * 8) - rows), (0, 0))), q,
       *([] if group_scale is None else [group_scale]))
     return partial[0, :rows] if splits == 1 else partial[:, :rows].sum(axis=0).astype(out_dtype)
 
