@@ -2,6 +2,7 @@
 and models quantized on the fly and by `glint convert` against their full-precision selves and llama2.c's greedy
 tokens."""
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -685,6 +686,57 @@ def test_mosaic_int4_kernel_stores_the_asked_dtype_in_one_split(rows, splits, ou
     tile = qm._rows_tile(min(rows, qm.MAX_ROWS))
     [call] = calls  # one call, whose token tiles follow one another
     assert call.rstrip().endswith(f"-> tensor<{splits}x{-(-rows // tile) * tile}x{n}x{stored}>"), call[-80:]
+
+
+def _layout_positions(layout, shape):
+    """{(thread, register index): [(row, column) of each vector element]} for a Mosaic GPU TiledLayout over an
+    array of `shape`: the array tiled by the layout's tiling, its warp and lane dimensions split over a warpgroup's
+    128 threads, the vector dimension inside each register (NumPy arithmetic on the layout's own fields, the way
+    TiledLayout.thread_idxs lowers it)."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+    def split(index, dims):  # a warp or lane index over its tiled dimensions, major to minor
+        sizes = [d.times if isinstance(d, fa.Replicated) else layout.tiled_tiling_shape[d] for d in dims]
+        full = [0] * layout.tiled_tiling_rank
+        for i, (d, size) in enumerate(zip(dims, sizes)):
+            if not isinstance(d, fa.Replicated):
+                full[d] = index // math.prod(sizes[i + 1:]) % size
+        return full
+
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    tile_strides = layout.tiling.tile_strides(tuple(strides))
+    inner = tile_strides[-layout.tiled_tiling_rank:]
+    positions = {}
+    for thread in range(128):
+        offset = sum(i * s for i, s in zip(split(thread // 32, layout.warp_dims) + split(thread % 32,
+                                                                                           layout.lane_dims),
+                                           inner + inner))
+        for reg in np.ndindex(layout.registers_shape(tuple(shape))):
+            first = offset + sum(i * s for i, s in zip(reg, tile_strides))
+            flat = [first + e * tile_strides[layout.vector_dim] for e in range(layout.vector_length)]
+            positions[thread, reg] = [(f // strides[0], f % strides[0]) for f in flat]
+    return positions
+
+
+def test_int4_widened_in_place_meets_x_in_the_permuted_columns():
+    """The int4 kernel widens each thread's 32 bits of weights (loaded in Mosaic's WGMMA_UPCAST_4X layout: 8
+    neighbouring columns of a row) in place, nibbles p and p + 4 becoming its wgmma register p of that row and
+    32-column block, with no exchange between threads; the product is right only if x's column at each such wgmma
+    place is the weight's own column. Checked on any machine against where Mosaic's two layouts put each element."""
+    from glint.pallas_kernels import quant_matmul_mgpu as qm
+    from jax.experimental.mosaic import gpu as mgpu
+
+    for shape in [(64, 32), (128, 128), (64, 256)]:
+        loaded = _layout_positions(mgpu.WGMMA_LAYOUT_UPCAST_4X, shape)
+        operand = _layout_positions(mgpu.WGMMA_LAYOUT, shape)
+        x_column = np.asarray(qm._int4_lanes(jnp.arange(shape[1], dtype=jnp.float32)[None]))[0]
+        assert len(operand) == 4 * len(loaded)
+        for (thread, reg), places in operand.items():
+            block, p = divmod(reg[1], 4)
+            weights = loaded[thread, (reg[0], block, *reg[2:])]
+            for e, (row, column) in enumerate(places):
+                assert weights[p + 4 * e][0] == row
+                assert x_column[column] == weights[p + 4 * e][1], (shape, thread, reg, e)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
