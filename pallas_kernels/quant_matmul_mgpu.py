@@ -18,24 +18,24 @@ the kernel, by XLA; an int4 call in one split stores its result in the asked dty
 compute warpgroup's output tile is transposed in registers and leaves through shared memory OUT_COLS tokens at a
 time, so y comes out [T, N].
 
-Measured on the H200 (docs/perf.md): int8 streamed at 41-56 % of 4.3 TB/s at llama3-8b's shapes (2026-12-02,
-then in Warpgroup semantics; 45-54 % on gate_up and down after the move to the shared Lane-semantics body on
-2026-12-03), below XLA's own int8 (60-66 %), so the model's int8 stays on XLA; with `probe` (no multiply) the
-same pipeline moves 53-72 %. int4, one token, kernel time alone: gate_up 31.3 us (45 %), down 17.5 us (40 %)
-on the persistent grid, from 33.2 / 18.7 us with one CTA per unit in two waves; widened in place (2026-12-03,
-sixth session, GPU time per call of the model's dispatch, x's permutation included) 27.9 / 16.2 us against 32.6 /
-19.0 through Mosaic's layout_cast and astype in the same call (2.0 / 1.9x the bf16 dot; Nsight Compute: 21 %
-fewer instructions, 56 % of the issue slots used before). Tried and no faster: for int4
-8 stages, 448 units chained through the pipeline (gate_up in 4 splits), scaling each group's product instead
-of the widened weights (within 2 % per kernel, 2.5 % faster in the engine at batch 1 and 8 % slower at 8); for
-int8 weights pre-tiled so each step's tile is one contiguous run, one warpgroup doing both TMA and math
-(plgpu.emit_pipeline), 6-8 stages, 256-wide K steps; keeping one wgmma in flight (wgmma_wait(1), slots
-released a step late) gave wrong results. Wide steps (2026-12-03, fourth session, chained, against the bf16
-dot's time in the same call): int4 gate_up / down at 128 rows 1.12 / 1.32x, at 256 0.98 / 1.05x, at 512 0.83 /
-0.88x, 540-570 TFLOP/s from 256 rows on; before the plan counted the partial sums (gate_up then in 4 splits
-from 256 rows) 0.72 / 0.80x at 1024 rows (XLA's int4 two dots 0.73 / 0.75x) and 0.76 / 0.82x at 4096 (XLA's
-0.92 / 0.84x). The model's int4 linears run this kernel on Hopper for steps of up to `tuning.INT4_MOSAIC_MAX_ROWS`
-rows (model/quant.py).
+Measured on the H200 (docs/perf.md): int8 streamed at 41-56 % of 4.3 TB/s at llama3-8b's shapes (2026-12-02, then in
+Warpgroup semantics; 45-54 % on gate_up and down after the move to the shared Lane-semantics body on 2026-12-03), below
+XLA's own int8 (60-66 %), so the model's int8 stays on XLA; with `probe` (no multiply) the same pipeline moves 53-72 %.
+int4, one token, kernel time alone: gate_up 31.3 us (45 %), down 17.5 us (40 %) on the persistent grid, from 33.2 / 18.7
+us with one CTA per unit in two waves; widened in place (2026-12-03, sixth session, GPU time per call of the model's
+dispatch, x's permutation included) 27.9 / 16.2 us against 32.6 / 19.0 through Mosaic's layout_cast and astype in the
+same call (2.0 / 1.9x the bf16 dot; Nsight Compute: 21 % fewer instructions, 56 % of the issue slots used before; the
+TMA pipeline alone, `probe`, 24.5 / 13.2 us). Tried and no faster: for int4 8 stages, 448 units chained through the
+pipeline (gate_up in 4 splits), scaling each group's product instead of the widened weights (within 2 % per kernel, 2.5
+% faster in the engine at batch 1 and 8 % slower at 8; again after the in-place widening, with the weights' bias left in
+and taken off each chunk's float32 dot with x's chunk sums: 30.6 / 17.8 us, slower, and off the model's bf16-rounded
+weights); for int8 weights pre-tiled so each step's tile is one contiguous run, one warpgroup doing both TMA and math
+(plgpu.emit_pipeline), 6-8 stages, 256-wide K steps; keeping one wgmma in flight (wgmma_wait(1), slots released a step
+late) gave wrong results. Wide steps (2026-12-03, fourth session, chained, against the bf16 dot's time in the same
+call): int4 gate_up / down at 128 rows 1.12 / 1.32x, at 256 0.98 / 1.05x, at 512 0.83 / 0.88x, 540-570 TFLOP/s from 256
+rows on; before the plan counted the partial sums (gate_up then in 4 splits from 256 rows) 0.72 / 0.80x at 1024 rows
+(XLA's int4 two dots 0.73 / 0.75x) and 0.76 / 0.82x at 4096 (XLA's 0.92 / 0.84x). The model's int4 linears run this
+kernel on Hopper for steps of up to `tuning.INT4_MOSAIC_MAX_ROWS` rows (model/quant.py).
 
 Scope: bf16/f16 activations, N a multiple of 2 * block_m, K a multiple of block_k (int4: also whole groups
 of a multiple of 64 - a half-width tile needs the 32-byte swizzle - a group dividing block_k or the other way
