@@ -171,7 +171,7 @@ _INT4_BLOCKS = {rows: quant_matmul_mgpu.QuantBlocks(**b) for rows, b in tuning.I
 
 def _int4_blocks(rows: int) -> quant_matmul_mgpu.QuantBlocks:
     """The kernel's blocks for a step of `rows` token rows: those of the smallest bound that holds it (the widest
-    bound's past it, whose calls take quant_matmul_mgpu.MAX_ROWS rows at a time)."""
+    bound's past it, whose calls run quant_matmul_mgpu.MAX_ROWS-row token tiles one after another)."""
     return _INT4_BLOCKS[min((b for b in _INT4_BLOCKS if b >= rows), default=max(_INT4_BLOCKS))]
 
 

@@ -74,6 +74,6 @@ MOSAIC_ROW_COST = 0.6
 # 336.9 / 418.6, final 326.5 / 344.8, against 413.9 / 446.0), even at 1024 chained and behind as separate calls
 # (666 / 829 against 673 / 730, first version), behind at 4096 (2718 against 2381 chained): so up to 512 rows.
 INT4_MOSAIC_MAX_ROWS = 512
-# Keyed by the widest step (token rows) each entry serves; past the last key its blocks run 256 rows a call.
+# Keyed by the widest step (token rows) each entry serves; past the last key its blocks run tiles of 256 rows.
 INT4_MOSAIC_BLOCKS = {128: {"block_m": 128, "block_k": 128, "stages": 4, "ctas": 132},
                       512: {"block_m": 64, "block_k": 128, "stages": 4, "ctas": 132}}
