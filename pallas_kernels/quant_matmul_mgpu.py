@@ -4,19 +4,18 @@ y [T, N] = x [T, K] @ w.T for a step's token rows T (a few in decode) against we
 contiguous): int8 [N, K] with per-output-channel scales f32[N], or int4 [N, K] (glint.model.quant's packed
 bytes, read as XLA's int4 type: the same bits) with bf16 scales [K / group, N], a row per group. Decode reads
 the weights once per step and does almost no arithmetic, so the kernel is built to stream them: it computes
-y.T = w @ x.T, with the weight as wgmma's A operand - loaded from shared memory into registers and widened
-there to x's dtype (int4 in place, x's columns permuted to match: `_widen_int4`; its group scales multiply the
-widened tile) - and the handful of token rows as the B
-operand (wgmma's N: a tile of 8 to 256 rows, a power of two, those past T zero; wider x runs as several token
-tiles of MAX_ROWS rows in the same call, each streaming the weights again, and the stages shrink to fit a wide x
-tile). A work unit is `2 * block_m` weight rows (two compute warpgroups of block_m), one of `splits` ranges of K
-and one token tile; a persistent grid of `ctas` CTAs (one per SM) takes the units in turn, a memory warpgroup
-streaming [2 * block_m, block_k] weight tiles, the matching x tiles and int4's scale rows into `stages`
-shared-memory slots with TMA, one pipeline through all of a CTA's units. `plan` picks the splits (more when N
-is narrow) and the depth per shape; the splits' float32 partial sums are added (and int8's scales applied) after
-the kernel, by XLA; an int4 call in one split stores its result in the asked dtype (x's by default) itself. A
-compute warpgroup's output tile is transposed in registers and leaves through shared memory OUT_COLS tokens at a
-time, so y comes out [T, N].
+y.T = w @ x.T, with the weight as wgmma's A operand - loaded from shared memory into registers and widened there
+to x's dtype (int4 in place, x's columns permuted to match: `_widen_int4`; its group scales multiply the widened
+tile) - and the handful of token rows as the B operand (wgmma's N: a tile of 8 to 256 rows, a power of two, those
+past T zero; wider x runs as several token tiles of MAX_ROWS rows in the same call, each streaming the weights
+again, and the stages shrink to fit a wide x tile). A work unit is `2 * block_m` weight rows (two compute
+warpgroups of block_m), one of `splits` ranges of K and one token tile; a persistent grid of `ctas` CTAs (one per
+SM) takes the units in turn, a memory warpgroup streaming [2 * block_m, block_k] weight tiles, the matching x
+tiles and int4's scale rows into `stages` shared-memory slots with TMA, one pipeline through all of a CTA's units.
+`plan` picks the splits (more when N is narrow) and the depth per shape; the splits' float32 partial sums are
+added (and int8's scales applied) after the kernel, by XLA; an int4 call in one split stores its result in the
+asked dtype (x's by default) itself. A compute warpgroup's output tile is transposed in registers and leaves
+through shared memory OUT_COLS tokens at a time, so y comes out [T, N].
 
 Measured on the H200 (docs/perf.md): int8 streamed at 41-56 % of 4.3 TB/s at llama3-8b's shapes (2026-12-02, then in
 Warpgroup semantics; 45-54 % on gate_up and down after the move to the shared Lane-semantics body on 2026-12-03), below
@@ -93,6 +92,13 @@ def _rows_tile(rows: int) -> int:
     return max(8, 1 << (rows - 1).bit_length())
 
 
+def _token_tiles(rows: int) -> tuple[int, int]:
+    """(tile, count): x's rows as `count` token tiles of `tile` rows (`_rows_tile`, at most MAX_ROWS), one after
+    another in each work unit's place, each streaming the weights again."""
+    tile = _rows_tile(min(rows, MAX_ROWS))
+    return tile, -(-rows // tile)
+
+
 def _swizzle(minor_bytes: int) -> int:
     return plgpu.find_swizzle(8 * minor_bytes)
 
@@ -131,7 +137,8 @@ def supports(rows: int, n: int, k: int, dtype, blocks: QuantBlocks = QuantBlocks
     """Whether the kernel covers x dtype[rows, k] against weights [n, k] with these blocks (at least one stage in
     shared memory: a call runs as many as fit, `fitted`), with weights of `weight_bits` (int8: 8; int4: 4, via
     `int4_supports`) and `scale_rows` rows of scales per step, and a compute warpgroup's float32 accumulator
-    [block_m, token tile] in at most ACC_REGISTERS registers a thread. Rows past MAX_ROWS run as further calls."""
+    [block_m, token tile] in at most ACC_REGISTERS registers a thread. Rows past MAX_ROWS run as further token
+    tiles of the same call."""
     rows = min(rows, MAX_ROWS)
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and rows >= 1 and n > 0 and k > 0 and n % blocks.cta_m == 0 and k % blocks.block_k == 0
@@ -156,8 +163,7 @@ def plan(n: int, k: int, blocks: QuantBlocks, rows: int = 1) -> tuple[int, int]:
     epilogue as one more step and a shallower pipeline as proportionally slower - plus that of adding the splits'
     partial sums, which a wide token tile makes large (gate_up at 256 rows in 4 splits: 117 MB of them); ties go
     to fewer splits."""
-    tiles, steps, tn = n // blocks.cta_m, k // blocks.block_k, _rows_tile(min(rows, MAX_ROWS))
-    chunks = -(-rows // tn)  # token tiles: each streams the weights again
+    tiles, steps, (tn, chunks) = n // blocks.cta_m, k // blocks.block_k, _token_tiles(rows)
     flops = 2 * blocks.cta_m * blocks.block_k * tn
     step_us = max(STEP_US * blocks.cta_m / 256, flops * blocks.ctas / (MMA_TFLOPS * 1e6))
 
@@ -232,21 +238,20 @@ def _widen_int4(w, dtype):
 
 
 def _partial_sums(x, q, group_scale, blocks: QuantBlocks, out_dtype=jnp.float32):
-    """[T, N] = x @ q.T in `out_dtype` for T <= MAX_ROWS, the kernel both formats share: stored so by the kernel
-    when K is not split, else from the splits' float32 partial sums, added here by XLA. q int8 or int4 [N, K];
-    group_scale None (int8: its per-channel scale is applied after) or [K / group, N] in x's dtype (int4: each
-    widened tile is multiplied by its group's scales before the wgmma). A persistent grid of `blocks.ctas` CTAs
-    takes the work units (a weight tile and one of `splits` ranges of K) in turn; one pipeline runs through all of
-    a CTA's units, its memory warpgroup fetching the next unit's first tiles while the compute warpgroups finish
-    the last one. x's rows are read as a tile of `_rows_tile(T)` rows, TMA filling the rows past x's with zeros
-    (past 8 rows x is first padded to a multiple of 8, TMA's tiling; up to 8 it is read as it is, no pad kernel).
-    Each compute warpgroup's [block_m, tile] result is transposed in registers (the WGMMA_TRANSPOSED layout) and
-    leaves [tokens, outputs] through shared memory, OUT_COLS tokens at a time."""
+    """[T, N] = x @ q.T in `out_dtype`, the kernel both formats share: stored so by the kernel when K is not split, else
+    from the splits' float32 partial sums, added here by XLA. q int8 or int4 [N, K]; group_scale None (int8: its
+    per-channel scale is applied after) or [K / group, N] in x's dtype (int4: each widened tile is multiplied by its
+    group's scales before the wgmma). A persistent grid of `blocks.ctas` CTAs takes the work units (a weight tile,
+    one of `splits` ranges of K and a token tile) in turn; one pipeline runs through all of a CTA's units, its
+    memory warpgroup fetching the next unit's first tiles while the compute warpgroups finish the last one. x's rows
+    are read as tiles of `_token_tiles(T)` rows: one tile TMA fills past x's rows with zeros (x of up to 8 rows read
+    as it is, more padded to a multiple of 8, TMA's tiling); several are read from x padded to whole tiles. Each
+    compute warpgroup's [block_m, tile] result is transposed in registers (the WGMMA_TRANSPOSED layout) and leaves
+    [tokens, outputs] through shared memory, OUT_COLS tokens at a time."""
     (rows, k), n = x.shape, q.shape[0]
     group = k if group_scale is None else k // group_scale.shape[0]
     bm, bk, cta_m = blocks.block_m, blocks.block_k, blocks.cta_m
-    tn = _rows_tile(min(rows, MAX_ROWS))
-    chunks = -(-rows // tn)  # token tiles, one after another in each work unit's place
+    tn, chunks = _token_tiles(rows)
     blocks = fitted(tn, blocks, jnp.iinfo(q.dtype).bits, 0 if group_scale is None else max(1, bk // group))
     oc = min(tn, OUT_COLS)
     splits, stages = plan(n, k, blocks, rows)
@@ -255,6 +260,7 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks, out_dtype=jnp.float32)
     dtype = x.dtype
     chunk = min(bk, group)  # K per wgmma: int4 applies one row of scales to each
     stored = out_dtype if splits == 1 else jnp.float32  # a split's partial sums stay float32 for XLA to add
+    padded = chunks * tn if chunks > 1 else -(-rows // 8) * 8  # x's rows for TMA (up to 8 it fills them itself)
     phase = plgpu.PipelinePipeline
 
     def body(_, q_smem, *smem):
@@ -265,13 +271,12 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks, out_dtype=jnp.float32)
         for c in range(bk // chunk):  # int4: one wgmma per group in the step, after its scales
             ck = pl.ds(c * chunk, chunk)
             w = plgpu.load(q_smem.at[rows_wg, ck], layout=_UPCAST[q.dtype])
-            if s_smem:  # widened in registers: int4 in its own order, x's columns permuted to match
+            if s_smem:  # int4: widened in its own order (x's columns permuted to match), then its group's scales
                 w = _widen_int4(w, dtype)
-            else:
-                w = plgpu.layout_cast(w, _WGMMA).astype(dtype)
-            if s_smem:
                 s = plgpu.load(s_smem[0].at[c * chunk // group, rows_wg], layout=_WGMMA_ROW)
                 w = w * lax.broadcast_in_dim(s, w.shape, [0])
+            else:
+                w = plgpu.layout_cast(w, _WGMMA).astype(dtype)
             plgpu.wgmma(acc, w, x_smem.at[:, ck].T)
         plgpu.wgmma_wait(0)
         return acc
@@ -344,8 +349,7 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks, out_dtype=jnp.float32)
         scratch_types={"out_smem": plgpu.SMEM((_COMPUTE_WGS, oc, bm), stored,
                                                   transforms=_transforms(bm, stored))},
         kernel_name=f"{fmt}_matmul_t_m{bm}_k{bk}_n{tn}_s{splits}_st{stages}_c{blocks.ctas}",
-    )(x if rows <= 8 else jnp.pad(x, ((0, (chunks * tn if chunks > 1 else -(-rows // 8) * 8) - rows), (0, 0))), q,
-      *([] if group_scale is None else [group_scale]))
+    )(x if rows <= 8 else jnp.pad(x, ((0, padded - rows), (0, 0))), q, *([] if group_scale is None else [group_scale]))
     return partial[0, :rows] if splits == 1 else partial[:, :rows].sum(axis=0).astype(out_dtype)
 
 

@@ -502,8 +502,8 @@ def test_mosaic_quant_matmul_plans_its_work_units_from_the_shapes():
     assert qm.plan(6144, 4096, wide, rows=1)[0] > qm.plan(6144, 4096, wide, rows=256)[0]
     assert qm.plan(28672, 4096, wide, rows=256)[0] == 1 and qm.plan(4096, 14336, wide, rows=256)[0] > 1
     assert not qm.supports(8, 256, 768, jnp.bfloat16, qm.QuantBlocks(splits=4))  # 6 steps in 4 ranges
-    # any number of rows (MAX_ROWS a call), while a compute warpgroup's accumulator [block_m, token tile] fits its
-    # registers: 128 weight rows against a 256-row tile do not
+    # any number of rows (token tiles of MAX_ROWS), while a compute warpgroup's accumulator [block_m, token tile]
+    # fits its registers: 128 weight rows against a 256-row tile do not
     assert qm.supports(64, 256, 128, jnp.bfloat16) and qm.supports(1000, 256, 128, jnp.bfloat16)
     assert qm.supports(128, 256, 128, jnp.bfloat16, qm.QuantBlocks(block_m=128))
     assert not qm.supports(129, 256, 128, jnp.bfloat16, qm.QuantBlocks(block_m=128))
