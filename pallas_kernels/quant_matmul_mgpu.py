@@ -12,7 +12,8 @@ again, and the stages shrink to fit a wide x tile). A work unit is `2 * block_m`
 warpgroups of block_m), one of `splits` ranges of K and one token tile; a persistent grid of `ctas` CTAs (one per
 SM) takes the units in turn, a memory warpgroup streaming [2 * block_m, block_k] weight tiles, the matching x
 tiles and int4's scale rows into `stages` shared-memory slots with TMA, one pipeline through all of a CTA's units.
-`plan` picks the splits (more when N is narrow) and the depth per shape; the splits' float32 partial sums are
+`plan` picks the splits (more when N is narrow) and the depth per shape (and `resolved` the K step, given block_k 0:
+int4 rows of 128 bytes stream faster than 64); the splits' float32 partial sums are
 added (and int8's scales applied) after the kernel, by XLA; an int4 call in one split stores its result in the
 asked dtype (x's by default) itself. A compute warpgroup's output tile is transposed in registers and leaves
 through shared memory OUT_COLS tokens at a time, so y comes out [T, N].
@@ -24,7 +25,8 @@ int4, one token, kernel time alone: gate_up 31.3 us (45 %), down 17.5 us (40 %) 
 us with one CTA per unit in two waves; widened in place (2026-12-03, sixth session, GPU time per call of the model's
 dispatch, x's permutation included) 27.9 / 16.2 us against 32.6 / 19.0 through Mosaic's layout_cast and astype in the
 same call (2.0 / 1.9x the bf16 dot; Nsight Compute: 21 % fewer instructions, 56 % of the issue slots used before; the
-TMA pipeline alone, `probe`, 24.5 / 13.2 us). Tried and no faster: for int4 8 stages, 448 units chained through the
+TMA pipeline alone, `probe`, 24.5 / 13.2 us); at block_k 256 (seventh session) 23.1 / 16.0 against 29.4 / 16.4 in the
+same call (the pipeline alone 19.6 / 11.6). Tried and no faster: for int4 8 stages, 448 units chained through the
 pipeline (gate_up in 4 splits), scaling each group's product instead of the widened weights (within 2 % per kernel, 2.5
 % faster in the engine at batch 1 and 8 % slower at 8; again after the in-place widening, with the weights' bias left in
 and taken off each chunk's float32 dot with x's chunk sums: 30.6 / 17.8 us, slower, and off the model's bf16-rounded
@@ -67,7 +69,8 @@ OUT_COLS = 64  # token columns of the output tile a compute warpgroup stages in 
 @dataclasses.dataclass(frozen=True)
 class QuantBlocks:
     block_m: int = 64  # weight rows per compute warpgroup (a multiple of 64)
-    block_k: int = 128  # K per pipeline step (a multiple of 128: one 128-byte swizzle of int8)
+    block_k: int = 128  # K per pipeline step (a multiple of 128: one 128-byte swizzle of int8); 0: planned from
+    #                     the shapes, one of BLOCK_K_CHOICES (`resolved`)
     stages: int = 4  # shared-memory slots per CTA (at most: as many as fit beside x's tile, `fitted`, and divide
     #                  a work unit's steps, `plan`)
     ctas: int = 132  # the persistent grid (one CTA per SM: an H200 has 132), each looping over work units
@@ -75,9 +78,9 @@ class QuantBlocks:
     probe: bool = False  # stream the tiles without multiplying: a bandwidth probe (its output is not the product)
 
     def __post_init__(self):
-        if self.block_m <= 0 or self.block_m % 64 or self.block_k <= 0 or self.block_k % 128:
+        if self.block_m <= 0 or self.block_m % 64 or self.block_k < 0 or self.block_k % 128:
             raise ValueError(f"QuantBlocks: block_m {self.block_m} must be a multiple of 64 (wgmma's M) and block_k "
-                             f"{self.block_k} a multiple of 128 (one 128-byte swizzle of int8)")
+                             f"{self.block_k} a multiple of 128 (one 128-byte swizzle of int8), or 0 (planned)")
         if self.stages < 1 or self.ctas < 1 or self.splits < 0:
             raise ValueError(f"QuantBlocks: stages {self.stages} and ctas {self.ctas} must be >= 1, splits "
                              f"{self.splits} >= 0")
@@ -138,7 +141,10 @@ def supports(rows: int, n: int, k: int, dtype, blocks: QuantBlocks = QuantBlocks
     shared memory: a call runs as many as fit, `fitted`), with weights of `weight_bits` (int8: 8; int4: 4, via
     `int4_supports`) and `scale_rows` rows of scales per step, and a compute warpgroup's float32 accumulator
     [block_m, token tile] in at most ACC_REGISTERS registers a thread. Rows past MAX_ROWS run as further token
-    tiles of the same call."""
+    tiles of the same call. With block_k 0, whether one of BLOCK_K_CHOICES covers it."""
+    if not blocks.block_k:
+        return any(supports(rows, n, k, dtype, dataclasses.replace(blocks, block_k=bk), weight_bits, scale_rows)
+                   for bk in BLOCK_K_CHOICES)
     rows = min(rows, MAX_ROWS)
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and rows >= 1 and n > 0 and k > 0 and n % blocks.cta_m == 0 and k % blocks.block_k == 0
@@ -147,25 +153,27 @@ def supports(rows: int, n: int, k: int, dtype, blocks: QuantBlocks = QuantBlocks
             and smem_bytes(rows, dataclasses.replace(blocks, stages=1), weight_bits, scale_rows) <= SMEM_BYTES)
 
 
-# The plan's cost model (H200, 2026-12-03): a CTA's pipeline step takes STEP_US per 256 weight rows while it
-# streams (one token: gate_up's 33 steps of [256, 128] int4 in 31.3 us, 112 units on as many CTAs) or its
-# wgmmas at MMA_TFLOPS over the grid (the kernel's rate from 256 token rows on); XLA reads the splits' float32
-# partials and writes their sum at SUM_BYTES_PER_US.
+# The plan's cost model (H200, 2026-12-03): a CTA's pipeline step takes STEP_US per 256 weight rows of 64 bytes
+# while it streams (one token: gate_up's 33 steps of [256, 128] int4 in 31.3 us, 112 units on as many CTAs),
+# rows of 128 bytes or more moving WIDE_ROW_COST as long a byte (gate_up at block_k 256: 17 steps in 23.1 us
+# against 33 in 29.4, kernel time in one call; the pipeline alone 19.6 against 24.6), or its wgmmas at
+# MMA_TFLOPS over the grid (the kernel's rate from 256 token rows on); XLA reads the splits' float32 partials and
+# writes their sum at SUM_BYTES_PER_US.
 STEP_US = 0.95
+WIDE_ROW_COST = 0.75
 MMA_TFLOPS = 540
 SUM_BYTES_PER_US = 3.0e6
+BLOCK_K_CHOICES = (128, 256)  # the K steps a block_k of 0 is planned among (`resolved`)
 
 
-def plan(n: int, k: int, blocks: QuantBlocks, rows: int = 1) -> tuple[int, int]:
-    """(splits, stages): the K ranges per weight tile (`blocks.splits`, or planned) and the pipeline depth, the
-    most slots up to `blocks.stages` that divide a work unit's steps. A work unit is one weight tile's K range; the
-    persistent grid's CTAs take them in turn, so the plan minimizes the time of the busiest CTA - counting a unit's
-    epilogue as one more step and a shallower pipeline as proportionally slower - plus that of adding the splits'
-    partial sums, which a wide token tile makes large (gate_up at 256 rows in 4 splits: 117 MB of them); ties go
-    to fewer splits."""
+def _plans(n: int, k: int, blocks: QuantBlocks, rows: int, weight_bits: int, full_depth: int) -> list:
+    """[(cost in us, splits, depth)] of each K split `blocks` allows (see `plan`); `full_depth`: the stages a
+    pipeline at full speed has (fewer run proportionally slower)."""
     tiles, steps, (tn, chunks) = n // blocks.cta_m, k // blocks.block_k, _token_tiles(rows)
+    row_bytes = blocks.block_k * weight_bits // 8
+    stream_us = STEP_US * blocks.cta_m / 256 * row_bytes / 64 * (WIDE_ROW_COST if row_bytes >= 128 else 1.0)
     flops = 2 * blocks.cta_m * blocks.block_k * tn
-    step_us = max(STEP_US * blocks.cta_m / 256, flops * blocks.ctas / (MMA_TFLOPS * 1e6))
+    step_us = max(stream_us, flops * blocks.ctas / (MMA_TFLOPS * 1e6))
 
     def depth(splits: int) -> int:
         return max(d for d in range(1, min(blocks.stages, steps // splits) + 1) if steps // splits % d == 0)
@@ -173,11 +181,40 @@ def plan(n: int, k: int, blocks: QuantBlocks, rows: int = 1) -> tuple[int, int]:
     def cost(splits: int) -> float:
         units_per_cta = -(-tiles * splits * chunks // blocks.ctas)
         sums = (splits + 1) * n * chunks * tn * 4 / SUM_BYTES_PER_US if splits > 1 else 0.0
-        return units_per_cta * (steps // splits + 1) * blocks.stages / depth(splits) * step_us + sums
+        return units_per_cta * (steps // splits + 1) * full_depth / depth(splits) * step_us + sums
 
     choices = [blocks.splits] if blocks.splits else [d for d in range(1, steps + 1) if steps % d == 0]
-    splits = min(choices, key=lambda d: (cost(d), d))
-    return splits, depth(splits)
+    return [(cost(d), d, depth(d)) for d in choices]
+
+
+def plan(n: int, k: int, blocks: QuantBlocks, rows: int = 1, weight_bits: int = 8) -> tuple[int, int]:
+    """(splits, stages): the K ranges per weight tile (`blocks.splits`, or planned) and the pipeline depth, the
+    most slots up to `blocks.stages` that divide a work unit's steps. A work unit is one weight tile's K range; the
+    persistent grid's CTAs take them in turn, so the plan minimizes the time of the busiest CTA - counting a unit's
+    epilogue as one more step and a shallower pipeline as proportionally slower - plus that of adding the splits'
+    partial sums, which a wide token tile makes large (gate_up at 256 rows in 4 splits: 117 MB of them); ties go
+    to fewer splits."""
+    _, splits, depth = min(_plans(n, k, blocks, rows, weight_bits, blocks.stages))
+    return splits, depth
+
+
+def resolved(rows: int, n: int, k: int, dtype, blocks: QuantBlocks, weight_bits: int = 8,
+             group: int = 0) -> QuantBlocks:
+    """`blocks` with a block_k of 0 replaced by the K step of BLOCK_K_CHOICES whose plan costs least for this
+    call (`group`: int4's, else 0), among those that cover it (ties: the smaller): 256 streams 128-byte int4 rows
+    but takes half the steps, so a weight tile's K splits into fewer units than there are CTAs sooner (llama3-8b's
+    wo 4096 x 4096: 128 units at 128, 64 at 256). Blocks with a block_k, or none covering the call: as given."""
+    if blocks.block_k:
+        return blocks
+    options = []
+    for bk in BLOCK_K_CHOICES:
+        b = dataclasses.replace(blocks, block_k=bk)
+        scale_rows = max(1, bk // group) if group else 0
+        if (int4_supports(rows, n, k, group, dtype, b) if group else supports(rows, n, k, dtype, b, weight_bits)):
+            cost = min(_plans(n, k, fitted(_rows_tile(min(rows, MAX_ROWS)), b, weight_bits, scale_rows), rows,
+                              weight_bits, blocks.stages))[0]
+            options.append((cost, bk, b))
+    return min(options)[2] if options else blocks
 
 
 @functools.partial(jax.jit, static_argnames=("blocks",))
@@ -187,6 +224,7 @@ def int8_matmul_t(x, q, scale, *, blocks: QuantBlocks = QuantBlocks()):
         raise ValueError(f"int8_matmul_t: x [T, K], q int8 [N, K], scale [N] expected, got x {x.shape}, "
                          f"q {q.dtype}{list(q.shape)}, scale {scale.shape}")
     (rows, k), n = x.shape, q.shape[0]
+    blocks = resolved(rows, n, k, x.dtype, blocks)
     if not supports(rows, n, k, x.dtype, blocks):
         raise ValueError(f"int8_matmul_t: x {x.dtype}{list(x.shape)} against q [{n}, {k}] is not covered by "
                          f"{blocks} (bf16/f16 rows, N % {blocks.cta_m}, "
@@ -252,9 +290,10 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks, out_dtype=jnp.float32)
     group = k if group_scale is None else k // group_scale.shape[0]
     bm, bk, cta_m = blocks.block_m, blocks.block_k, blocks.cta_m
     tn, chunks = _token_tiles(rows)
-    blocks = fitted(tn, blocks, jnp.iinfo(q.dtype).bits, 0 if group_scale is None else max(1, bk // group))
+    bits = jnp.iinfo(q.dtype).bits
+    blocks = fitted(tn, blocks, bits, 0 if group_scale is None else max(1, bk // group))
     oc = min(tn, OUT_COLS)
-    splits, stages = plan(n, k, blocks, rows)
+    splits, stages = plan(n, k, blocks, rows, bits)
     span = k // splits
     units = n // cta_m * splits * chunks
     dtype = x.dtype
@@ -362,7 +401,11 @@ def int8_matmul_t_reference(x, q, scale):
 # int4 ---------------------------------------------------------------------------------------------------------------
 
 def int4_supports(rows: int, n: int, k: int, group: int, dtype, blocks: QuantBlocks = QuantBlocks()) -> bool:
-    """Whether `int4_matmul_t` covers x dtype[rows, k] against int4 weights [n, k] in groups of `group`."""
+    """Whether `int4_matmul_t` covers x dtype[rows, k] against int4 weights [n, k] in groups of `group` (with
+    block_k 0: with one of BLOCK_K_CHOICES)."""
+    if not blocks.block_k:
+        return any(int4_supports(rows, n, k, group, dtype, dataclasses.replace(blocks, block_k=bk))
+                   for bk in BLOCK_K_CHOICES)
     bk = blocks.block_k
     return (group > 0 and k % group == 0 and group % 64 == 0 and (group % bk == 0 or bk % group == 0)
             and supports(rows, n, k, dtype, blocks, 4, max(1, bk // group)))
@@ -378,6 +421,8 @@ def int4_matmul_t(x, packed, scale, *, blocks: QuantBlocks = QuantBlocks(), out_
         raise ValueError(f"int4_matmul_t: x [T, K], packed u8[N, K / 2], scale [groups, N] expected, got x "
                          f"{x.shape}, packed {packed.dtype}{list(packed.shape)}, scale {scale.shape}")
     (rows, k), (groups, n) = x.shape, scale.shape
+    if k % groups == 0:
+        blocks = resolved(rows, n, k, x.dtype, blocks, 4, k // groups)
     if k % groups or not int4_supports(rows, n, k, k // groups, x.dtype, blocks):
         raise ValueError(f"int4_matmul_t: x {x.dtype}{list(x.shape)} against int4 [{n}, {k}] in {groups} groups "
                          f"is not covered by {blocks} (bf16/f16 rows, N % {blocks.cta_m}, "

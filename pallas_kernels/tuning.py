@@ -73,7 +73,12 @@ MOSAIC_ROW_COST = 0.6
 # takes at most 128 rows: its accumulator); the kernel ahead of XLA's int4 two dots up to 512 rows (first version
 # 336.9 / 418.6, final 326.5 / 344.8, against 413.9 / 446.0), even at 1024 chained and behind as separate calls
 # (666 / 829 against 673 / 730, first version), behind at 4096 (2718 against 2381 chained): so up to 512 rows.
+# 2026-12-03, seventh session (--rows 1,16 --profile, GPU time per call, block_k 128 / 256): wqkv 9.4 / 9.0 us,
+# wo 7.4 / 8.5 (at 256 its 16 steps split into 64 units for 132 CTAs), gate_up 29.4 / 23.1, down 16.4 / 16.0 at
+# one token (16 rows: 11.0 / 10.5, 8.5 / 10.1, 30.4 / 25.2, 17.2 / 16.0): so up to 16 rows block_k is planned per
+# shape (0: quant_matmul_mgpu.resolved).
 INT4_MOSAIC_MAX_ROWS = 512
 # Keyed by the widest step (token rows) each entry serves; past the last key its blocks run tiles of 256 rows.
-INT4_MOSAIC_BLOCKS = {128: {"block_m": 128, "block_k": 128, "stages": 4, "ctas": 132},
+INT4_MOSAIC_BLOCKS = {16: {"block_m": 128, "block_k": 0, "stages": 4, "ctas": 132},
+                      128: {"block_m": 128, "block_k": 128, "stages": 4, "ctas": 132},
                       512: {"block_m": 64, "block_k": 128, "stages": 4, "ctas": 132}}

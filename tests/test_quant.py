@@ -1,6 +1,7 @@
 """Quantized linears (int8, int4, fp8): each format against a NumPy reference, each matmul against x @ dequant(w),
 and models quantized on the fly and by `glint convert` against their full-precision selves and llama2.c's greedy
 tokens."""
+import dataclasses
 import json
 import math
 
@@ -517,6 +518,35 @@ def test_mosaic_quant_matmul_plans_its_work_units_from_the_shapes():
         qm.int8_matmul_t(jnp.zeros((2, 128)), jnp.zeros((256, 128), jnp.int8), jnp.ones((256,)))
     with pytest.raises(ValueError, match=r"q int8 \[N, K\], scale \[N\] expected, got x \(2, 128\), q int8\[256, 64\]"):
         qm.int8_matmul_t(jnp.zeros((2, 128), jnp.bfloat16), jnp.zeros((256, 64), jnp.int8), jnp.ones((256,)))
+
+
+def test_mosaic_quant_matmul_plans_its_k_step_from_the_shapes():
+    """block_k 0: the K step is planned per call among BLOCK_K_CHOICES, one that covers the call. int4 rows of 128
+    bytes (block_k 256) stream faster, so a weight tile that keeps its work units at 256 takes it (one split of
+    a wide N; a long K in as many splits), while one whose units would fall short of the CTAs at 256 keeps 128."""
+    from glint.pallas_kernels import quant_matmul_mgpu as qm
+
+    planned = qm.QuantBlocks(block_m=128, block_k=0, stages=4, ctas=132)
+    assert qm.resolved(1, 4096, 4096, jnp.bfloat16, qm.QuantBlocks()) == qm.QuantBlocks()  # a block_k stays
+    for rows, n, k in [(1, 6144, 4096), (8, 4096, 4096), (16, 28672, 4096), (1, 4096, 14336), (3, 512, 384)]:
+        got = qm.resolved(rows, n, k, jnp.bfloat16, planned, 4, 128)
+        assert got.block_k in qm.BLOCK_K_CHOICES and qm.int4_supports(rows, n, k, 128, jnp.bfloat16, got)
+        assert dataclasses.replace(got, block_k=0) == planned
+    one_split = qm.resolved(1, 132 * 256, 4096, jnp.bfloat16, planned, 4, 128)
+    assert one_split.block_k == 256 and qm.plan(132 * 256, 4096, one_split, 1, 4)[0] == 1
+    # 16 tiles: 8 splits of 4 steps at 128 give 128 units; at 256, 8 splits would leave 2 steps a unit, 4 splits
+    # 64 units
+    assert qm.resolved(1, 4096, 4096, jnp.bfloat16, planned, 4, 128).block_k == 128
+    assert qm.resolved(1, 512, 384, jnp.bfloat16, planned, 4, 128).block_k == 128  # 384: no whole 256 steps
+    assert qm.resolved(1, 512, 768, jnp.bfloat16, planned, 4, 384).block_k == 128  # groups of 384 fit 128 only
+    assert qm.int4_supports(1, 512, 384, 128, jnp.bfloat16, planned)
+    assert not qm.int4_supports(1, 512, 384, 32, jnp.bfloat16, planned)  # no choice covers it: unchanged
+    assert qm.resolved(1, 512, 384, jnp.bfloat16, planned, 4, 32) == planned
+    with pytest.raises(ValueError, match=r"int4 \[512, 384\] in 12 groups is not covered"):
+        qm.int4_matmul_t(jnp.zeros((1, 384), jnp.bfloat16), jnp.zeros((512, 192), jnp.uint8),
+                         jnp.ones((12, 512), jnp.bfloat16), blocks=planned)
+    with pytest.raises(ValueError, match=r"block_k -128 a multiple of 128 .*, or 0 \(planned\)"):
+        qm.QuantBlocks(block_k=-128)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
