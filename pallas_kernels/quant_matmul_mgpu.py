@@ -12,10 +12,10 @@ again, and the stages shrink to fit a wide x tile). A work unit is `2 * block_m`
 warpgroups of block_m), one of `splits` ranges of K and one token tile; a persistent grid of `ctas` CTAs (one per
 SM) takes the units in turn, a memory warpgroup streaming [2 * block_m, block_k] weight tiles, the matching x
 tiles and int4's scale rows into `stages` shared-memory slots with TMA, one pipeline through all of a CTA's units.
-`plan` picks the splits (more when N is narrow) and the depth per shape (and `resolved` the K step, given block_k 0:
-int4 rows of 128 bytes stream faster than 64); the splits' float32 partial sums are
-added (and int8's scales applied) after the kernel, by XLA; an int4 call in one split stores its result in the
-asked dtype (x's by default) itself. A compute warpgroup's output tile is transposed in registers and leaves
+`plan` picks the splits (more when N is narrow) and the depth per shape, and `resolved` the K step when block_k is
+0 (int4 rows of 128 bytes stream faster than rows of 64); the splits' float32 partial sums are added (and int8's
+scales applied) after the kernel, by XLA; an int4 call in one split stores its result in the asked dtype (x's by
+default) itself. A compute warpgroup's output tile is transposed in registers and leaves
 through shared memory OUT_COLS tokens at a time, so y comes out [T, N].
 
 Measured on the H200 (docs/perf.md): int8 streamed at 41-56 % of 4.3 TB/s at llama3-8b's shapes (2026-12-02, then in
@@ -38,7 +38,8 @@ rows on; before the plan counted the partial sums (gate_up then in 4 splits from
 (XLA's int4 two dots 0.73 / 0.75x) and 0.76 / 0.82x at 4096 (XLA's 0.92 / 0.84x). The model's int4 linears run this
 kernel on Hopper for steps of up to `tuning.INT4_MOSAIC_MAX_ROWS` rows (model/quant.py).
 
-Scope: bf16/f16 activations, N a multiple of 2 * block_m, K a multiple of block_k (int4: also whole groups
+Scope: bf16/f16 activations, N a multiple of 2 * block_m, K a multiple of block_k (or of one of BLOCK_K_CHOICES
+when block_k is 0; int4: also whole groups
 of a multiple of 64 - a half-width tile needs the 32-byte swizzle - a group dividing block_k or the other way
 round), a compute warpgroup's accumulator in ACC_REGISTERS registers a thread (block_m 128 takes up to 128
 rows) (llama-style shapes); `supports` and `int4_supports` say whether a call is covered.
@@ -155,7 +156,7 @@ def supports(rows: int, n: int, k: int, dtype, blocks: QuantBlocks = QuantBlocks
 
 # The plan's cost model (H200, 2026-12-03): a CTA's pipeline step takes STEP_US per 256 weight rows of 64 bytes
 # while it streams (one token: gate_up's 33 steps of [256, 128] int4 in 31.3 us, 112 units on as many CTAs),
-# rows of 128 bytes or more moving WIDE_ROW_COST as long a byte (gate_up at block_k 256: 17 steps in 23.1 us
+# each byte of rows of 128 bytes or more taking WIDE_ROW_COST as long (gate_up at block_k 256: 17 steps in 23.1 us
 # against 33 in 29.4, kernel time in one call; the pipeline alone 19.6 against 24.6), or its wgmmas at
 # MMA_TFLOPS over the grid (the kernel's rate from 256 token rows on); XLA reads the splits' float32 partials and
 # writes their sum at SUM_BYTES_PER_US.
@@ -166,7 +167,8 @@ SUM_BYTES_PER_US = 3.0e6
 BLOCK_K_CHOICES = (128, 256)  # the K steps a block_k of 0 is planned among (`resolved`)
 
 
-def _plans(n: int, k: int, blocks: QuantBlocks, rows: int, weight_bits: int, full_depth: int) -> list:
+def _plans(n: int, k: int, blocks: QuantBlocks, rows: int, weight_bits: int,
+           full_depth: int) -> list[tuple[float, int, int]]:
     """[(cost in us, splits, depth)] of each K split `blocks` allows (see `plan`); `full_depth`: the stages a
     pipeline at full speed has (fewer run proportionally slower)."""
     tiles, steps, (tn, chunks) = n // blocks.cta_m, k // blocks.block_k, _token_tiles(rows)
@@ -187,9 +189,10 @@ def _plans(n: int, k: int, blocks: QuantBlocks, rows: int, weight_bits: int, ful
     return [(cost(d), d, depth(d)) for d in choices]
 
 
-def plan(n: int, k: int, blocks: QuantBlocks, rows: int = 1, weight_bits: int = 8) -> tuple[int, int]:
+def plan(n: int, k: int, blocks: QuantBlocks, rows: int, weight_bits: int) -> tuple[int, int]:
     """(splits, stages): the K ranges per weight tile (`blocks.splits`, or planned) and the pipeline depth, the
-    most slots up to `blocks.stages` that divide a work unit's steps. A work unit is one weight tile's K range; the
+    most slots up to `blocks.stages` that divide a work unit's steps, for `rows` token rows against weights of
+    `weight_bits` (a step costs by its weight rows' bytes). A work unit is one weight tile's K range; the
     persistent grid's CTAs take them in turn, so the plan minimizes the time of the busiest CTA - counting a unit's
     epilogue as one more step and a shallower pipeline as proportionally slower - plus that of adding the splits'
     partial sums, which a wide token tile makes large (gate_up at 256 rows in 4 splits: 117 MB of them); ties go
@@ -198,23 +201,28 @@ def plan(n: int, k: int, blocks: QuantBlocks, rows: int = 1, weight_bits: int = 
     return splits, depth
 
 
-def resolved(rows: int, n: int, k: int, dtype, blocks: QuantBlocks, weight_bits: int = 8,
-             group: int = 0) -> QuantBlocks:
+def resolved(rows: int, n: int, k: int, dtype, blocks: QuantBlocks, group: int = 0) -> QuantBlocks:
     """`blocks` with a block_k of 0 replaced by the K step of BLOCK_K_CHOICES whose plan costs least for this
-    call (`group`: int4's, else 0), among those that cover it (ties: the smaller): 256 streams 128-byte int4 rows
-    but takes half the steps, so a weight tile's K splits into fewer units than there are CTAs sooner (llama3-8b's
-    wo 4096 x 4096: 128 units at 128, 64 at 256). Blocks with a block_k, or none covering the call: as given."""
+    call (int4 weights in groups of `group`; 0: int8), among those that cover it (ties: the smaller): 256 streams
+    128-byte int4 rows but takes half the steps, so a weight tile's K splits into fewer units than there are CTAs
+    sooner (llama3-8b's wo 4096 x 4096: 128 units at 128, 64 at 256). Each choice is costed against the stages
+    asked for, so one that fits fewer in shared memory counts as a shallower pipeline. Blocks with a block_k, or
+    none covering the call: as given."""
     if blocks.block_k:
         return blocks
-    options = []
+    options, bits = [], 4 if group else 8
     for bk in BLOCK_K_CHOICES:
         b = dataclasses.replace(blocks, block_k=bk)
         scale_rows = max(1, bk // group) if group else 0
-        if (int4_supports(rows, n, k, group, dtype, b) if group else supports(rows, n, k, dtype, b, weight_bits)):
-            cost = min(_plans(n, k, fitted(_rows_tile(min(rows, MAX_ROWS)), b, weight_bits, scale_rows), rows,
-                              weight_bits, blocks.stages))[0]
+        if int4_supports(rows, n, k, group, dtype, b) if group else supports(rows, n, k, dtype, b):
+            cost = min(_plans(n, k, fitted(_token_tiles(rows)[0], b, bits, scale_rows), rows, bits,
+                              blocks.stages))[0]
             options.append((cost, bk, b))
     return min(options)[2] if options else blocks
+
+
+def _block_k_text(blocks: QuantBlocks) -> str:
+    return f"block_k {blocks.block_k}" if blocks.block_k else f"block_k one of {BLOCK_K_CHOICES}"
 
 
 @functools.partial(jax.jit, static_argnames=("blocks",))
@@ -227,8 +235,8 @@ def int8_matmul_t(x, q, scale, *, blocks: QuantBlocks = QuantBlocks()):
     blocks = resolved(rows, n, k, x.dtype, blocks)
     if not supports(rows, n, k, x.dtype, blocks):
         raise ValueError(f"int8_matmul_t: x {x.dtype}{list(x.shape)} against q [{n}, {k}] is not covered by "
-                         f"{blocks} (bf16/f16 rows, N % {blocks.cta_m}, "
-                         f"K % {blocks.block_k}, {SMEM_BYTES} bytes of shared memory)")
+                         f"{blocks} (bf16/f16 rows, N % {blocks.cta_m}, K a multiple of {_block_k_text(blocks)}, "
+                         f"{SMEM_BYTES} bytes of shared memory)")
     return (_partial_sums(x, q, None, blocks) * scale).astype(x.dtype)
 
 
@@ -277,15 +285,15 @@ def _widen_int4(w, dtype):
 
 def _partial_sums(x, q, group_scale, blocks: QuantBlocks, out_dtype=jnp.float32):
     """[T, N] = x @ q.T in `out_dtype`, the kernel both formats share: stored so by the kernel when K is not split, else
-    from the splits' float32 partial sums, added here by XLA. q int8 or int4 [N, K]; group_scale None (int8: its
-    per-channel scale is applied after) or [K / group, N] in x's dtype (int4: each widened tile is multiplied by its
-    group's scales before the wgmma). A persistent grid of `blocks.ctas` CTAs takes the work units (a weight tile,
-    one of `splits` ranges of K and a token tile) in turn; one pipeline runs through all of a CTA's units, its
-    memory warpgroup fetching the next unit's first tiles while the compute warpgroups finish the last one. x's rows
-    are read as tiles of `_token_tiles(T)` rows: one tile TMA fills past x's rows with zeros (x of up to 8 rows read
-    as it is, more padded to a multiple of 8, TMA's tiling); several are read from x padded to whole tiles. Each
-    compute warpgroup's [block_m, tile] result is transposed in registers (the WGMMA_TRANSPOSED layout) and leaves
-    [tokens, outputs] through shared memory, OUT_COLS tokens at a time."""
+    from the splits' float32 partial sums, added here by XLA. q int8 or
+    int4 [N, K]; group_scale None (int8: its per-channel scale is applied after) or [K / group, N] in x's dtype (int4:
+    each widened tile is multiplied by its group's scales before the wgmma). A persistent grid of `blocks.ctas` CTAs
+    takes the work units (a weight tile, one of `splits` ranges of K and a token tile) in turn; one pipeline runs
+    through all of a CTA's units, its memory warpgroup fetching the next unit's first tiles while the compute warpgroups
+    finish the last one. x's rows are read as tiles of `_token_tiles(T)` rows: one tile TMA fills past x's rows with
+    zeros (x of up to 8 rows read as it is, more padded to a multiple of 8, TMA's tiling); several are read from x
+    padded to whole tiles. Each compute warpgroup's [block_m, tile] result is transposed in registers (the
+    WGMMA_TRANSPOSED layout) and leaves [tokens, outputs] through shared memory, OUT_COLS tokens at a time."""
     (rows, k), n = x.shape, q.shape[0]
     group = k if group_scale is None else k // group_scale.shape[0]
     bm, bk, cta_m = blocks.block_m, blocks.block_k, blocks.cta_m
@@ -422,11 +430,11 @@ def int4_matmul_t(x, packed, scale, *, blocks: QuantBlocks = QuantBlocks(), out_
                          f"{x.shape}, packed {packed.dtype}{list(packed.shape)}, scale {scale.shape}")
     (rows, k), (groups, n) = x.shape, scale.shape
     if k % groups == 0:
-        blocks = resolved(rows, n, k, x.dtype, blocks, 4, k // groups)
+        blocks = resolved(rows, n, k, x.dtype, blocks, k // groups)
     if k % groups or not int4_supports(rows, n, k, k // groups, x.dtype, blocks):
         raise ValueError(f"int4_matmul_t: x {x.dtype}{list(x.shape)} against int4 [{n}, {k}] in {groups} groups "
                          f"is not covered by {blocks} (bf16/f16 rows, N % {blocks.cta_m}, "
-                         f"group a multiple of 64 that divides or is divided by {blocks.block_k}, "
+                         f"group a multiple of 64 that divides or is divided by {_block_k_text(blocks)}, "
                          f"{SMEM_BYTES} bytes of shared memory)")
     q = lax.bitcast_convert_type(packed, jnp.int4).reshape(n, k)  # the same bits, two per byte, low nibble first
     scale = scale.astype(x.dtype)

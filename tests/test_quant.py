@@ -2,8 +2,10 @@
 and models quantized on the fly and by `glint convert` against their full-precision selves and llama2.c's greedy
 tokens."""
 import dataclasses
+import functools
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -486,22 +488,22 @@ def test_mosaic_quant_matmul_plans_its_work_units_from_the_shapes():
 
     blocks = qm.QuantBlocks(block_m=128, block_k=128, stages=4, ctas=132)
     for n, k in [(6144, 4096), (28672, 4096), (4096, 14336), (256, 128), (4096, 4096), (256, 1536)]:
-        splits, stages = qm.plan(n, k, blocks)
+        splits, stages = qm.plan(n, k, blocks, 1, 4)
         tiles, steps = n // blocks.cta_m, k // blocks.block_k
         assert steps % splits == 0 and (steps // splits) % stages == 0 and 1 <= stages <= blocks.stages, (n, k)
         if tiles < blocks.ctas // 8 and steps >= 8 * blocks.stages:  # narrow and long: spread over the grid
             assert tiles * splits >= blocks.ctas // 2, (n, k, splits)
-    assert qm.plan(132 * 256, 4096, blocks) == (1, 4)  # a tile per CTA already: splitting only adds epilogues
-    assert qm.plan(256, 1536, blocks)[0] > 1 and qm.plan(256, 1536, blocks)[1] == 4  # one tile: split, full depth
-    assert qm.plan(256, 768, qm.QuantBlocks(block_m=64, stages=4, splits=2)) == (2, 3)  # 3 steps a unit: 3 slots
+    assert qm.plan(132 * 256, 4096, blocks, 1, 4) == (1, 4)  # a tile per CTA already: splitting only adds epilogues
+    assert qm.plan(256, 1536, blocks, 1, 4)[0] > 1 and qm.plan(256, 1536, blocks, 1, 4)[1] == 4  # one tile: split
+    assert qm.plan(256, 768, qm.QuantBlocks(block_m=64, stages=4, splits=2), 1, 4) == (2, 3)  # 3 steps a unit: 3 slots
     # a wider token tile makes the splits' float32 partials larger, so it never takes more splits (llama3-8b's
     # wqkv: fewer at 256 rows than at one), and gate_up at 256 rows is not split (4 splits: 117 MB of partials)
     wide = qm.QuantBlocks(block_m=64, block_k=128, stages=2, ctas=132)
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
-        splits = [qm.plan(n, k, wide, rows=r)[0] for r in (1, 8, 64, 128, 256)]
+        splits = [qm.plan(n, k, wide, r, 4)[0] for r in (1, 8, 64, 128, 256)]
         assert splits == sorted(splits, reverse=True), (n, k, splits)
-    assert qm.plan(6144, 4096, wide, rows=1)[0] > qm.plan(6144, 4096, wide, rows=256)[0]
-    assert qm.plan(28672, 4096, wide, rows=256)[0] == 1 and qm.plan(4096, 14336, wide, rows=256)[0] > 1
+    assert qm.plan(6144, 4096, wide, 1, 4)[0] > qm.plan(6144, 4096, wide, 256, 4)[0]
+    assert qm.plan(28672, 4096, wide, 256, 4)[0] == 1 and qm.plan(4096, 14336, wide, 256, 4)[0] > 1
     assert not qm.supports(8, 256, 768, jnp.bfloat16, qm.QuantBlocks(splits=4))  # 6 steps in 4 ranges
     # any number of rows (token tiles of MAX_ROWS), while a compute warpgroup's accumulator [block_m, token tile]
     # fits its registers: 128 weight rows against a 256-row tile do not
@@ -523,30 +525,42 @@ def test_mosaic_quant_matmul_plans_its_work_units_from_the_shapes():
 def test_mosaic_quant_matmul_plans_its_k_step_from_the_shapes():
     """block_k 0: the K step is planned per call among BLOCK_K_CHOICES, one that covers the call. int4 rows of 128
     bytes (block_k 256) stream faster, so a weight tile that keeps its work units at 256 takes it (one split of
-    a wide N; a long K in as many splits), while one whose units would fall short of the CTAs at 256 keeps 128."""
+    a wide N; a long K in as many splits), while one whose units would fall short of the CTAs at 256 keeps 128.
+    The calls lower for CUDA with the planned step (the kernel's name carries it)."""
     from glint.pallas_kernels import quant_matmul_mgpu as qm
 
     planned = qm.QuantBlocks(block_m=128, block_k=0, stages=4, ctas=132)
     assert qm.resolved(1, 4096, 4096, jnp.bfloat16, qm.QuantBlocks()) == qm.QuantBlocks()  # a block_k stays
-    for rows, n, k in [(1, 6144, 4096), (8, 4096, 4096), (16, 28672, 4096), (1, 4096, 14336), (3, 512, 384)]:
-        got = qm.resolved(rows, n, k, jnp.bfloat16, planned, 4, 128)
-        assert got.block_k in qm.BLOCK_K_CHOICES and qm.int4_supports(rows, n, k, 128, jnp.bfloat16, got)
-        assert dataclasses.replace(got, block_k=0) == planned
-    one_split = qm.resolved(1, 132 * 256, 4096, jnp.bfloat16, planned, 4, 128)
-    assert one_split.block_k == 256 and qm.plan(132 * 256, 4096, one_split, 1, 4)[0] == 1
-    # 16 tiles: 8 splits of 4 steps at 128 give 128 units; at 256, 8 splits would leave 2 steps a unit, 4 splits
-    # 64 units
-    assert qm.resolved(1, 4096, 4096, jnp.bfloat16, planned, 4, 128).block_k == 128
-    assert qm.resolved(1, 512, 384, jnp.bfloat16, planned, 4, 128).block_k == 128  # 384: no whole 256 steps
-    assert qm.resolved(1, 512, 768, jnp.bfloat16, planned, 4, 384).block_k == 128  # groups of 384 fit 128 only
+    # llama3-8b's linears at decode widths: wqkv, gate_up and down at 256, wo (16 tiles: 8 splits of 4 steps at 128
+    # give 128 units; at 256 4 splits give 64, 8 splits 2 steps a unit) at 128
+    for (n, k), want in [((6144, 4096), 256), ((4096, 4096), 128), ((28672, 4096), 256), ((4096, 14336), 256)]:
+        for rows in (1, 16):
+            got = qm.resolved(rows, n, k, jnp.bfloat16, planned, 128)
+            assert got.block_k == want and dataclasses.replace(got, block_k=0) == planned, (n, k, rows)
+    assert qm.plan(28672, 4096, qm.resolved(1, 28672, 4096, jnp.bfloat16, planned, 128), 1, 4)[0] == 1
+    assert qm.resolved(3, 512, 384, jnp.bfloat16, planned, 128).block_k == 128  # 384: no whole 256 steps
+    assert qm.resolved(1, 512, 768, jnp.bfloat16, planned, 384).block_k == 128  # groups of 384 fit 128 only
     assert qm.int4_supports(1, 512, 384, 128, jnp.bfloat16, planned)
     assert not qm.int4_supports(1, 512, 384, 32, jnp.bfloat16, planned)  # no choice covers it: unchanged
-    assert qm.resolved(1, 512, 384, jnp.bfloat16, planned, 4, 32) == planned
-    with pytest.raises(ValueError, match=r"int4 \[512, 384\] in 12 groups is not covered"):
+    assert qm.resolved(1, 512, 384, jnp.bfloat16, planned, 32) == planned
+    with pytest.raises(ValueError, match=r"int4 \[512, 384\] in 12 groups is not covered .* by block_k one of"):
         qm.int4_matmul_t(jnp.zeros((1, 384), jnp.bfloat16), jnp.zeros((512, 192), jnp.uint8),
                          jnp.ones((12, 512), jnp.bfloat16), blocks=planned)
     with pytest.raises(ValueError, match=r"block_k -128 a multiple of 128 .*, or 0 \(planned\)"):
         qm.QuantBlocks(block_k=-128)
+
+    def kernel_name(fn, *shapes):
+        args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        return re.search(r"(int[48]_matmul_t_m\d+_k\d+)_", text).group(1)
+
+    for (n, k), want in [((28672, 4096), 256), ((4096, 4096), 128)]:
+        int4 = functools.partial(qm.int4_matmul_t, blocks=planned)
+        shapes = ((1, k), jnp.bfloat16), ((n, k // 2), jnp.uint8), ((k // 128, n), jnp.bfloat16)
+        assert kernel_name(int4, *shapes) == f"int4_matmul_t_m128_k{want}", (n, k)
+    int8 = functools.partial(qm.int8_matmul_t, blocks=planned)
+    shapes = ((1, 4096), jnp.bfloat16), ((4096, 4096), jnp.int8), ((4096,), jnp.float32)
+    assert kernel_name(int8, *shapes) in {f"int8_matmul_t_m128_k{bk}" for bk in qm.BLOCK_K_CHOICES}
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
@@ -566,7 +580,7 @@ def test_mosaic_int8_matmul_matches_the_float64_product(m, block_m, block_k, sta
     # K split in two ranges of `stages` pipeline steps each; 3 CTAs take the 4 or 8 work units (a tile's K range)
     # in turn, so a CTA runs one unit alone or several through one pipeline
     blocks = qm.QuantBlocks(block_m=block_m, block_k=block_k, stages=stages, ctas=3, splits=2)
-    assert qm.plan(n, k, blocks) == (2, stages)
+    assert qm.plan(n, k, blocks, m, 8) == (2, stages)
     got = qm.int8_matmul_t(jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale), blocks=blocks)
     # float32 accumulation, one bfloat16 rounding of the result
     err = np.abs(np.asarray(got, np.float64) - want)
@@ -625,7 +639,7 @@ def test_mosaic_int4_matmul_matches_the_float64_product(m, block_m, block_k, sta
     # steps of 128 and groups of 256 the second range starts inside a group); 3 CTAs take the 4 or 8 work units (a
     # tile's K range) in turn, so a CTA runs one unit alone or several through one pipeline
     blocks = qm.QuantBlocks(block_m=block_m, block_k=block_k, stages=stages, ctas=3, splits=2)
-    assert qm.plan(n, k, blocks) == (2, stages)
+    assert qm.plan(n, k, blocks, m, 4) == (2, stages)
     got = qm.int4_matmul_t(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scale), blocks=blocks)
     xw = assert_product_of_bf16_weights(got, x, w)
     # and the same weights as the model's XLA ways (kept off the kernel): equal up to the order of the float32 sums
@@ -685,7 +699,7 @@ def test_mosaic_quant_matmul_wide_steps_match_the_float64_product(fmt, block_m, 
     bits, scale_rows = (4, max(1, block_k // group)) if fmt == "int4" else (8, 0)
     assert qm.supports(m, n, k, jnp.bfloat16, blocks, bits, scale_rows)
     if m > 128 and block_k == 128:  # a 256-row tile: 2 of the 4 slots fit, and they cycle through a unit's 4 steps
-        assert qm.plan(n, k, qm.fitted(256, blocks, bits, scale_rows), 256) == (2, 2)
+        assert qm.plan(n, k, qm.fitted(256, blocks, bits, scale_rows), 256, bits) == (2, 2)
     rng = np.random.default_rng(m)
     x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
     if fmt == "int4":

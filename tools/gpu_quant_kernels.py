@@ -38,8 +38,8 @@ MOSAIC = [QuantBlocks(64, 128, 4, 132), QuantBlocks(64, 128, 4, 132, probe=True)
 # (Stages are as many of these as fit beside the x tile: quant_matmul_mgpu.fitted.)
 MOSAIC4 = [QuantBlocks(128, 128, 4, 132), QuantBlocks(128, 128, 4, 132, probe=True), QuantBlocks(128, 128, 8, 132),
            QuantBlocks(128, 256, 4, 132), QuantBlocks(128, 256, 4, 132, probe=True),
-           QuantBlocks(128, 128, 4, 132, splits=4), QuantBlocks(128, 128, 8, 132, splits=8), QuantBlocks(64, 128, 4, 132),
-           QuantBlocks(64, 256, 4, 132)]
+           QuantBlocks(128, 128, 4, 132, splits=4), QuantBlocks(128, 128, 8, 132, splits=8),
+           QuantBlocks(64, 128, 4, 132), QuantBlocks(64, 256, 4, 132)]
 REPS = 20
 
 
