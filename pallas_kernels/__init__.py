@@ -1,9 +1,11 @@
-"""Pallas kernels over the paged KV state: varlen attention, ring write and the fused q/k/v write.
+"""Pallas kernels over the paged KV state (varlen attention, ring write, the fused q/k/v write) and the residual
+add with its next RMSNorm.
 
 Each kernel file holds the kernel, its pallas_call wrapper and the public
 jitted entry point; the pure-jnp references live in reference.py.
 """
 
+from glint.pallas_kernels.add_rms_norm import add_rms_norm
 from glint.pallas_kernels.qkv_write import qkv_write
 from glint.pallas_kernels.reference import ring_write_reference, varlen_attention_reference
 from glint.pallas_kernels.ring_write import ring_write
@@ -16,6 +18,7 @@ from glint.pallas_kernels.varlen_attention import (
 
 __all__ = [
     "BlockSizes",
+    "add_rms_norm",
     "default_block_sizes",
     "default_num_splits",
     "qkv_write",

@@ -18,8 +18,9 @@ from glint.model import dflash, tp, transformer
 from glint.model.attention import LayerAttention
 from glint.model.config import ModelConfig
 from glint.model.dflash import DraftConfig
-from glint.pallas_kernels import (qkv_write, ring_write, ring_write_reference, varlen_attention,
+from glint.pallas_kernels import (add_rms_norm, qkv_write, ring_write, ring_write_reference, varlen_attention,
                                   varlen_attention_reference)
+from glint.pallas_kernels.reference import add_rms_norm_reference
 from glint.runtime.params import MAX_LOGPROBS
 from glint.runtime.programs import (COPY_DONATE_ARGNUMS, DRAFT_DONATE_ARGNUMS, FORWARD_DONATE_ARGNUMS,
                                     TABLES_DONATE_ARGNUMS, DeviceMeta, Program, ProgramSet, StepLayout, abstract_args,
@@ -65,6 +66,12 @@ class PagedAttention:
         q, *pages = qkv_write(*cache, qkv, meta.slots[self.cache.layer_group[layer.index]], rope, prep.q_norm,
                               prep.k_norm, qk_norm=prep.qk_norm, eps=prep.eps, interpret=self.impl == "interpret")
         return self.attend(layer, q, tuple(pages), meta), tuple(pages)
+
+    def add_rms_norm(self, x, h, weight, eps: float):
+        """A layer's residual add and its next RMSNorm (model.attention.FusedNormBackend): one kernel a step."""
+        if self.impl == "reference":
+            return add_rms_norm_reference(x, h, weight, eps=eps)
+        return add_rms_norm(x, h, weight, eps=eps, interpret=self.impl == "interpret")
 
     def attend(self, layer: LayerAttention, q, pages: tuple, meta: DeviceMeta):
         """q [T, Hq, D] over layer `layer.index`'s pools (with this step's rows written) -> [T, Hq, D]."""
