@@ -147,7 +147,7 @@ def add_norm(attend, x, h, norm: RMSNorm):
     one kernel when the backend fuses them (`FusedNormBackend`)."""
     if h is None:
         return x, norm(x)
-    if isinstance(attend, FusedNormBackend):
+    if isinstance(attend, FusedNormBackend) and norm.weight is not None:
         return attend.add_rms_norm(x, h, norm.weight[...], norm.eps)
     x = x + h
     return x, norm(x)

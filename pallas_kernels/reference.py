@@ -1,4 +1,4 @@
-"""Pure-jnp references for the paged-KV kernels.
+"""Pure-jnp references for the paged-KV kernels (and the residual add + RMSNorm beside them).
 
 These define the semantics the Pallas kernels are tested against, and they are
 the attention the engine runs on CPU, so they avoid materialising

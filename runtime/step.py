@@ -30,7 +30,9 @@ from glint.runtime.sampling import SamplerInputs, logprobs, sample, sample_argma
 
 @dataclass(frozen=True)
 class PagedAttention:
-    """The model's attention backend over the paged state: write this step's K/V, then attend.
+    """The model's attention backend over the paged state: write this step's K/V, then attend; with the kernels it
+    also fuses each layer's q/k/v preparation with the write (`attend_qkv`) and each residual add with the next
+    RMSNorm (`add_rms_norm`).
 
     impl: "pallas" (GPU kernels), "interpret" (the same kernels in the Pallas interpreter) or
     "reference" (pure jnp). `causal=False`: every query sees its sequence's keys up to the step's end (a

@@ -121,10 +121,12 @@ def test_the_kernels_fuse_each_residual_add_with_the_next_norm(monkeypatch, pres
     from glint.runtime import step as step_module
 
     cfg = preset(preset_name, dtype="float32").replace(
-        num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=256,
-        layer_windows=(0, 0))
+        num_layers=2, hidden_size=96, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=256,
+        layer_windows=(0, 0), norm_eps=0.05)
     graphdef, params = transformer.split(transformer.init_model(cfg, seed=6))
-    tokens = np.random.default_rng(6).integers(0, cfg.vocab_size, 8).astype(np.int32)
+    rng = np.random.default_rng(6)  # norms of their own (init_model's are ones), and an eps that matters
+    params = jax.tree.map(lambda p: rng.uniform(0.5, 1.5, p.shape).astype(np.float32) if p.ndim == 1 else p, params)
+    tokens = rng.integers(0, cfg.vocab_size, 8).astype(np.int32)
     expected = full_logits(graphdef, params, tokens.tolist())
     calls = []
     fused = step_module.add_rms_norm
