@@ -27,10 +27,6 @@ from jax.experimental.pallas import triton as plgpu
 __all__ = ["add_rms_norm", "add_rms_norm_reference"]
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _add_rms_norm_kernel(
     x_ref,  # [T, D]
     h_ref,  # [T, D]
@@ -42,7 +38,7 @@ def _add_rms_norm_kernel(
 ):
     t = pl.program_id(0)
     dim = x_ref.shape[1]
-    d = jnp.arange(_pow2(dim), dtype=jnp.int32)
+    d = jnp.arange(pl.next_power_of_2(dim), dtype=jnp.int32)
     is_d_in = d < dim  # lanes past D load as 0, so they add nothing to the sum of squares
     dtype = x_ref.dtype
     h = plgpu.load(h_ref.at[t, d], mask=is_d_in, other=0).astype(dtype).astype(jnp.float32)
@@ -64,7 +60,7 @@ def _add_rms_norm_call(x, h, weight, *, eps: float, interpret: bool):
         out_shape=(out, out),
         compiler_params=plgpu.CompilerParams(num_warps=tuning.ADD_RMS_NORM_NUM_WARPS, num_stages=1),
         interpret=interpret,
-        name=f"add_rms_norm_d{_pow2(dim)}",
+        name=f"add_rms_norm_d{pl.next_power_of_2(dim)}",
     )(x, h, weight)
 
 

@@ -28,10 +28,6 @@ __all__ = ["QK_NORMS", "qkv_write", "qkv_write_reference"]
 QK_NORMS = ("none", "rms", "rms_scaleless")  # ModelConfig.qk_norm
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _qkv_write_kernel(
     slots_ref,  # i32[T]
     qkv_ref,  # [T, Hq + 2 Hkv, D]
@@ -54,12 +50,12 @@ def _qkv_write_kernel(
     half = head_dim // 2
     slot = slots_ref[t]
     is_slot_in = (slot >= 0) & (slot < k_out_ref.shape[0])  # out-of-range slots are dropped, as in ring_write
-    d = jnp.arange(_pow2(half), dtype=jnp.int32)
+    d = jnp.arange(pl.next_power_of_2(half), dtype=jnp.int32)
     is_d_in = d < half
 
     def prepared(first: int, num_heads: int, norm_ref):
         """Heads [first, first + num_heads) of row t, normed and rotated: two halves [Hp, half_p] in qkv's dtype."""
-        h = jnp.arange(_pow2(num_heads), dtype=jnp.int32)
+        h = jnp.arange(pl.next_power_of_2(num_heads), dtype=jnp.int32)
         ok = (h < num_heads)[:, None] & is_d_in[None, :]
         x1 = plgpu.load(qkv_ref.at[t, first + h[:, None], d[None, :]], mask=ok, other=0).astype(jnp.float32)
         x2 = plgpu.load(qkv_ref.at[t, first + h[:, None], half + d[None, :]], mask=ok, other=0).astype(jnp.float32)
@@ -84,7 +80,7 @@ def _qkv_write_kernel(
     ok &= is_slot_in
     plgpu.store(k_out_ref.at[slot, h[:, None], d[None, :]], k1, mask=ok)
     plgpu.store(k_out_ref.at[slot, h[:, None], half + d[None, :]], k2, mask=ok)
-    e = jnp.arange(_pow2(head_dim), dtype=jnp.int32)
+    e = jnp.arange(pl.next_power_of_2(head_dim), dtype=jnp.int32)
     v_ok = (h < num_kv_heads)[:, None] & (e < head_dim)[None, :] & is_slot_in
     v = plgpu.load(qkv_ref.at[t, num_q_heads + num_kv_heads + h[:, None], e[None, :]], mask=v_ok)
     plgpu.store(v_out_ref.at[slot, h[:, None], e[None, :]], v, mask=v_ok)
@@ -109,7 +105,7 @@ def _qkv_write_call(k_flat, v_flat, qkv, slots, rope, norms, *, qk_norm: str, ep
         input_output_aliases={len(args) - 2: 1, len(args) - 1: 2},
         compiler_params=plgpu.CompilerParams(num_warps=tuning.QKV_WRITE_NUM_WARPS, num_stages=1),
         interpret=interpret,
-        name=f"qkv_write_h{_pow2(num_q_heads)}_d{_pow2(head_dim // 2)}{variant}",
+        name=f"qkv_write_h{pl.next_power_of_2(num_q_heads)}_d{pl.next_power_of_2(head_dim // 2)}{variant}",
     )(*args)
 
 

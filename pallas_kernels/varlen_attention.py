@@ -55,13 +55,9 @@ class BlockSizes:
             raise ValueError(f"BlockSizes needs num_warps, num_stages >= 1, got {self}")
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _rows_per_tile(blocks: BlockSizes, group: int) -> int:
     """Query rows in one Triton tile: block_m rows hold rows x the group's query heads (padded)."""
-    return max(1, blocks.block_m // _next_pow2(group))
+    return max(1, blocks.block_m // pl.next_power_of_2(group))
 
 
 def _num_tiles(num_rows: int, num_segments: int, block_q: int) -> int:
@@ -233,7 +229,7 @@ def _varlen_attention_call(
     num_kv_heads = k_flat.shape[1]
     num_segments = seq_info.shape[0]
     group = num_q_heads // num_kv_heads
-    group_pad = _next_pow2(group)
+    group_pad = pl.next_power_of_2(group)
     block_q = _rows_per_tile(blocks, group)
     block_m = block_q * group_pad
     num_tiles = _num_tiles(num_rows, num_segments, block_q)
@@ -245,7 +241,7 @@ def _varlen_attention_call(
         group=group,
         group_pad=group_pad,
         head_dim=head_dim,
-        head_dim_pad=max(16, _next_pow2(head_dim)),
+        head_dim_pad=max(16, pl.next_power_of_2(head_dim)),
         block_k=blocks.block_k,
         page_size=page_size,
         num_phys_rows=num_phys_rows,
@@ -299,7 +295,7 @@ def _varlen_attention_call(
 def default_block_sizes(num_rows: int, num_segments: int, head_dim: int) -> BlockSizes:
     """Tuned tile for a step of `num_rows` query rows in `num_segments` segments."""
     path = "decode" if num_rows <= tuning.DECODE_ROWS_PER_SEGMENT * num_segments else "prefill"
-    key = (path, max(16, _next_pow2(head_dim)))
+    key = (path, max(16, pl.next_power_of_2(head_dim)))
     if key not in tuning.ATTENTION_BLOCKS:
         key = (path, min(256, key[1]))
     return BlockSizes(**tuning.ATTENTION_BLOCKS[key])
