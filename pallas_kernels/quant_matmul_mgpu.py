@@ -12,11 +12,11 @@ again, and the stages shrink to fit a wide x tile). A work unit is `2 * block_m`
 warpgroups of block_m), one of `splits` ranges of K and one token tile; a persistent grid of `ctas` CTAs (one per
 SM) takes the units in turn, a memory warpgroup streaming [2 * block_m, block_k] weight tiles, the matching x
 tiles and int4's scale rows into `stages` shared-memory slots with TMA, one pipeline through all of a CTA's units.
-`plan` picks the splits (more when N is narrow) and the depth per shape, and `resolved` the K step when block_k is
-0 (int4 rows of 128 bytes stream faster than rows of 64); the splits' float32 partial sums are added (and int8's
+`plan` picks the splits (more when N is narrow) and the depth per shape, and `resolved` the K step when block_k is 0
+(int4 rows of 128 bytes stream faster than rows of 64); the splits' float32 partial sums are added (and int8's
 scales applied) after the kernel, by XLA; an int4 call in one split stores its result in the asked dtype (x's by
-default) itself. A compute warpgroup's output tile is transposed in registers and leaves
-through shared memory OUT_COLS tokens at a time, so y comes out [T, N].
+default) itself. A compute warpgroup's output tile is transposed in registers and leaves through shared memory
+OUT_COLS tokens at a time, so y comes out [T, N].
 
 Measured on the H200 (docs/perf.md): int8 streamed at 41-56 % of 4.3 TB/s at llama3-8b's shapes (2026-12-02, then in
 Warpgroup semantics; 45-54 % on gate_up and down after the move to the shared Lane-semantics body on 2026-12-03), below
@@ -38,11 +38,11 @@ rows on; before the plan counted the partial sums (gate_up then in 4 splits from
 (XLA's int4 two dots 0.73 / 0.75x) and 0.76 / 0.82x at 4096 (XLA's 0.92 / 0.84x). The model's int4 linears run this
 kernel on Hopper for steps of up to `tuning.INT4_MOSAIC_MAX_ROWS` rows (model/quant.py).
 
-Scope: bf16/f16 activations, N a multiple of 2 * block_m, K a multiple of block_k (or of one of BLOCK_K_CHOICES
-when block_k is 0; int4: also whole groups
-of a multiple of 64 - a half-width tile needs the 32-byte swizzle - a group dividing block_k or the other way
-round), a compute warpgroup's accumulator in ACC_REGISTERS registers a thread (block_m 128 takes up to 128
-rows) (llama-style shapes); `supports` and `int4_supports` say whether a call is covered.
+Scope: bf16/f16 activations, N a multiple of 2 * block_m, K a multiple of block_k (or of one of BLOCK_K_CHOICES when
+block_k is 0; int4: also whole groups of a multiple of 64 - a half-width tile needs the 32-byte swizzle - a group
+dividing block_k or the other way round), a compute warpgroup's accumulator in ACC_REGISTERS registers a thread
+(block_m 128 takes up to 128 rows) (llama-style shapes); `supports` and `int4_supports` say whether a call is
+covered.
 """
 
 from __future__ import annotations
@@ -116,6 +116,11 @@ def _transforms(minor: int, dtype) -> tuple:
 
 SMEM_BYTES = 232448 - 1024  # an H100/H200 CTA's shared memory, less room for the pipeline's barriers
 ACC_REGISTERS = 128  # of a compute thread's ~230 (the widened weight tile and addresses take the rest)
+
+
+def _scale_rows(block_k: int, group: int) -> int:
+    """Rows of int4 group scales a K step of block_k reads (one when a group spans the step); group 0: int8, none."""
+    return max(1, block_k // group) if group else 0
 
 
 def smem_bytes(rows: int, blocks: QuantBlocks, weight_bits: int = 8, scale_rows: int = 0) -> int:
@@ -213,9 +218,8 @@ def resolved(rows: int, n: int, k: int, dtype, blocks: QuantBlocks, group: int =
     options, bits = [], 4 if group else 8
     for bk in BLOCK_K_CHOICES:
         b = dataclasses.replace(blocks, block_k=bk)
-        scale_rows = max(1, bk // group) if group else 0
         if int4_supports(rows, n, k, group, dtype, b) if group else supports(rows, n, k, dtype, b):
-            cost = min(_plans(n, k, fitted(_token_tiles(rows)[0], b, bits, scale_rows), rows, bits,
+            cost = min(_plans(n, k, fitted(_token_tiles(rows)[0], b, bits, _scale_rows(bk, group)), rows, bits,
                               blocks.stages))[0]
             options.append((cost, bk, b))
     return min(options)[2] if options else blocks
@@ -298,8 +302,8 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks, out_dtype=jnp.float32)
     group = k if group_scale is None else k // group_scale.shape[0]
     bm, bk, cta_m = blocks.block_m, blocks.block_k, blocks.cta_m
     tn, chunks = _token_tiles(rows)
-    bits = jnp.iinfo(q.dtype).bits
-    blocks = fitted(tn, blocks, bits, 0 if group_scale is None else max(1, bk // group))
+    bits, scale_rows = jnp.iinfo(q.dtype).bits, _scale_rows(bk, 0 if group_scale is None else group)
+    blocks = fitted(tn, blocks, bits, scale_rows)
     oc = min(tn, OUT_COLS)
     splits, stages = plan(n, k, blocks, rows, bits)
     span = k // splits
@@ -334,7 +338,7 @@ def _partial_sums(x, q, group_scale, blocks: QuantBlocks, out_dtype=jnp.float32)
         if group_scale is not None:  # the rows of scales of the groups this K step covers (or is inside)
             first = split * (span // bk)
             index = (lambda s: (first + s, 0)) if bk >= group else (lambda s: ((first + s) // (group // bk), 0))
-            specs.append(plgpu.BlockSpec((max(1, bk // group), cta_m), index, memory_space=plgpu.SMEM))
+            specs.append(plgpu.BlockSpec((scale_rows, cta_m), index, memory_space=plgpu.SMEM))
         specs.append(plgpu.BlockSpec((tn, bk), lambda s: (0, s), transforms=_transforms(bk, dtype),
                                      memory_space=plgpu.SMEM))
         return plgpu.emit_pipeline_warp_specialized(
@@ -416,7 +420,7 @@ def int4_supports(rows: int, n: int, k: int, group: int, dtype, blocks: QuantBlo
                    for bk in BLOCK_K_CHOICES)
     bk = blocks.block_k
     return (group > 0 and k % group == 0 and group % 64 == 0 and (group % bk == 0 or bk % group == 0)
-            and supports(rows, n, k, dtype, blocks, 4, max(1, bk // group)))
+            and supports(rows, n, k, dtype, blocks, 4, _scale_rows(bk, group)))
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "out_dtype"))
