@@ -3,8 +3,7 @@
 The model computes q, k, v (after norms and RoPE) and hands them to a backend together with an
 opaque cache state and step metadata; the backend returns the attention output and the new cache.
 The dense backend below attends over the step's own tokens (no cache); the paged backend in
-`glint.runtime` writes K/V into the paged state and runs the varlen kernel (and may fuse the layer's
-surroundings: `FusedQKVBackend`, `FusedNormBackend`).
+`glint.runtime` writes K/V into the paged state and runs the varlen kernel.
 """
 from __future__ import annotations
 
@@ -41,17 +40,6 @@ class FusedQKVBackend(Protocol):
                    meta: Any) -> tuple[jax.Array, Any]:
         """qkv [T, Hq + 2 Hkv, D]; prep: model.transformer.QKVPrep (its `split` is the reference) ->
         ([T, Hq, D], new cache)."""
-        ...
-
-
-@runtime_checkable
-class FusedNormBackend(Protocol):
-    """A backend that also adds a sublayer's output to the residual stream and RMS-norms the sum in one kernel; the
-    model calls `add_rms_norm` instead of its own add and norm when the backend has it."""
-
-    def add_rms_norm(self, x: jax.Array, h: jax.Array, weight: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
-        """x, h [T, D] in the activation dtype, weight f32[D] -> (x + h, RMSNorm(x + h) * weight), both [T, D] in
-        x's dtype, rounded as model.transformer's add and rms_norm round."""
         ...
 
 

@@ -14,8 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from glint.model.attention import (AttentionBackend, DenseMeta, FusedNormBackend, FusedQKVBackend, LayerAttention,
-                                   dense_attention)
+from glint.model.attention import AttentionBackend, DenseMeta, FusedQKVBackend, LayerAttention, dense_attention
 from glint.model.config import ModelConfig, RopeConfig
 from glint.model import quant
 from glint.model.quant import LINEARS
@@ -142,17 +141,6 @@ def _norm_weight(norm: RMSNorm | None):
     return None if norm is None or norm.weight is None else norm.weight[...]
 
 
-def add_norm(attend, x, h, norm: RMSNorm):
-    """(x + h, norm(x + h)): the residual stream after a sublayer's output h (None: none yet) and its next norm, in
-    one kernel when the backend fuses them (`FusedNormBackend`)."""
-    if h is None:
-        return x, norm(x)
-    if isinstance(attend, FusedNormBackend) and norm.weight is not None:
-        return attend.add_rms_norm(x, h, norm.weight[...], norm.eps)
-    x = x + h
-    return x, norm(x)
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, index: int, *, dtype, rngs: nnx.Rngs):
         d, hd = cfg.hidden_size, cfg.head_dim
@@ -205,24 +193,21 @@ class Block(nnx.Module):
         self.attn_post_norm = RMSNorm(cfg.hidden_size, eps) if cfg.sandwich_norm else None
         self.mlp_post_norm = RMSNorm(cfg.hidden_size, eps) if cfg.sandwich_norm else None
 
-    def __call__(self, x, h, rope: dict, attend, cache, meta, axis: str | None = None):
-        """x: the residual stream before the previous layer's MLP output h (None before the first layer): the add
-        goes with this layer's first norm, so the layer returns (x, its own MLP output h, cache) and the stream
-        after it is x + h. `axis`: under tensor parallelism (model/tp.py), the mesh axis the attention and MLP
-        outputs are summed over (each device computed its heads' and columns' share)."""
-        x, normed = add_norm(attend, x, h, self.attn_norm)
-        h, cache = self.attn(normed, rope, attend, cache, meta, axis)
+    def __call__(self, x, rope: dict, attend, cache, meta, axis: str | None = None):
+        """`axis`: under tensor parallelism (model/tp.py), the mesh axis the attention and MLP outputs are summed
+        over (each device computed its heads' and columns' share)."""
+        h, cache = self.attn(self.attn_norm(x), rope, attend, cache, meta, axis)
         if axis is not None:
             h = jax.lax.psum(h, axis)
         if self.attn_post_norm is not None:
             h = self.attn_post_norm(h)
-        x, normed = add_norm(attend, x, h, self.mlp_norm)
-        h = self.mlp(normed, axis)
+        x = x + h
+        h = self.mlp(self.mlp_norm(x), axis)
         if axis is not None:
             h = jax.lax.psum(h, axis)
         if self.mlp_post_norm is not None:
             h = self.mlp_post_norm(h)
-        return x, h, cache
+        return x + h, cache
 
 
 class Transformer(nnx.Module):
@@ -274,17 +259,15 @@ class Transformer(nnx.Module):
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
-        rope, new_cache, outputs, h = rope_tables(self.cfg, positions), [], {}, None
+        rope, new_cache, outputs = rope_tables(self.cfg, positions), [], []
         for i, block in enumerate(self.layers):
-            x, h, layer_cache = block(x, h, rope, attend, None if cache is None else cache[i], meta, axis)
+            x, layer_cache = block(x, rope, attend, None if cache is None else cache[i], meta, axis)
             new_cache.append(layer_cache)
-            if i in taps:
-                outputs[i] = x + h
-        _, x = add_norm(attend, x, h, self.norm)
-        new_cache = None if cache is None else type(cache)(new_cache)
+            outputs.append(x)
+        x, new_cache = self.norm(x), (None if cache is None else type(cache)(new_cache))
         if not taps:
             return x, new_cache
-        outputs[len(self.layers) - 1] = x
+        outputs[-1] = x
         return x, new_cache, jnp.concatenate([outputs[i] for i in taps], axis=-1)
 
     def logits(self, hidden, axis: str | None = None):

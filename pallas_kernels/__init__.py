@@ -1,11 +1,9 @@
-"""Pallas kernels over the paged KV state (varlen attention, ring write, the fused q/k/v write) and the residual
-add with its next RMSNorm.
+"""Pallas kernels over the paged KV state: varlen attention, ring write and the fused q/k/v write.
 
 Each kernel file holds the kernel, its pallas_call wrapper and the public
 jitted entry point; the pure-jnp references live in reference.py.
 """
 
-from glint.pallas_kernels.add_rms_norm import add_rms_norm
 from glint.pallas_kernels.qkv_write import qkv_write
 from glint.pallas_kernels.reference import ring_write_reference, varlen_attention_reference
 from glint.pallas_kernels.ring_write import ring_write
@@ -18,7 +16,6 @@ from glint.pallas_kernels.varlen_attention import (
 
 __all__ = [
     "BlockSizes",
-    "add_rms_norm",
     "default_block_sizes",
     "default_num_splits",
     "qkv_write",

@@ -1,4 +1,4 @@
-"""Pure-jnp references for the paged-KV kernels (and the residual add + RMSNorm beside them).
+"""Pure-jnp references for the paged-KV kernels.
 
 These define the semantics the Pallas kernels are tested against, and they are
 the attention the engine runs on CPU, so they avoid materialising
@@ -25,8 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["add_rms_norm_reference", "qkv_write_reference", "quantize_rows", "ring_write_reference",
-           "varlen_attention_reference"]
+__all__ = ["qkv_write_reference", "quantize_rows", "ring_write_reference", "varlen_attention_reference"]
 
 
 FP8_MAX = 448.0
@@ -127,15 +126,6 @@ def qkv_write_reference(k_pages, v_pages, qkv, slots, rope=None, q_norm=None, k_
     if rope is not None:
         q, k = rotate(q), rotate(k)
     return (q, *ring_write_reference(k_pages, v_pages, k, v, slots))
-
-
-def add_rms_norm_reference(x, h, weight, *, eps: float = 1e-6):
-    """(x + h, RMSNorm(x + h) * weight) as the model's unfused path rounds: h [T, D] in x's dtype, the sum in x's
-    dtype, the norm in float32 from it."""
-    s = x + h.astype(x.dtype)
-    s32 = s.astype(jnp.float32)
-    normed = s32 * lax.rsqrt(jnp.mean(s32 * s32, axis=-1, keepdims=True) + eps) * weight.astype(jnp.float32)
-    return s, normed.astype(x.dtype)
 
 
 def _key_counts(pos, kv_end, num_phys_rows, *, window, causal):

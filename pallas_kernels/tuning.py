@@ -50,8 +50,6 @@ RING_WRITE_NUM_WARPS = 4
 # qkv_write (one program per row, a row's q heads as two f32 [Hq, D / 2] halves): 4 warps, as measured in the
 # llama3-8b decode profile of 2026-12-02 (1.9-2.7 us per layer at batch 1); other counts not yet timed.
 QKV_WRITE_NUM_WARPS = 4
-# add_rms_norm (one program per row, the row whole in float32): 4 warps, not yet timed against other counts.
-ADD_RMS_NORM_NUM_WARPS = 4
 
 # Prefill steps on Hopper: "mosaic" runs varlen_attention_mgpu (TMA + wgmma) where it covers the call,
 # "triton" keeps the Triton kernel. MOSAIC_PREFILL: that kernel's tile (rows per compute warpgroup,

@@ -18,9 +18,8 @@ from glint.model import dflash, tp, transformer
 from glint.model.attention import LayerAttention
 from glint.model.config import ModelConfig
 from glint.model.dflash import DraftConfig
-from glint.pallas_kernels import (add_rms_norm, qkv_write, ring_write, ring_write_reference, varlen_attention,
+from glint.pallas_kernels import (qkv_write, ring_write, ring_write_reference, varlen_attention,
                                   varlen_attention_reference)
-from glint.pallas_kernels.reference import add_rms_norm_reference
 from glint.runtime.params import MAX_LOGPROBS
 from glint.runtime.programs import (COPY_DONATE_ARGNUMS, DRAFT_DONATE_ARGNUMS, FORWARD_DONATE_ARGNUMS,
                                     TABLES_DONATE_ARGNUMS, DeviceMeta, Program, ProgramSet, StepLayout, abstract_args,
@@ -30,9 +29,7 @@ from glint.runtime.sampling import SamplerInputs, logprobs, sample, sample_argma
 
 @dataclass(frozen=True)
 class PagedAttention:
-    """The model's attention backend over the paged state: write this step's K/V, then attend; with the kernels it
-    also fuses each layer's q/k/v preparation with the write (`attend_qkv`) and each residual add with the next
-    RMSNorm (`add_rms_norm`).
+    """The model's attention backend over the paged state: write this step's K/V, then attend.
 
     impl: "pallas" (GPU kernels), "interpret" (the same kernels in the Pallas interpreter) or
     "reference" (pure jnp). `causal=False`: every query sees its sequence's keys up to the step's end (a
@@ -68,12 +65,6 @@ class PagedAttention:
         q, *pages = qkv_write(*cache, qkv, meta.slots[self.cache.layer_group[layer.index]], rope, prep.q_norm,
                               prep.k_norm, qk_norm=prep.qk_norm, eps=prep.eps, interpret=self.impl == "interpret")
         return self.attend(layer, q, tuple(pages), meta), tuple(pages)
-
-    def add_rms_norm(self, x, h, weight, eps: float):
-        """A layer's residual add and its next RMSNorm (model.attention.FusedNormBackend): one kernel a step."""
-        if self.impl == "reference":
-            return add_rms_norm_reference(x, h, weight, eps=eps)
-        return add_rms_norm(x, h, weight, eps=eps, interpret=self.impl == "interpret")
 
     def attend(self, layer: LayerAttention, q, pages: tuple, meta: DeviceMeta):
         """q [T, Hq, D] over layer `layer.index`'s pools (with this step's rows written) -> [T, Hq, D]."""

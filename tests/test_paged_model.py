@@ -112,37 +112,6 @@ def test_the_kernels_fuse_the_qkv_write_for_plain_pools(monkeypatch, kv_dtype, i
     np.testing.assert_allclose(logits[PALLAS], logits["reference"], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("preset_name", ["llama3-8b", "gemma3-4b"])
-def test_the_kernels_fuse_each_residual_add_with_the_next_norm(monkeypatch, preset_name):
-    """Through the kernels each layer's residual adds and the norms after them are add_rms_norm calls (two a
-    layer: the first layer's first norm has no add before it, the final norm does), also after a sandwich-normed
-    Gemma 3 sublayer; the logits are the full-sequence path's, as the reference backend's are."""
-    from glint.model.presets import preset
-    from glint.runtime import step as step_module
-
-    cfg = preset(preset_name, dtype="float32").replace(
-        num_layers=2, hidden_size=96, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=256,
-        layer_windows=(0, 0), norm_eps=0.05)
-    graphdef, params = transformer.split(transformer.init_model(cfg, seed=6))
-    rng = np.random.default_rng(6)  # norms of their own (init_model's are ones), and an eps that matters
-    params = jax.tree.map(lambda p: rng.uniform(0.5, 1.5, p.shape).astype(np.float32) if p.ndim == 1 else p, params)
-    tokens = rng.integers(0, cfg.vocab_size, 8).astype(np.int32)
-    expected = full_logits(graphdef, params, tokens.tolist())
-    calls = []
-    fused = step_module.add_rms_norm
-    monkeypatch.setattr(step_module, "add_rms_norm", lambda *a, **k: calls.append(a[0].shape) or fused(*a, **k))
-    for impl in ("reference", PALLAS):
-        cache = CacheConfig(page_size=4, num_pages=16, max_seqs=1, max_write=8, capacity=32, windows=cfg.layer_windows,
-                            kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype="float32")
-        control, kv, tables = BatchControl(cache), KVState.create(cache), zero_tables(cache, cache.max_seqs)
-        assert control.declare_step([control.seq_new()] * 8)
-        meta = control.prepare_step(width=8, num_segments=1)
-        out, _ = run_model(graphdef, PagedAttention(cache, impl), params, kv, tokens,
-                           device_meta(meta, apply_table_changes(tables, meta.table_changes)), np.arange(8))
-        np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4, err_msg=impl)
-    assert calls == [(8, cfg.hidden_size)] * (2 * cfg.num_layers)
-
-
 def test_rope_is_computed_once_per_step_not_per_layer(hf_fixture):
     """Each distinct RoPE of the model becomes one cos/sin table per step, shared by all layers using it."""
     from glint.model.attention import DenseMeta, dense_attention
