@@ -33,13 +33,14 @@ SHAPES = [(4096, 6144, "wqkv"), (4096, 4096, "wo"), (4096, 28672, "gate_up"), (1
 ROWS = [1, 8, 64]
 # The Mosaic GPU int8 kernel (weights [N, K], A operand in registers): block_m, block_k, stages, ctas (persistent grid).
 MOSAIC = [QuantBlocks(64, 128, 4, 132), QuantBlocks(64, 128, 4, 132, probe=True), QuantBlocks(128, 128, 4, 132),
-          QuantBlocks(64, 256, 4, 132), QuantBlocks(128, 256, 4, 132)]
+          QuantBlocks(64, 256, 4, 132), QuantBlocks(128, 256, 4, 132), QuantBlocks(128, 128, 4, 132, probe=True),
+          QuantBlocks(128, 256, 4, 132, probe=True)]
 # The Mosaic GPU int4 kernel (nibbles widened in registers, group scales applied to the widened tile).
 # (Stages are as many of these as fit beside the x tile: quant_matmul_mgpu.fitted.)
 MOSAIC4 = [QuantBlocks(128, 128, 4, 132), QuantBlocks(128, 128, 4, 132, probe=True), QuantBlocks(128, 128, 8, 132),
            QuantBlocks(128, 256, 4, 132), QuantBlocks(128, 256, 4, 132, probe=True),
            QuantBlocks(128, 128, 4, 132, splits=4), QuantBlocks(128, 128, 8, 132, splits=8),
-           QuantBlocks(64, 128, 4, 132), QuantBlocks(64, 256, 4, 132)]
+           QuantBlocks(64, 128, 4, 132), QuantBlocks(64, 256, 4, 132), QuantBlocks(64, 256, 4, 132, probe=True)]
 REPS = 20
 
 
