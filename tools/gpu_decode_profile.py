@@ -40,7 +40,7 @@ if "PROFILE_MIN_BLOCKS" in os.environ:  # this process's least key blocks per sp
 OVERRIDES = {"PROFILE_MAX_SPLITS", "PROFILE_MIN_BLOCKS"} & set(os.environ)
 
 
-def kernel_table(trace_dir: str, steps: int, sequence_path: str | None = None) -> dict:
+def kernel_table(trace_dir: str, steps: int, sequence_path: str | None = None, top: int = 15) -> dict:
     paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
     if not paths:
         return {"error": f"no trace under {trace_dir}"}
@@ -63,9 +63,9 @@ def kernel_table(trace_dir: str, steps: int, sequence_path: str | None = None) -
         count[e["name"]] += 1
     busy_us = sum(per_name.values())
     span_us = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) if kernels else 0
-    top = [(n[:90], round(t / steps, 1), count[n] // steps) for n, t in per_name.most_common(15)]
+    rows = [(n[:90], round(t / steps, 1), count[n] // steps) for n, t in per_name.most_common(top)]
     return dict(gpu_busy_us_per_step=round(busy_us / steps, 1), gpu_span_us_per_step=round(span_us / steps, 1),
-                kernels_per_step=len(kernels) // steps, top_us_per_step=top, processes=sorted(set(pids.values())))
+                kernels_per_step=len(kernels) // steps, top_us_per_step=rows, processes=sorted(set(pids.values())))
 
 
 def main():
