@@ -3,9 +3,9 @@
 JAX's persistent cache is keyed by the lowered program, so every process still traces the model once per
 program before it finds the executable (13 s of a llama3-8b warm start on the H200). This cache is keyed
 by what the lowering depends on instead: the program's name and identity (model, cache geometry, kernels),
-glint's own source, the jax/jaxlib versions, the GPU and XLA_FLAGS. Entries live beside JAX's, in
-`$GLINT_CACHE_DIR/executables/`. XLA:CPU executables do not survive serialization, so on a CPU this cache
-is off and JAX's cache alone is used. A damaged entry is logged and compiled again.
+glint's own source and kernel tuning values, the jax/jaxlib versions, the GPU and XLA_FLAGS. Entries live
+beside JAX's, in `$GLINT_CACHE_DIR/executables/`. XLA:CPU executables do not survive serialization, so on a
+CPU this cache is off and JAX's cache alone is used. A damaged entry is logged and compiled again.
 """
 from __future__ import annotations
 
@@ -44,11 +44,19 @@ def source_digest() -> str:
 
 def key(identity: str, name: str) -> str:
     """Everything the lowered program depends on besides its identity: glint's source, versions, the GPU and
-    its driver, XLA_FLAGS, and JAX's settings that enter tracing (PRNG implementation, matmul precision, ...)."""
+    its driver, XLA_FLAGS, JAX's settings that enter tracing (PRNG implementation, matmul precision, ...) and the
+    kernels' tuning values as they are now (a process may set them, as the A/B tools do, without a source edit)."""
     device = jax.devices()[0]
     parts = (identity, name, source_digest(), jax.__version__, jaxlib.__version__, device.device_kind,
-             device.client.platform_version, os.environ.get("XLA_FLAGS", ""), _settings())
+             device.client.platform_version, os.environ.get("XLA_FLAGS", ""), _settings(), _tuning())
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def _tuning() -> str:
+    """pallas_kernels/tuning.py's constants, as this process has them."""
+    from glint.pallas_kernels import tuning
+
+    return repr(sorted((k, v) for k, v in vars(tuning).items() if k.isupper()))
 
 
 def _settings() -> str:

@@ -188,6 +188,12 @@ def test_kept_executables_keys_and_damaged_entries(tmp_path, monkeypatch, caplog
         m.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0")
         assert executables.key("model A", "forward_8") != base
     assert executables.key("model A", "forward_8") == base
+    from glint.pallas_kernels import tuning
+
+    with monkeypatch.context() as m:  # a tuning value set in the process (an A/B arm), then as it was
+        m.setattr(tuning, "TARGET_PROGRAMS", tuning.TARGET_PROGRAMS // 2)
+        assert executables.key("model A", "forward_8") != base
+    assert executables.key("model A", "forward_8") == base
 
     import jax.experimental.serialize_executable as se
 

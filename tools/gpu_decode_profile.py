@@ -37,7 +37,6 @@ if "PROFILE_MAX_SPLITS" in os.environ:  # this process's split-K cap (pallas_ker
     tuning.MAX_SPLITS = int(os.environ["PROFILE_MAX_SPLITS"])
 if "PROFILE_MIN_BLOCKS" in os.environ:  # this process's least key blocks per split (tuning.MIN_BLOCKS_PER_SPLIT)
     tuning.MIN_BLOCKS_PER_SPLIT = int(os.environ["PROFILE_MIN_BLOCKS"])
-OVERRIDES = {"PROFILE_MAX_SPLITS", "PROFILE_MIN_BLOCKS"} & set(os.environ)
 
 
 def kernel_table(trace_dir: str, steps: int, sequence_path: str | None = None, top: int = 15) -> dict:
@@ -73,9 +72,7 @@ def main():
     os.makedirs(out, exist_ok=True)
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(MODEL, dtype="bfloat16", max_seqs=1, max_step_tokens=64, capacity=CONTEXT + 256,
-                                    allow_long_context=True, **({"quantize": QUANTIZE} if QUANTIZE else {}),
-                                    # a tuning override is not in the kept executables' key: compile afresh
-                                    compile_cache=not OVERRIDES)
+                                    allow_long_context=True, **({"quantize": QUANTIZE} if QUANTIZE else {}))
     engine.warmup(progress=False)
     print(f"engine + warmup {time.perf_counter() - t0:.1f} s", flush=True)
     weight_bytes = weights.decode_weight_bytes(engine.params, engine.model.tie_embeddings)
