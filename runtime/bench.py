@@ -84,8 +84,9 @@ class StepBench:
             total += 2 * batch * keys * cache.kv_heads[layer] * cache.head_row_bytes(layer)
         return total
 
-    def time_step(self, batch: int, context: int, q_len: int, repeats: int) -> StepTiming:
-        """`batch` sequences with `context` cached positions each feed `q_len` tokens."""
+    def time_step(self, batch: int, context: int, q_len: int, repeats: int, timer=_median_time) -> StepTiming:
+        """`batch` sequences with `context` cached positions each feed `q_len` tokens; `timer(run, repeats)` gives
+        the step's seconds (a profiler may wrap the runs)."""
         eng, control = self.engine, self.engine.control
         seqs = [control.seq_new() for _ in range(batch)]
         if None in seqs:
@@ -124,7 +125,7 @@ class StepBench:
             # the device's tables now hold the step's pages: the timed runs carry no changes (a decode step's few)
             empty = tuple(np.zeros((0, 3), np.int32) for _ in meta.table_changes)
             args = (*args[:3], dataclasses.replace(args[3], table_changes=empty), *args[4:])
-            device = _median_time(run, repeats)
+            device = timer(run, repeats)
         finally:
             if control.has_pending_step:  # so a failing step raises its own error, not seq_rm's about a pending step
                 control.abort_step()

@@ -21,6 +21,7 @@ import tempfile
 
 import jax
 import jaxlib
+from glint.pallas_kernels import tuning
 from jax._src import config as jax_config
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,6 @@ def key(identity: str, name: str) -> str:
 
 def _tuning() -> str:
     """pallas_kernels/tuning.py's constants, as this process has them."""
-    from glint.pallas_kernels import tuning
-
     return repr(sorted((k, v) for k, v in vars(tuning).items() if k.isupper()))
 
 

@@ -59,20 +59,15 @@ def main(argv=None):
           f"{alone.device_ms:.2f} ms alone", flush=True)
 
     trace_dir = os.path.join(args.out, "trace")
-    timed = bench._median_time
 
-    def traced(fn, repeats):  # the same step again, `steps` times under the profiler
-        jax.block_until_ready(fn())
+    def traced(run, repeats):  # the same step again, `repeats` times under the profiler
         with jax.profiler.trace(trace_dir):
-            for _ in range(args.steps):
-                jax.block_until_ready(fn())
-        return timed(fn, 1)
+            t = time.perf_counter()
+            for _ in range(repeats):
+                jax.block_until_ready(run())
+        return (time.perf_counter() - t) / repeats
 
-    bench._median_time = traced
-    try:
-        step_bench.time_step(args.batch, args.context, args.q_len, args.steps)
-    finally:
-        bench._median_time = timed
+    step_bench.time_step(args.batch, args.context, args.q_len, args.steps, timer=traced)
     table = kernel_table(trace_dir, args.steps, os.path.join(args.out, "one_step_kernels.txt"), top=1 << 30)
     by_kind = collections.Counter()
     for name, us, _ in table.get("top_us_per_step", []):
