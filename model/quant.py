@@ -216,8 +216,8 @@ def fp8_matmul(x, q, scale, axis: str | None = None):
     """x [T, in] @ w: x quantized per token to fp8, an fp8 x fp8 dot (q [out, in]) with float32 accumulation, then
     the token and channel scales (`axis`: see `quantize_activations_fp8`)."""
     xq, xscale = quantize_activations_fp8(x, axis)
-    y = jax.lax.dot_general(xq, q, _CONTRACT_IN, preferred_element_type=jnp.float32)
-    return (y * xscale * scale).astype(x.dtype)
+    y = jax.lax.dot_general(xq, q, _CONTRACT_IN, preferred_element_type=jnp.dtype(tuning.FP8_GEMM_OUT))
+    return (y.astype(jnp.float32) * xscale * scale).astype(x.dtype)
 
 
 # modules ----------------------------------------------------------------------------------------------------------

@@ -82,3 +82,8 @@ INT4_MOSAIC_MAX_ROWS = 512
 INT4_MOSAIC_BLOCKS = {16: {"block_m": 128, "block_k": 0, "stages": 4, "ctas": 132},
                       128: {"block_m": 128, "block_k": 128, "stages": 4, "ctas": 132},
                       512: {"block_m": 64, "block_k": 128, "stages": 4, "ctas": 132}}
+
+# fp8 (W8A8) linears: the dtype the fp8 x fp8 GEMM writes before the token and channel scales are applied (in float32)
+# and the result is rounded to the activations' dtype. "float32" rounds once; "bfloat16" halves the bytes the GEMM
+# writes and its scaling reads back (a width-4096 step's gate_up writes 470 MB of float32), at one more rounding.
+FP8_GEMM_OUT = "float32"

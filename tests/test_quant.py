@@ -17,6 +17,7 @@ from conftest import ON_GPU, STORIES, covering_fixtures
 from glint.export.checkpoint import convert, load_checkpoint
 from glint.model import quant, transformer
 from glint.model.config import ModelConfig
+from glint.pallas_kernels import tuning
 from glint.runtime.engine import Engine
 from glint.runtime.params import SamplingParams
 
@@ -314,9 +315,12 @@ def test_fp8_format_matches_the_numpy_reference(shape):
     assert np.all(np.abs(back - w) <= np.abs(w) * 2 ** -4 * (1 + 1e-3) + want_scale * 2 ** -10)  # e4m3: 3 mantissa bits
 
 
+@pytest.mark.parametrize("gemm_out", ["float32", "bfloat16"])
 @pytest.mark.parametrize("m,k,n", [(1, 5, 1), (7, 130, 3), (33, 64, 257), (2, 17, 40)])
-def test_fp8_matmul_matches_w8a8_in_numpy(m, k, n):
-    """Both operands quantized (activations per token), products accumulated exactly, both scales applied."""
+def test_fp8_matmul_matches_w8a8_in_numpy(m, k, n, gemm_out, monkeypatch):
+    """Both operands quantized (activations per token), products accumulated exactly, both scales applied; the
+    GEMM writing float32 or bfloat16 (tuning.FP8_GEMM_OUT) before the scales."""
+    monkeypatch.setattr(tuning, "FP8_GEMM_OUT", gemm_out)
     rng = np.random.default_rng(m * k * n + 8)
     x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, size=(m, 1))).astype(np.float32)
     x[0, :] = 0.0  # an all-zero token
