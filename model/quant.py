@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from glint.pallas_kernels import quant_matmul_mgpu, tuning
+from glint.pallas_kernels import gated_fp8, quant_matmul_mgpu, tuning
 from glint.pallas_kernels.varlen_attention_mgpu import is_hopper
 
 INT8_MAX = 127
@@ -212,12 +212,34 @@ def quantize_activations_fp8(x, axis: str | None = None) -> tuple[jax.Array, jax
     return _to_fp8(x32, scale), scale
 
 
+def _fp8_product(xq, q):
+    """fp8 x fp8 (q [out, in]) accumulated in float32, written as tuning.FP8_GEMM_OUT."""
+    return jax.lax.dot_general(xq, q, _CONTRACT_IN, preferred_element_type=jnp.dtype(tuning.FP8_GEMM_OUT))
+
+
 def fp8_matmul(x, q, scale, axis: str | None = None):
     """x [T, in] @ w: x quantized per token to fp8, an fp8 x fp8 dot (q [out, in]) with float32 accumulation, then
     the token and channel scales (`axis`: see `quantize_activations_fp8`)."""
     xq, xscale = quantize_activations_fp8(x, axis)
-    y = jax.lax.dot_general(xq, q, _CONTRACT_IN, preferred_element_type=jnp.dtype(tuning.FP8_GEMM_OUT))
-    return (y.astype(jnp.float32) * xscale * scale).astype(x.dtype)
+    return (_fp8_product(xq, q).astype(jnp.float32) * xscale * scale).astype(x.dtype)
+
+
+def fuses_fp8_mlp(gate_up, down, activation: str, axis: str | None) -> bool:
+    """Whether an MLP runs `fp8_gated_mlp`: tuning.FP8_GATED_KERNEL on (off by default: not yet faster), fp8
+    linears, SiLU, one device (under tensor parallelism down's activation scales span the devices), a Hopper GPU
+    (the Triton kernel's fp8 casts need sm_89+)."""
+    return (isinstance(gate_up, Fp8Linear) and isinstance(down, Fp8Linear) and activation == "silu"
+            and axis is None and bool(tuning.FP8_GATED_KERNEL) and is_hopper())
+
+
+def fp8_gated_mlp(x, gate_up, down, *, interpret: bool = False):
+    """down(SiLU(g) * u) with (g, u) = gate_up(x), both Fp8Linear: the same values as the two fp8_matmul calls
+    with XLA's SiLU between them, but gate_up's raw product goes straight to down's fp8 input in one kernel
+    (pallas_kernels/gated_fp8.py) instead of XLA's two passes over it."""
+    xq, xscale = quantize_activations_fp8(x)
+    hq, hscale = gated_fp8.gated_quantize_fp8(_fp8_product(xq, gate_up.qweight[...]), xscale,
+                                              gate_up.scale[...], x.dtype, interpret=interpret)
+    return (_fp8_product(hq, down.qweight[...]).astype(jnp.float32) * hscale * down.scale[...]).astype(x.dtype)
 
 
 # modules ----------------------------------------------------------------------------------------------------------

@@ -178,6 +178,8 @@ class MLP(nnx.Module):
         self.down = linear(cfg, cfg.intermediate_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, axis: str | None = None):
+        if quant.fuses_fp8_mlp(self.gate_up, self.down, self.activation, axis):
+            return quant.fp8_gated_mlp(x, self.gate_up, self.down)
         g, u = jnp.split(self.gate_up(x), 2, axis=-1)
         g = jax.nn.silu(g) if self.activation == "silu" else jax.nn.gelu(g, approximate=True)
         return self.down(g * u, axis)

@@ -12,12 +12,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import ON_GPU, STORIES, covering_fixtures
+from flax import nnx
+from conftest import INTERPRET, ON_GPU, STORIES, covering_fixtures
 
 from glint.export.checkpoint import convert, load_checkpoint
 from glint.model import quant, transformer
 from glint.model.config import ModelConfig
-from glint.pallas_kernels import tuning
+from glint.pallas_kernels import gated_fp8, tuning
 from glint.runtime.engine import Engine
 from glint.runtime.params import SamplingParams
 
@@ -331,6 +332,72 @@ def test_fp8_matmul_matches_w8a8_in_numpy(m, k, n, gemm_out, monkeypatch):
     got = np.asarray(quant.fp8_matmul(jnp.asarray(x), jnp.asarray(wq.T), jnp.asarray(wscale[0])))
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
     assert np.abs(got - exact).max() <= 0.1 * np.abs(exact).max()  # activation rounding alone (e4m3)
+
+
+def _fp8_mlp_inputs(rows: int, d: int, hidden: int, seed: int):
+    """x bf16 [rows, d] (with more than one row, the last all zero) and gate_up / down Fp8Linear of random
+    weights."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, d)) * rng.uniform(0.1, 4, size=(rows, 1))).astype(np.float32)
+    if rows > 1:
+        x[-1] = 0.0
+    rngs = nnx.Rngs(seed)
+    gate_up = quant.Fp8Linear(d, 2 * hidden, dtype=jnp.bfloat16, rngs=rngs)
+    down = quant.Fp8Linear(hidden, d, dtype=jnp.bfloat16, rngs=rngs)
+    return jnp.asarray(x, jnp.bfloat16), gate_up, down
+
+
+@pytest.mark.parametrize("gemm_out", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows,d,hidden", [(1, 16, 48), (5, 32, 37), (9, 64, 2500)])
+def test_gated_fp8_kernel_matches_its_reference_and_the_model(rows, d, hidden, gemm_out, monkeypatch):
+    """The MLP middle in one kernel (gate_up's raw fp8 product -> SiLU(g) * u -> per-token fp8) against its jnp
+    reference, and the reference against the model's unfused path (fp8_matmul, SiLU, multiply, per-token
+    quantization) bit for bit. Hidden widths past the kernel's block (2500 > 2048) and not a power of two."""
+    monkeypatch.setattr(tuning, "FP8_GEMM_OUT", gemm_out)
+    x, gate_up, down = _fp8_mlp_inputs(rows, d, hidden, rows + d + hidden)
+    xq, xscale = quant.quantize_activations_fp8(x)
+    y = quant._fp8_product(xq, gate_up.qweight[...])
+    want_q, want_scale = gated_fp8.gated_quantize_fp8_reference(y, xscale, gate_up.scale[...], jnp.bfloat16)
+
+    g, u = jnp.split(quant.fp8_matmul(x, gate_up.qweight[...], gate_up.scale[...]), 2, axis=-1)
+    model_q, model_scale = quant.quantize_activations_fp8(jax.nn.silu(g) * u)
+    np.testing.assert_array_equal(np.asarray(want_scale), np.asarray(model_scale))
+    np.testing.assert_array_equal(np.asarray(want_q, np.float32), np.asarray(model_q, np.float32))
+    assert rows == 1 or float(want_scale[-1, 0]) == 1.0  # the all-zero token
+
+    got_q, got_scale = gated_fp8.gated_quantize_fp8(y, xscale, gate_up.scale[...], jnp.bfloat16, interpret=INTERPRET)
+    assert got_q.dtype == jnp.float8_e4m3fn and got_q.shape == (rows, hidden) and got_scale.shape == (rows, 1)
+    np.testing.assert_allclose(np.asarray(got_scale), np.asarray(want_scale), rtol=1e-6)
+    got, want = np.asarray(got_q, np.float32), np.asarray(want_q, np.float32)
+    assert (got == want).mean() > 0.99  # a SiLU a last bit apart may round to the next fp8 step
+    np.testing.assert_allclose(got, want, rtol=2 ** -3)
+
+    unfused = down(jax.nn.silu(g) * u)
+    fused = quant.fp8_gated_mlp(x, gate_up, down, interpret=INTERPRET)
+    np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(unfused, np.float32),
+                               rtol=2e-2, atol=2e-2 * float(jnp.abs(unfused.astype(jnp.float32)).max()))
+
+
+def test_gated_fp8_rejects_bad_shapes():
+    y = jnp.zeros((3, 10), jnp.float32)
+    with pytest.raises(ValueError, match=r"y \(3, 9\) must be \[T, 2I\]"):
+        gated_fp8.gated_quantize_fp8(y[:, :9], jnp.ones((3, 1)), jnp.ones((9,)), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"wscale \(8,\) \[2I\]"):
+        gated_fp8.gated_quantize_fp8(y, jnp.ones((3, 1)), jnp.ones((8,)), jnp.bfloat16)
+
+
+def test_the_model_takes_the_fused_fp8_mlp_only_where_it_applies(monkeypatch):
+    _, gate_up, down = _fp8_mlp_inputs(2, 16, 24, 3)
+    monkeypatch.setattr(quant, "is_hopper", lambda: True)
+    monkeypatch.setattr(tuning, "FP8_GATED_KERNEL", 1)
+    assert quant.fuses_fp8_mlp(gate_up, down, "silu", None)
+    assert not quant.fuses_fp8_mlp(gate_up, down, "gelu_tanh", None)
+    assert not quant.fuses_fp8_mlp(gate_up, down, "silu", "tp")
+    monkeypatch.setattr(tuning, "FP8_GATED_KERNEL", 0)
+    assert not quant.fuses_fp8_mlp(gate_up, down, "silu", None)
+    monkeypatch.setattr(tuning, "FP8_GATED_KERNEL", 1)
+    monkeypatch.setattr(quant, "is_hopper", lambda: False)
+    assert not quant.fuses_fp8_mlp(gate_up, down, "silu", None)
 
 
 def assert_greedy_is_the_full_sequence_argmax(engine, prompts, outs, tolerance=1e-4):
@@ -658,7 +725,6 @@ def test_int4_kernel_blocks_per_step_width_cover_their_widths():
     that holds it, each entry covers the widest step it is keyed by at llama3-8b's shapes, and a step past the
     last bound takes the last entry."""
     from glint.pallas_kernels import quant_matmul_mgpu as qm
-    from glint.pallas_kernels import tuning
 
     bounds = sorted(tuning.INT4_MOSAIC_BLOCKS)
     for lo, hi in zip([0, *bounds], bounds):
@@ -671,7 +737,6 @@ def test_int4_kernel_blocks_per_step_width_cover_their_widths():
 
 def test_int4_steps_past_the_kernel_limit_stay_on_xla(monkeypatch):
     """On Hopper the kernel takes steps of up to tuning.INT4_MOSAIC_MAX_ROWS rows; one row more goes to XLA."""
-    from glint.pallas_kernels import tuning
 
     monkeypatch.setattr(quant, "is_hopper", lambda: True)
     k, n = 4096, 4096
