@@ -15,14 +15,9 @@ jax.profiler trace. The prefetch arms' outputs must equal the plain arm's bit fo
 
   python tools/gpu_l2_prefetch.py [--filler 0,8] [--shapes wo,wqkv,gate_up,down] [--fractions 1.0,0.15]
 """
-import collections
-import glob
-import gzip
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import jax
@@ -31,6 +26,9 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_quant_kernels import kernel_times
 
 BOX = 256  # TMA's largest box side, in elements
 
@@ -130,25 +128,6 @@ def timed(fn, *args, repeats=20) -> float:
     return statistics.median(out)
 
 
-def kernels(fn, *args) -> dict[str, tuple[float, int]]:
-    """GPU time (us) and count per kernel name in one call, from a jax.profiler trace."""
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            jax.block_until_ready(fn(*args))
-        [path] = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
-        with gzip.open(path) as fh:
-            events = json.load(fh)["traceEvents"]
-    gpus = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-            and "/device:GPU" in e["args"]["name"]}
-    us, count = collections.Counter(), collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpus and not e["name"].startswith("Memcpy"):
-            us[e["name"]] += e.get("dur", 0)
-            count[e["name"]] += 1
-    return {name: (us[name], count[name]) for name in us}
-
-
 def main() -> None:
     args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
     fillers = [int(v) for v in args.get("--filler", "0,8").split(",")]
@@ -174,7 +153,7 @@ def main() -> None:
             base = None
             for arm, fn in arms.items():
                 wall = timed(fn, x, w, f, small) / ROUNDS * 1e6
-                table = kernels(fn, x, w, f, small)
+                table = kernel_times(fn, x, w, f, small)
                 # the matmul against w: the kernels that ran ROUNDS times, minus the flush's, filler's, barrier's
                 pf = sum(t for nm, (t, c) in table.items() if "prefetch" in nm) / ROUNDS
                 busy = sum(t for t, _ in table.values()) / ROUNDS

@@ -11,6 +11,7 @@ separate calls.
   (--ways: name prefixes, or whole names ending in $; --profile adds each way's GPU kernel time per call from a
   jax.profiler trace of its chained run, which leaves out the host and launch gaps that the two timings include)
 """
+import collections
 import glob
 import gzip
 import json
@@ -67,8 +68,8 @@ def chained(fn):
     return run
 
 
-def device_us(run, *args) -> float:
-    """The GPU's kernel time in one call of `run` (a jax.profiler trace's kernel events on the GPU summed), us."""
+def kernel_times(run, *args) -> dict[str, tuple[float, int]]:
+    """GPU time (us) and count per kernel name in one call of `run`, from a jax.profiler trace (copies left out)."""
     jax.block_until_ready(run(*args))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
@@ -78,8 +79,17 @@ def device_us(run, *args) -> float:
             events = json.load(f)["traceEvents"]
     gpus = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
             and "/device:GPU" in e["args"]["name"]}
-    return sum(e.get("dur", 0) for e in events if e.get("ph") == "X" and e.get("pid") in gpus
-               and not e["name"].startswith("Memcpy"))
+    us, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpus and not e["name"].startswith("Memcpy"):
+            us[e["name"]] += e.get("dur", 0)
+            count[e["name"]] += 1
+    return {name: (us[name], count[name]) for name in us}
+
+
+def device_us(run, *args) -> float:
+    """The GPU's kernel time in one call of `run` (a jax.profiler trace's kernel events on the GPU summed), us."""
+    return sum(t for t, _ in kernel_times(run, *args).values())
 
 
 def separate(fn):
