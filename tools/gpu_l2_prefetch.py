@@ -16,9 +16,7 @@ jax.profiler trace. The prefetch arms' outputs must equal the plain arm's bit fo
   python tools/gpu_l2_prefetch.py [--filler 0,8] [--shapes wo,wqkv,gate_up,down] [--fractions 1.0,0.15]
 """
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_quant_kernels import kernel_times
+from gpu_quant_kernels import kernel_times, timed
 
 BOX = 256  # TMA's largest box side, in elements
 
@@ -118,16 +116,6 @@ def build(k: int, n: int, filler: int, fraction: float | None, flush: bool = Tru
     return run
 
 
-def timed(fn, *args, repeats=20) -> float:
-    jax.block_until_ready(fn(*args))
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
-
-
 def main() -> None:
     args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
     fillers = [int(v) for v in args.get("--filler", "0,8").split(",")]
@@ -152,7 +140,7 @@ def main() -> None:
             arms["hot, no flush"] = hot
             base = None
             for arm, fn in arms.items():
-                wall = timed(fn, x, w, f, small) / ROUNDS * 1e6
+                wall = timed(fn, x, w, f, small, repeats=20) / ROUNDS * 1e6
                 table = kernel_times(fn, x, w, f, small)
                 # the matmul against w: the kernels that ran ROUNDS times, minus the flush's, filler's, barrier's
                 pf = sum(t for nm, (t, c) in table.items() if "prefetch" in nm) / ROUNDS
