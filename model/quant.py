@@ -234,7 +234,7 @@ def fuses_fp8_mlp(gate_up, down, activation: str, axis: str | None) -> bool:
 
 def fp8_gated_mlp(x, gate_up, down, *, interpret: bool = False):
     """down(SiLU(g) * u) with (g, u) = gate_up(x), both Fp8Linear: the same values as the two fp8_matmul calls
-    with XLA's SiLU between them, but gate_up's raw product goes straight to down's fp8 input in one kernel
+    with XLA's SiLU between them (bit for bit on the CPU; on the GPU up to last-bit roundings), but gate_up's raw product goes straight to down's fp8 input in one kernel
     (pallas_kernels/gated_fp8.py) instead of XLA's two passes over it."""
     xq, xscale = quantize_activations_fp8(x)
     hq, hscale = gated_fp8.gated_quantize_fp8(_fp8_product(xq, gate_up.qweight[...]), xscale,

@@ -4,12 +4,15 @@ Between an fp8 MLP's two GEMMs the model scales gate_up's raw product y [T, 2I] 
 (rounding to the activation dtype), takes SiLU(g) * u, and quantizes that hidden per token to float8_e4m3fn
 (amax / 448 per row). XLA runs this as two kernels that each read y: the rows' amax, then the quantize, both
 recomputing the scaling and the SiLU. At a 4096-token prefill step of llama3-8b that is 263 us a layer for
-235 MB of y (docs/perf.md). Here one program per token row reads its row's y twice, block by block: once for the
+235 MB of y written as bfloat16 (tuning.FP8_GEMM_OUT; 470 MB as float32) (docs/perf.md). Here one program per token row reads its row's y twice, block by block: once for the
 amax, once to quantize, and the second read comes from L2. It writes the fp8 hidden and the row's scale.
 
-The reference, `gated_quantize_fp8_reference`, rounds where the model's unfused path rounds (the scaled product,
-each op of jax.nn.silu, SiLU x u, each to the activation dtype). The tests hold the kernel to the reference
-and the reference to `model.quant`'s fp8_matmul / quantize_activations_fp8 path.
+The reference, `gated_quantize_fp8_reference`, rounds where the model's unfused path rounds as written (the
+scaled product, each op of jax.nn.silu, SiLU x u, each to the activation dtype): on the CPU it equals that path
+and the interpreted kernel bit for bit; on the GPU, exp, division and XLA's fusions may differ in the last bit.
+The tests hold the kernel to the reference and the reference to `model.quant`'s fp8_matmul /
+quantize_activations_fp8 path. Not finite inputs: Triton's max and clip drop NaNs, so a row with a NaN or an Inf
+quantizes to garbage where the reference gives NaN; the model's activations are finite.
 """
 
 from __future__ import annotations

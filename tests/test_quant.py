@@ -347,13 +347,25 @@ def _fp8_mlp_inputs(rows: int, d: int, hidden: int, seed: int):
     return jnp.asarray(x, jnp.bfloat16), gate_up, down
 
 
+def _assert_fp8_close(got, want, exact: bool):
+    """fp8 arrays equal (exact), or on the GPU (exp, division and XLA's own roundings differ in the last bit)
+    within one e4m3 step each and mostly equal."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if exact:
+        np.testing.assert_array_equal(got, want)
+    else:
+        assert (got == want).mean() >= 0.95
+        np.testing.assert_allclose(got, want, rtol=2 ** -3, atol=2 ** -9)  # 2^-9: e4m3's smallest step
+
+
 @pytest.mark.parametrize("gemm_out", ["float32", "bfloat16"])
-@pytest.mark.parametrize("rows,d,hidden", [(1, 16, 48), (5, 32, 37), (9, 64, 2500)])
+@pytest.mark.parametrize("rows,d,hidden", [(1, 16, 48), (5, 32, 37), (9, 64, 100)])
 def test_gated_fp8_kernel_matches_its_reference_and_the_model(rows, d, hidden, gemm_out, monkeypatch):
     """The MLP middle in one kernel (gate_up's raw fp8 product -> SiLU(g) * u -> per-token fp8) against its jnp
     reference, and the reference against the model's unfused path (fp8_matmul, SiLU, multiply, per-token
-    quantization) bit for bit. Hidden widths past the kernel's block (2500 > 2048) and not a power of two."""
+    quantization): bit for bit on the CPU. Blocks of 16 columns, so every width runs several, the last ragged."""
     monkeypatch.setattr(tuning, "FP8_GEMM_OUT", gemm_out)
+    monkeypatch.setattr(tuning, "GATED_FP8_BLOCK", 16)
     x, gate_up, down = _fp8_mlp_inputs(rows, d, hidden, rows + d + hidden)
     xq, xscale = quant.quantize_activations_fp8(x)
     y = quant._fp8_product(xq, gate_up.qweight[...])
@@ -361,21 +373,22 @@ def test_gated_fp8_kernel_matches_its_reference_and_the_model(rows, d, hidden, g
 
     g, u = jnp.split(quant.fp8_matmul(x, gate_up.qweight[...], gate_up.scale[...]), 2, axis=-1)
     model_q, model_scale = quant.quantize_activations_fp8(jax.nn.silu(g) * u)
-    np.testing.assert_array_equal(np.asarray(want_scale), np.asarray(model_scale))
-    np.testing.assert_array_equal(np.asarray(want_q, np.float32), np.asarray(model_q, np.float32))
+    np.testing.assert_allclose(np.asarray(want_scale), np.asarray(model_scale), rtol=0 if INTERPRET else 2 ** -7)
+    _assert_fp8_close(want_q, model_q, exact=INTERPRET)
     assert rows == 1 or float(want_scale[-1, 0]) == 1.0  # the all-zero token
 
     got_q, got_scale = gated_fp8.gated_quantize_fp8(y, xscale, gate_up.scale[...], jnp.bfloat16, interpret=INTERPRET)
     assert got_q.dtype == jnp.float8_e4m3fn and got_q.shape == (rows, hidden) and got_scale.shape == (rows, 1)
-    np.testing.assert_allclose(np.asarray(got_scale), np.asarray(want_scale), rtol=1e-6)
-    got, want = np.asarray(got_q, np.float32), np.asarray(want_q, np.float32)
-    assert (got == want).mean() > 0.99  # a SiLU a last bit apart may round to the next fp8 step
-    np.testing.assert_allclose(got, want, rtol=2 ** -3)
+    np.testing.assert_allclose(np.asarray(got_scale), np.asarray(want_scale), rtol=0 if INTERPRET else 2 ** -7)
+    _assert_fp8_close(got_q, want_q, exact=INTERPRET)
 
     unfused = down(jax.nn.silu(g) * u)
     fused = quant.fp8_gated_mlp(x, gate_up, down, interpret=INTERPRET)
-    np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(unfused, np.float32),
-                               rtol=2e-2, atol=2e-2 * float(jnp.abs(unfused.astype(jnp.float32)).max()))
+    if INTERPRET:
+        np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(unfused, np.float32))
+    else:
+        np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(unfused, np.float32),
+                                   rtol=2e-2, atol=2e-2 * float(jnp.abs(unfused.astype(jnp.float32)).max()))
 
 
 def test_gated_fp8_rejects_bad_shapes():
@@ -396,6 +409,8 @@ def test_the_model_takes_the_fused_fp8_mlp_only_where_it_applies(monkeypatch):
     monkeypatch.setattr(tuning, "FP8_GATED_KERNEL", 0)
     assert not quant.fuses_fp8_mlp(gate_up, down, "silu", None)
     monkeypatch.setattr(tuning, "FP8_GATED_KERNEL", 1)
+    int8_up = quant.Int8Linear(16, 48, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert not quant.fuses_fp8_mlp(int8_up, down, "silu", None)
     monkeypatch.setattr(quant, "is_hopper", lambda: False)
     assert not quant.fuses_fp8_mlp(gate_up, down, "silu", None)
 

@@ -142,7 +142,6 @@ def main() -> None:
             for arm, fn in arms.items():
                 wall = timed(fn, x, w, f, small, repeats=20) / ROUNDS * 1e6
                 table = kernel_times(fn, x, w, f, small)
-                # the matmul against w: the kernels that ran ROUNDS times, minus the flush's, filler's, barrier's
                 pf = sum(t for nm, (t, c) in table.items() if "prefetch" in nm) / ROUNDS
                 busy = sum(t for t, _ in table.values()) / ROUNDS
                 top = sorted(table.items(), key=lambda kv: -kv[1][0])[:5]
