@@ -4,8 +4,11 @@ Between an fp8 MLP's two GEMMs the model scales gate_up's raw product y [T, 2I] 
 (rounding to the activation dtype), takes SiLU(g) * u, and quantizes that hidden per token to float8_e4m3fn
 (amax / 448 per row). XLA runs this as two kernels that each read y: the rows' amax, then the quantize, both
 recomputing the scaling and the SiLU. At a 4096-token prefill step of llama3-8b that is 263 us a layer for
-235 MB of y written as bfloat16 (tuning.FP8_GEMM_OUT; 470 MB as float32) (docs/perf.md). Here one program per token row reads its row's y twice, block by block: once for the
-amax, once to quantize, and the second read comes from L2. It writes the fp8 hidden and the row's scale.
+235 MB of y written as bfloat16 (tuning.FP8_GEMM_OUT; 470 MB as float32) (docs/perf.md). Here one program per
+tile of token rows (tuning.GATED_FP8_ROWS) reads its rows' y twice, block by block: once for the amax, once to
+quantize, the second read from L2. Each block's channel scales are read once for the tile's rows. It writes the
+fp8 hidden and the rows' scales. One row per tile (its first version) ran as long as XLA's two kernels on the
+H200 (docs/perf.md); tiles of several rows are not yet measured.
 
 The reference, `gated_quantize_fp8_reference`, rounds where the model's unfused path rounds as written (the
 scaled product, each op of jax.nn.silu, SiLU x u, each to the activation dtype): on the CPU it equals that path
@@ -55,50 +58,55 @@ def gated_quantize_fp8_reference(y, xscale, wscale, dtype):
     return jnp.clip(h / scale, -FP8_MAX, FP8_MAX).astype(FP8), scale
 
 
-def _kernel(y_ref, xscale_ref, wscale_ref, q_ref, scale_ref, *, width: int, block: int, dtype):
-    t = pl.program_id(0)
-    xscale = xscale_ref[t]
+def _kernel(y_ref, xscale_ref, wscale_ref, q_ref, scale_ref, *, num_rows: int, width: int, tile: int, block: int,
+            dtype):
+    """One tile of `tile` token rows: the channel scales of a column block are read once for all its rows."""
+    rows = pl.program_id(0) * tile + jnp.arange(tile, dtype=jnp.int32)
+    row_ok = rows < num_rows
+    xscale = plgpu.load(xscale_ref.at[rows], mask=row_ok, other=0)[:, None]
     cols = jnp.arange(block, dtype=jnp.int32)
     num_blocks = pl.cdiv(width, block)
 
     def hidden(b):
         c = b * block + cols
-        ok = c < width
-        g = plgpu.load(y_ref.at[t, c], mask=ok, other=0)
-        u = plgpu.load(y_ref.at[t, width + c], mask=ok, other=0)
-        wg = plgpu.load(wscale_ref.at[c], mask=ok, other=0)
-        wu = plgpu.load(wscale_ref.at[width + c], mask=ok, other=0)
-        return c, ok, _hidden((g, u), xscale, wg, wu, dtype)
+        ok = row_ok[:, None] & (c < width)[None, :]
+        g = plgpu.load(y_ref.at[rows[:, None], c[None, :]], mask=ok, other=0)
+        u = plgpu.load(y_ref.at[rows[:, None], width + c[None, :]], mask=ok, other=0)
+        wg = plgpu.load(wscale_ref.at[c], mask=c < width, other=0)[None, :]
+        wu = plgpu.load(wscale_ref.at[width + c], mask=c < width, other=0)[None, :]
+        return c, ok, _hidden((g, u), xscale, wg, wu, dtype)  # masked lanes: g = u = 0, so h = 0
 
     def amax_of(b, amax):
-        _, ok, h = hidden(b)
-        return jnp.maximum(amax, jnp.max(jnp.where(ok, jnp.abs(h), 0.0)))
+        _, _, h = hidden(b)
+        return jnp.maximum(amax, jnp.max(jnp.abs(h), axis=1))
 
-    amax = jax.lax.fori_loop(0, num_blocks, amax_of, jnp.float32(0))
+    amax = jax.lax.fori_loop(0, num_blocks, amax_of, jnp.zeros((tile,), jnp.float32))
     scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    scale_ref[t] = scale
+    plgpu.store(scale_ref.at[rows], scale, mask=row_ok)
 
     def quantize(b, carry):
         c, ok, h = hidden(b)
-        plgpu.store(q_ref.at[t, c], jnp.clip(h / scale, -FP8_MAX, FP8_MAX).astype(FP8), mask=ok)
+        q = jnp.clip(h / scale[:, None], -FP8_MAX, FP8_MAX).astype(FP8)
+        plgpu.store(q_ref.at[rows[:, None], c[None, :]], q, mask=ok)
         return carry
 
     jax.lax.fori_loop(0, num_blocks, quantize, 0)
 
 
 def gated_quantize_fp8(y, xscale, wscale, dtype, *, interpret: bool = False):
-    """As `gated_quantize_fp8_reference`, one Triton program per row."""
+    """As `gated_quantize_fp8_reference`, one Triton program per tile of tuning.GATED_FP8_ROWS token rows."""
     if y.ndim != 2 or y.shape[1] % 2 or xscale.shape != (y.shape[0], 1) or wscale.shape != y.shape[1:]:
         raise ValueError(f"gated_quantize_fp8: y {y.shape} must be [T, 2I], xscale {xscale.shape} [T, 1], "
                          f"wscale {wscale.shape} [2I]")
     rows, width = y.shape[0], y.shape[1] // 2
     block = min(tuning.GATED_FP8_BLOCK, pl.next_power_of_2(width))
+    tile = min(tuning.GATED_FP8_ROWS, pl.next_power_of_2(rows))
     q, scale = pl.pallas_call(
-        functools.partial(_kernel, width=width, block=block, dtype=jnp.dtype(dtype)),
-        grid=(rows,),
+        functools.partial(_kernel, num_rows=rows, width=width, tile=tile, block=block, dtype=jnp.dtype(dtype)),
+        grid=(pl.cdiv(rows, tile),),
         out_shape=(jax.ShapeDtypeStruct((rows, width), FP8), jax.ShapeDtypeStruct((rows,), jnp.float32)),
         compiler_params=plgpu.CompilerParams(num_warps=tuning.GATED_FP8_NUM_WARPS, num_stages=1),
         interpret=interpret,
-        name=f"gated_quantize_fp8_b{block}",
+        name=f"gated_quantize_fp8_r{tile}_b{block}",
     )(y, xscale[:, 0].astype(jnp.float32), wscale.astype(jnp.float32))
     return q, scale[:, None]

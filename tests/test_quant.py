@@ -358,14 +358,16 @@ def _assert_fp8_close(got, want, exact: bool):
         np.testing.assert_allclose(got, want, rtol=2 ** -3, atol=2 ** -9)  # 2^-9: e4m3's smallest step
 
 
-@pytest.mark.parametrize("gemm_out", ["float32", "bfloat16"])
+@pytest.mark.parametrize("gemm_out,tile", [("float32", 4), ("bfloat16", 1)])
 @pytest.mark.parametrize("rows,d,hidden", [(1, 16, 48), (5, 32, 37), (9, 64, 100)])
-def test_gated_fp8_kernel_matches_its_reference_and_the_model(rows, d, hidden, gemm_out, monkeypatch):
+def test_gated_fp8_kernel_matches_its_reference_and_the_model(rows, d, hidden, gemm_out, tile, monkeypatch):
     """The MLP middle in one kernel (gate_up's raw fp8 product -> SiLU(g) * u -> per-token fp8) against its jnp
     reference, and the reference against the model's unfused path (fp8_matmul, SiLU, multiply, per-token
-    quantization): bit for bit on the CPU. Blocks of 16 columns, so every width runs several, the last ragged."""
+    quantization): bit for bit on the CPU. Blocks of 16 columns, so every width runs several, the last ragged; tiles
+of one row and of four (5 and 9 rows: the last tile ragged)."""
     monkeypatch.setattr(tuning, "FP8_GEMM_OUT", gemm_out)
     monkeypatch.setattr(tuning, "GATED_FP8_BLOCK", 16)
+    monkeypatch.setattr(tuning, "GATED_FP8_ROWS", tile)
     x, gate_up, down = _fp8_mlp_inputs(rows, d, hidden, rows + d + hidden)
     xq, xscale = quant.quantize_activations_fp8(x)
     y = quant._fp8_product(xq, gate_up.qweight[...])
