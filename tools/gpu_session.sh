@@ -135,6 +135,25 @@ case "${1:-all}" in
       --prompt-len 512 --gen-len 128 --max-step-tokens 1024 --json "$out/dflash.json" > "$out/dflash.log" 2>&1
     tail -12 "$out/dflash.log"
     ;;
+  fp8-mlp)  # the fp8 MLP middle in one kernel (pallas_kernels/gated_fp8.py): its tests compiled, then llama3-8b's
+            # width-4096 step (8 x 512) bf16, fp8, fp8 + the kernel (GATED_TUNING adds tiles etc.), one process each
+    XLA_PYTHON_CLIENT_PREALLOCATE=false GLINT_TEST_GPU=1 GLINT_HF_FIXTURES=$PWD/.gpu/fixtures \
+      GLINT_STORIES=$PWD/.gpu/stories260K timeout 150 python3 -m pytest -q -p no:cacheprovider -n 4 \
+      tests/test_quant.py -k "gated_fp8 or fp8_matmul" > "$out/fp8_mlp_tests.log" 2>&1
+    tail -1 "$out/fp8_mlp_tests.log"; grep -E "^(FAILED|ERROR)" "$out/fp8_mlp_tests.log"
+    for arm in bf16 fp8 fused; do
+      case $arm in
+        bf16) q=none; t= ;;
+        fp8) q=fp8; t=FP8_GEMM_OUT=bfloat16 ;;
+        fused) q=fp8; t=FP8_GEMM_OUT=bfloat16,FP8_GATED_KERNEL=1${GATED_TUNING:+,$GATED_TUNING} ;;
+      esac
+      PROFILE_QUANTIZE=$q TUNING=$t GLINT_CACHE_DIR=$(mktemp -d) timeout 200 python3 tools/with_tuning.py \
+        tools/gpu_step_profile.py "$out/step_$arm" --batch 8 --q-len 512 > "$out/step_$arm.log" 2>&1
+      echo "== $arm"; grep -E "^(step_ms_alone|us_per_step_by_kind|gpu_busy)" "$out/step_$arm.log"
+      grep -E "gated|fusion_3[14]'" "$out/step_$arm.log" | head -3
+      rm -rf "$out/step_$arm/trace"
+    done
+    ;;
   decode-profile)  # batch-1 decode profiles (~80 s each): bf16; fp8; fp8 with cuBLASLt recorded into XLA's command
                    # buffers; bf16 under XLA fusion / launch flags (PROFILE_VARIANTS picks)
     pdl="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true"

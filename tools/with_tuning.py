@@ -1,0 +1,33 @@
+"""Run a script or module with pallas_kernels/tuning.py values set in this process first, to compare settings one
+process each (the executables cache keys on tuning's values, so arms never share compiled programs):
+
+    TUNING="FP8_GATED_KERNEL=1,GATED_FP8_ROWS=16" python3 tools/with_tuning.py tools/gpu_step_profile.py OUT ...
+    TUNING=TARGET_PROGRAMS=256 python3 tools/with_tuning.py -m glint.runtime.cli bench llama3-8b ...
+
+Each value takes the type of the one it replaces.
+"""
+import os
+import runpy
+import sys
+
+from glint.pallas_kernels import tuning
+
+
+def apply(spec: str) -> None:
+    for item in filter(None, spec.split(",")):
+        name, _, value = item.partition("=")
+        if not name.isupper() or not hasattr(tuning, name):
+            raise SystemExit(f"with_tuning: {name!r} is not a pallas_kernels.tuning constant")
+        old = getattr(tuning, name)
+        setattr(tuning, name, type(old)(value))
+        print(f"tuning.{name} = {getattr(tuning, name)!r} (was {old!r})", flush=True)
+
+
+if __name__ == "__main__":
+    apply(os.environ.get("TUNING", ""))
+    if sys.argv[1:2] == ["-m"]:
+        sys.argv = sys.argv[2:]
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = sys.argv[1:]
+        runpy.run_path(sys.argv[0], run_name="__main__")
