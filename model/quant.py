@@ -217,11 +217,16 @@ def _fp8_product(xq, q):
     return jax.lax.dot_general(xq, q, _CONTRACT_IN, preferred_element_type=jnp.dtype(tuning.FP8_GEMM_OUT))
 
 
+def _fp8_scaled_product(xq, xscale, q, scale, dtype):
+    """The fp8 product of per-token quantized xq (xscale [T, 1]) and q [out, in] (scale [out]), scaled, in dtype."""
+    return (_fp8_product(xq, q).astype(jnp.float32) * xscale * scale).astype(dtype)
+
+
 def fp8_matmul(x, q, scale, axis: str | None = None):
     """x [T, in] @ w: x quantized per token to fp8, an fp8 x fp8 dot (q [out, in]) with float32 accumulation, then
     the token and channel scales (`axis`: see `quantize_activations_fp8`)."""
     xq, xscale = quantize_activations_fp8(x, axis)
-    return (_fp8_product(xq, q).astype(jnp.float32) * xscale * scale).astype(x.dtype)
+    return _fp8_scaled_product(xq, xscale, q, scale, x.dtype)
 
 
 def fuses_fp8_mlp(gate_up, down, activation: str, axis: str | None) -> bool:
@@ -234,12 +239,13 @@ def fuses_fp8_mlp(gate_up, down, activation: str, axis: str | None) -> bool:
 
 def fp8_gated_mlp(x, gate_up, down, *, interpret: bool = False):
     """down(SiLU(g) * u) with (g, u) = gate_up(x), both Fp8Linear: the same values as the two fp8_matmul calls
-    with XLA's SiLU between them (bit for bit on the CPU; on the GPU up to last-bit roundings), but gate_up's raw product goes straight to down's fp8 input in one kernel
-    (pallas_kernels/gated_fp8.py) instead of XLA's two passes over it."""
+    with XLA's SiLU between them (bit for bit on the CPU; on the GPU up to last-bit roundings), but gate_up's raw
+    product goes straight to down's fp8 input in one kernel (pallas_kernels/gated_fp8.py) instead of XLA's two
+    passes over it."""
     xq, xscale = quantize_activations_fp8(x)
     hq, hscale = gated_fp8.gated_quantize_fp8(_fp8_product(xq, gate_up.qweight[...]), xscale,
                                               gate_up.scale[...], x.dtype, interpret=interpret)
-    return (_fp8_product(hq, down.qweight[...]).astype(jnp.float32) * hscale * down.scale[...]).astype(x.dtype)
+    return _fp8_scaled_product(hq, hscale, down.qweight[...], down.scale[...], x.dtype)
 
 
 # modules ----------------------------------------------------------------------------------------------------------
