@@ -9,6 +9,8 @@
 Run it once per XLA_FLAGS setting to compare (each its own process), e.g.
     python3 tools/gpu_decode_profile.py OUT/prof_default
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python3 tools/gpu_decode_profile.py OUT/prof_cublas
+and once per kernel tuning value through tools/with_tuning.py, e.g.
+    TUNING=MAX_SPLITS=16 python3 tools/with_tuning.py tools/gpu_decode_profile.py OUT/prof_16_splits
 Prints one JSON line last.
 """
 from __future__ import annotations
@@ -33,10 +35,6 @@ from glint.runtime.params import SamplingParams
 MODEL = os.environ.get("PROFILE_MODEL", "llama3-8b")
 CONTEXT = int(os.environ.get("PROFILE_CONTEXT", "512"))
 QUANTIZE = os.environ.get("PROFILE_QUANTIZE")  # a weight format (model/quant.py), e.g. fp8
-if "PROFILE_MAX_SPLITS" in os.environ:  # this process's split-K cap (pallas_kernels/tuning.py), to compare two
-    tuning.MAX_SPLITS = int(os.environ["PROFILE_MAX_SPLITS"])
-if "PROFILE_MIN_BLOCKS" in os.environ:  # this process's least key blocks per split (tuning.MIN_BLOCKS_PER_SPLIT)
-    tuning.MIN_BLOCKS_PER_SPLIT = int(os.environ["PROFILE_MIN_BLOCKS"])
 
 
 def kernel_table(trace_dir: str, steps: int, sequence_path: str | None = None, top: int = 15) -> dict:

@@ -167,12 +167,12 @@ case "${1:-all}" in
         block-level) env=(XLA_FLAGS=--xla_gpu_experimental_enable_fusion_block_level_rewriter=true) ;;
         all-triton) env=(XLA_FLAGS=--xla_gpu_experimental_all_fusions_with_triton=true) ;;
         multi-output) env=(XLA_FLAGS=--xla_gpu_unsupported_enable_triton_multi_output_fusion=true) ;;
-        min-blocks-*) env=(PROFILE_MIN_BLOCKS=${v#min-blocks-}) ;;  # key blocks per split-K split, at least
+        min-blocks-*) env=(TUNING=MIN_BLOCKS_PER_SPLIT=${v#min-blocks-}) ;;  # key blocks per split-K split, at least
         fp8) env=(PROFILE_QUANTIZE=fp8) ;;
         fp8-cublaslt) env=(PROFILE_QUANTIZE=fp8 XLA_FLAGS=--xla_gpu_enable_command_buffer=+CUBLASLT) ;;
       esac
-      env "${env[@]}" timeout ${PROFILE_TIMEOUT:-150} python3 tools/gpu_decode_profile.py "$out/prof_$v" \
-        > "$out/prof_$v.log" 2>&1
+      env "${env[@]}" timeout ${PROFILE_TIMEOUT:-150} python3 tools/with_tuning.py tools/gpu_decode_profile.py \
+        "$out/prof_$v" > "$out/prof_$v.log" 2>&1
       echo "== $v"; grep -E "^(engine_ms|pct_of|gpu_busy|kernels_per|tokens|Error)" "$out/prof_$v.log"
       rm -rf "$out/prof_$v/trace"
     done
