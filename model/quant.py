@@ -238,13 +238,14 @@ def fuses_fp8_mlp(gate_up, down, activation: str, axis: str | None) -> bool:
 
 
 def fp8_gated_mlp(x, gate_up, down, *, interpret: bool = False):
-    """down(SiLU(g) * u) with (g, u) = gate_up(x), both Fp8Linear: the same values as the two fp8_matmul calls
-    with XLA's SiLU between them (bit for bit on the CPU; on the GPU up to last-bit roundings), but gate_up's raw
-    product goes straight to down's fp8 input in one kernel (pallas_kernels/gated_fp8.py) instead of XLA's two
-    passes over it."""
+    """down(SiLU(g) * u) with (g, u) = gate_up(x), both Fp8Linear, as the two fp8_matmul calls with XLA's SiLU
+    between them compute it, but gate_up's raw product goes straight to down's fp8 input in one kernel
+    (pallas_kernels/gated_fp8.py) instead of XLA's two passes over it. The kernel keeps SiLU(g) * u in float32
+    where the unfused path rounds it to the activations' dtype op by op, so the fp8 hidden may differ by an e4m3
+    step where the two roundings disagree."""
     xq, xscale = quantize_activations_fp8(x)
-    hq, hscale = gated_fp8.gated_quantize_fp8(_fp8_product(xq, gate_up.qweight[...]), xscale,
-                                              gate_up.scale[...], x.dtype, interpret=interpret)
+    hq, hscale = gated_fp8.gated_quantize_fp8(_fp8_product(xq, gate_up.qweight[...]), xscale, gate_up.scale[...],
+                                              interpret=interpret)
     return _fp8_scaled_product(hq, hscale, down.qweight[...], down.scale[...], x.dtype)
 
 

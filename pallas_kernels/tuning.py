@@ -88,12 +88,13 @@ INT4_MOSAIC_BLOCKS = {16: {"block_m": 128, "block_k": 0, "stages": 4, "ctas": 13
 # writes and its scaling reads back (a width-4096 step's gate_up writes 470 MB of float32), at one more rounding.
 FP8_GEMM_OUT = "float32"
 # fp8 MLPs on Hopper: gate_up's product to down's fp8 input in one Triton kernel (gated_fp8.py) when
-# FP8_GATED_KERNEL, one program per GATED_FP8_ROWS token rows, GATED_FP8_BLOCK hidden columns at a time. Off:
-# 2026-12-03 (ninth session, tools/gpu_step_profile.py, llama3-8b fp8 width 4096) one row per program with blocks
-# of 2048 took 269 us a layer, as long as XLA's two kernels it replaces (263), and its GPU test has not run yet
-# (docs/perf.md). Tiles of 8 rows x 256 columns (the channel scales, 115 KB a row, read once per tile instead of
-# twice per row) are not yet measured; nor is a pipelined loop (num_stages).
+# FP8_GATED_KERNEL, one program per GATED_FP8_ROWS token rows, GATED_FP8_BLOCK hidden columns at a time (a row that
+# fits one block is read once). Off: 2026-12-03 (tenth session, tools/gpu_gated_fp8.py, 4096 x 14336, H200) the
+# best tiles ran 177-187 us a call against XLA's two kernels' 199 (reading y alone takes 74), and in
+# llama3-8b's width-4096 step 2 x 16384 (16 warps) took 207 us a layer against XLA's 254, but the step alone was
+# no faster (59.2 ms against 58.4, one process each) (docs/perf.md).
 FP8_GATED_KERNEL = 0
-GATED_FP8_ROWS = 8
-GATED_FP8_BLOCK = 256
-GATED_FP8_NUM_WARPS = 4
+GATED_FP8_ROWS = 1
+GATED_FP8_BLOCK = 2048
+GATED_FP8_NUM_WARPS = 16
+GATED_FP8_STAGES = 1

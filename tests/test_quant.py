@@ -347,58 +347,72 @@ def _fp8_mlp_inputs(rows: int, d: int, hidden: int, seed: int):
     return jnp.asarray(x, jnp.bfloat16), gate_up, down
 
 
-def _assert_fp8_close(got, want, exact: bool):
-    """fp8 arrays equal (exact), or on the GPU (exp, division and XLA's own roundings differ in the last bit)
-    within one e4m3 step each and mostly equal."""
+def _assert_fp8_close(got, want, exact: bool, equal: float = 0.95):
+    """fp8 arrays equal (exact), or within one e4m3 step each and at least the fraction `equal` of them equal."""
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     if exact:
         np.testing.assert_array_equal(got, want)
     else:
-        assert (got == want).mean() >= 0.95
+        assert (got == want).mean() >= equal
         np.testing.assert_allclose(got, want, rtol=2 ** -3, atol=2 ** -9)  # 2^-9: e4m3's smallest step
 
 
-@pytest.mark.parametrize("gemm_out,tile", [("float32", 4), ("bfloat16", 1)])
+@pytest.mark.parametrize("gemm_out,tile,block", [("float32", 4, 16), ("bfloat16", 1, 16), ("bfloat16", 2, 128)])
 @pytest.mark.parametrize("rows,d,hidden", [(1, 16, 48), (5, 32, 37), (9, 64, 100)])
-def test_gated_fp8_kernel_matches_its_reference_and_the_model(rows, d, hidden, gemm_out, tile, monkeypatch):
+def test_gated_fp8_kernel_matches_its_reference_and_the_model(rows, d, hidden, gemm_out, tile, block, monkeypatch):
     """The MLP middle in one kernel (gate_up's raw fp8 product -> SiLU(g) * u -> per-token fp8) against its jnp
-    reference, and the reference against the model's unfused path (fp8_matmul, SiLU, multiply, per-token
-    quantization): bit for bit on the CPU. Blocks of 16 columns, so every width runs several, the last ragged; tiles
-of one row and of four (5 and 9 rows: the last tile ragged)."""
+    reference (bit for bit on the CPU; on the GPU exp and division may differ in the last bit), and the reference
+    against the model's unfused path (fp8_matmul, SiLU, multiply, per-token quantization, rounding op by op to
+    bfloat16 where the kernel keeps float32): within an e4m3 step. Blocks of 16 columns, so every width runs several,
+    the last ragged, or of 128, the whole row in one (y read once); tiles of one row, two and four (5 and 9 rows: the
+    last tile ragged)."""
     monkeypatch.setattr(tuning, "FP8_GEMM_OUT", gemm_out)
-    monkeypatch.setattr(tuning, "GATED_FP8_BLOCK", 16)
+    monkeypatch.setattr(tuning, "GATED_FP8_BLOCK", block)
     monkeypatch.setattr(tuning, "GATED_FP8_ROWS", tile)
     x, gate_up, down = _fp8_mlp_inputs(rows, d, hidden, rows + d + hidden)
     xq, xscale = quant.quantize_activations_fp8(x)
     y = quant._fp8_product(xq, gate_up.qweight[...])
-    want_q, want_scale = gated_fp8.gated_quantize_fp8_reference(y, xscale, gate_up.scale[...], jnp.bfloat16)
+    want_q, want_scale = gated_fp8.gated_quantize_fp8_reference(y, xscale, gate_up.scale[...])
 
     g, u = jnp.split(quant.fp8_matmul(x, gate_up.qweight[...], gate_up.scale[...]), 2, axis=-1)
     model_q, model_scale = quant.quantize_activations_fp8(jax.nn.silu(g) * u)
-    np.testing.assert_allclose(np.asarray(want_scale), np.asarray(model_scale), rtol=0 if INTERPRET else 2 ** -7)
-    _assert_fp8_close(want_q, model_q, exact=INTERPRET)
+    np.testing.assert_allclose(np.asarray(want_scale), np.asarray(model_scale), rtol=2 ** -7)
+    _assert_fp8_close(want_q, model_q, exact=False, equal=0.8)  # bfloat16's ~2^-9 roundings flip ~1 in 10 e4m3 steps
     assert rows == 1 or float(want_scale[-1, 0]) == 1.0  # the all-zero token
 
-    got_q, got_scale = gated_fp8.gated_quantize_fp8(y, xscale, gate_up.scale[...], jnp.bfloat16, interpret=INTERPRET)
+    got_q, got_scale = gated_fp8.gated_quantize_fp8(y, xscale, gate_up.scale[...], interpret=INTERPRET)
     assert got_q.dtype == jnp.float8_e4m3fn and got_q.shape == (rows, hidden) and got_scale.shape == (rows, 1)
-    np.testing.assert_allclose(np.asarray(got_scale), np.asarray(want_scale), rtol=0 if INTERPRET else 2 ** -7)
+    np.testing.assert_allclose(np.asarray(got_scale), np.asarray(want_scale), rtol=0 if INTERPRET else 2 ** -20)
     _assert_fp8_close(got_q, want_q, exact=INTERPRET)
 
+    fused = quant.fp8_gated_mlp(x, gate_up, down, interpret=INTERPRET)
+    assert fused.dtype == x.dtype and fused.shape == x.shape
+
+
+def test_fused_fp8_mlp_is_no_less_accurate_than_the_unfused_one(monkeypatch):
+    """The fp8 MLP's output with the fused middle and with XLA's, against float32 throughout (the fp8 weights
+    dequantized, the hidden not quantized): the fused path, rounding once where the unfused one rounds each op to
+    bfloat16 first, has no larger mean error (a width large enough that the means are stable)."""
+    monkeypatch.setattr(tuning, "GATED_FP8_BLOCK", 1024)
+    monkeypatch.setattr(tuning, "GATED_FP8_ROWS", 8)
+    x, gate_up, down = _fp8_mlp_inputs(32, 64, 1000, 7)
+    xq, xscale = quant.quantize_activations_fp8(x)
+    g32, u32 = jnp.split(quant._fp8_product(xq, gate_up.qweight[...]).astype(jnp.float32) * xscale
+                         * gate_up.scale[...], 2, axis=-1)
+    truth = (jax.nn.silu(g32) * u32) @ (down.qweight[...].astype(jnp.float32) * down.scale[...][:, None]).T
+    g, u = jnp.split(quant.fp8_matmul(x, gate_up.qweight[...], gate_up.scale[...]), 2, axis=-1)
     unfused = down(jax.nn.silu(g) * u)
     fused = quant.fp8_gated_mlp(x, gate_up, down, interpret=INTERPRET)
-    if INTERPRET:
-        np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(unfused, np.float32))
-    else:
-        np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(unfused, np.float32),
-                                   rtol=2e-2, atol=2e-2 * float(jnp.abs(unfused.astype(jnp.float32)).max()))
+    fused_err, unfused_err = (float(jnp.abs(out.astype(jnp.float32) - truth).mean()) for out in (fused, unfused))
+    assert 0 < fused_err <= 1.05 * unfused_err, (fused_err, unfused_err)
 
 
 def test_gated_fp8_rejects_bad_shapes():
     y = jnp.zeros((3, 10), jnp.float32)
     with pytest.raises(ValueError, match=r"y \(3, 9\) must be \[T, 2I\]"):
-        gated_fp8.gated_quantize_fp8(y[:, :9], jnp.ones((3, 1)), jnp.ones((9,)), jnp.bfloat16)
+        gated_fp8.gated_quantize_fp8(y[:, :9], jnp.ones((3, 1)), jnp.ones((9,)))
     with pytest.raises(ValueError, match=r"wscale \(8,\) \[2I\]"):
-        gated_fp8.gated_quantize_fp8(y, jnp.ones((3, 1)), jnp.ones((8,)), jnp.bfloat16)
+        gated_fp8.gated_quantize_fp8(y, jnp.ones((3, 1)), jnp.ones((8,)))
 
 
 def test_the_model_takes_the_fused_fp8_mlp_only_where_it_applies(monkeypatch):
