@@ -28,6 +28,10 @@ ATTENTION_BLOCKS = {
     ("decode", 64): dict(block_m=16, block_k=64, num_warps=4, num_stages=3),
     ("decode", 128): dict(block_m=16, block_k=64, num_warps=4, num_stages=3),
     ("decode", 256): dict(block_m=16, block_k=32, num_warps=4, num_stages=2),
+    # fp8 (scaled) pools: keys of 128 bytes a head, so twice the keys per block for the same bytes in flight.
+    # 2026-12-03 (tenth session, tools/gpu_fp8_kv.py --sweep, float16 dots, chained): 64 x 4096 keys 293 us against
+    # 358 with the decode tile (bf16 pools' best 336); 256 x 640 244 against 295 (bf16 pools' best 259).
+    ("decode-fp8", 128): dict(block_m=16, block_k=128, num_warps=4, num_stages=3),
 }
 
 # A step is "decode" when T <= DECODE_ROWS_PER_SEGMENT * S.
@@ -87,6 +91,10 @@ INT4_MOSAIC_BLOCKS = {16: {"block_m": 128, "block_k": 0, "stages": 4, "ctas": 13
 # and the result is rounded to the activations' dtype. "float32" rounds once; "bfloat16" halves the bytes the GEMM
 # writes and its scaling reads back (a width-4096 step's gate_up writes 470 MB of float32), at one more rounding.
 FP8_GEMM_OUT = "float32"
+# fp8 KV pools in varlen_attention (Triton): widen the K/V tiles to float16 and run both dots in float16 (1), or
+# widen to q's dtype (0). 2026-12-03 (tenth session, tools/gpu_fp8_kv.py 64 4096, H200, the decode tile, chained):
+# unscaled fp8 323 us against 370, scaled 363 against 375; the output's error against the reference halves.
+FP8_KV_F16_DOTS = 1
 # fp8 MLPs on Hopper: gate_up's product to down's fp8 input in one Triton kernel (gated_fp8.py) when
 # FP8_GATED_KERNEL, one program per GATED_FP8_ROWS token rows, GATED_FP8_BLOCK hidden columns at a time (a row that
 # fits one block is read once). Off: 2026-12-03 (tenth session, tools/gpu_gated_fp8.py, 4096 x 14336, H200) the

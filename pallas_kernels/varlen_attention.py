@@ -32,8 +32,10 @@ __all__ = ["BlockSizes", "varlen_attention", "varlen_attention_reference", "defa
 _LOG2E = math.log2(math.e)
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # A pool may also hold float8_e4m3fn (half the bytes a decode step reads); the kernel widens its tiles to q's dtype
-# and, in a scaled cache, applies each key's scale to its logits and each value's to its softmax weights.
+# (or float16, below) and, in a scaled cache, applies each key's scale to its logits and each value's to its
+# softmax weights.
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
+_F16_MAX = float(jnp.finfo(jnp.float16).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +89,7 @@ def _attention_kernel(
     scale: float,
     num_splits: int,
     scaled: bool,
+    f16_dots: bool,
 ):
     # flash: (o_init, o) [T, Hq, D]; split-K: acc f32[NS, T, Hq, D], m, l f32[NS, T, Hq]
     (ks_ref, vs_ref), out_refs = (refs[:2], refs[2:]) if scaled else ((None, None), refs)
@@ -119,6 +122,10 @@ def _attention_kernel(
         q = plgpu.load(
             q_ref.at[q_rows[:, None], heads[:, None], d[None, :]], mask=row_ok[:, None] & d_ok, other=0
         )  # [M, Dp]
+        # f16_dots: an fp8 pool's tiles widen to float16 (one conversion per two values on Hopper; to bfloat16 it
+        # takes four), so the dots run in float16: q clipped to its range, and in a scaled cache the value-scaled
+        # softmax weights normalized by the block's largest value scale (kept out of float16's subnormals).
+        q_dot = jnp.clip(q.astype(jnp.float32), -_F16_MAX, _F16_MAX).astype(jnp.float16) if f16_dots else q
 
         # Keys the tile's rows can see: [lo, hi). Blocks inside [lo_full, hi_full)
         # are seen whole by every row and skip all masking.
@@ -153,8 +160,8 @@ def _attention_kernel(
                 kv_mask = None if kv_mask is True else kv_mask
                 kv_other = None if kv_mask is None else 0.0  # a float: Triton casts it to an fp8 pool too
                 k = plgpu.load(k_ref.at[kv_row[:, None], kv_head, d[None, :]], mask=kv_mask, other=kv_other)  # [bk, Dp]
-                k = k.astype(q.dtype)  # an fp8 pool: widened in registers
-                s = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * logit_scale
+                k = k.astype(q_dot.dtype)  # an fp8 pool: widened in registers
+                s = plgpu.dot(q_dot, k, trans_b=True, allow_tf32=False) * logit_scale
                 if scaled:  # q . (k * ks) = (q . k) * ks: one scale per key column
                     key_mask = key_ok if masked else None
                     s = s * plgpu.load(ks_ref.at[kv_row, kv_head], mask=key_mask, other=0.0 if masked else None)
@@ -176,12 +183,17 @@ def _attention_kernel(
                 v = plgpu.load(v_ref.at[kv_row[:, None], kv_head, d[None, :]], mask=kv_mask, other=kv_other)  # [bk, Dp]
                 if scaled:
                     vs = plgpu.load(vs_ref.at[kv_row, kv_head], mask=key_mask, other=0.0 if masked else None)
-                    if q.dtype == jnp.float16:  # p * vs would fall into float16's subnormals: widen v scaled
+                    if f16_dots:  # p @ (v * vs) = ((p * vs / v_max) @ v) * v_max
+                        v_max = jnp.max(vs)
+                        v_max = jnp.where(v_max > 0, v_max, 1.0)
+                        p = p * (vs / v_max)[None, :]
+                    elif q.dtype == jnp.float16:  # p * vs would fall into float16's subnormals: widen v scaled
                         v = v.astype(jnp.float32) * vs[:, None]
                     else:  # p @ (v * vs) = (p * vs) @ v, one multiply per key; the row sum l keeps the unscaled p
                         p = p * vs[None, :]
-                v = v.astype(q.dtype)
-                acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, allow_tf32=False)
+                v = v.astype(q_dot.dtype)
+                pv = plgpu.dot(p.astype(v.dtype), v, allow_tf32=False)
+                acc = acc * alpha[:, None] + (pv * v_max if scaled and f16_dots else pv)
                 return acc, m_new, l
 
             return body
@@ -251,6 +263,7 @@ def _varlen_attention_call(
         scale=scale,
         num_splits=num_splits,
         scaled=bool(scales),
+        f16_dots=bool(tuning.FP8_KV_F16_DOTS) and k_flat.dtype == _FP8 and q.dtype != jnp.float32,
     )
     params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
     name = f"varlen_attention_m{block_m}_k{blocks.block_k}_s{num_splits}"
@@ -292,10 +305,14 @@ def _varlen_attention_call(
     return o.astype(q.dtype)
 
 
-def default_block_sizes(num_rows: int, num_segments: int, head_dim: int) -> BlockSizes:
-    """Tuned tile for a step of `num_rows` query rows in `num_segments` segments."""
+def default_block_sizes(num_rows: int, num_segments: int, head_dim: int, kv_dtype=None) -> BlockSizes:
+    """Tuned tile for a step of `num_rows` query rows in `num_segments` segments over pools of `kv_dtype` (fp8
+    pools decode with their own tile where the table has one)."""
     path = "decode" if num_rows <= tuning.DECODE_ROWS_PER_SEGMENT * num_segments else "prefill"
     key = (path, max(16, pl.next_power_of_2(head_dim)))
+    if path == "decode" and kv_dtype is not None and jnp.dtype(kv_dtype) == _FP8 \
+            and ("decode-fp8", key[1]) in tuning.ATTENTION_BLOCKS:
+        return BlockSizes(**tuning.ATTENTION_BLOCKS["decode-fp8", key[1]])
     if key not in tuning.ATTENTION_BLOCKS:
         key = (path, min(256, key[1]))
     return BlockSizes(**tuning.ATTENTION_BLOCKS[key])
@@ -503,7 +520,7 @@ def _triton_attention(
     num_rows, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     num_phys_rows = ring_rows or page_table.shape[1] * page_size
-    blocks = block_sizes or default_block_sizes(num_rows, seq_info.shape[0], head_dim)
+    blocks = block_sizes or default_block_sizes(num_rows, seq_info.shape[0], head_dim, k_pages.dtype)
     if num_splits is None:
         max_kv_len = page_table.shape[1] * page_size
         if window > 0:

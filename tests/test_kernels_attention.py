@@ -158,18 +158,21 @@ def _numpy_row_quantized(pages: np.ndarray):
     return (pages / scale[..., None]).astype(ml_dtypes.float8_e4m3fn), scale
 
 
+@pytest.mark.parametrize("f16_dots", [1, 0])
 @pytest.mark.parametrize("name,path,magnitude,dtype",
                          [(name, path, 0.003, None) for name in FP8_CASES for path in SPLITS]
                          + [(FP8_CASES[0], "flash", 1.0, None), (FP8_CASES[0], "splitk", 1e-4, "float16")])
-def test_kernel_reads_scaled_fp8_pools(name, path, magnitude, dtype, request):
+def test_kernel_reads_scaled_fp8_pools(name, path, magnitude, dtype, f16_dots, request, monkeypatch):
     """A scaled fp8 cache (a float32 scale per row and head): the kernel matches the reference over the same
     pools, the reference matches the spec's NumPy loop over the dequantized pools, and the output stays within
     e4m3's precision of the full-precision pools whatever the values' `magnitude` (V's; K's stays, or the
     softmax would go flat and hide K's error). Unscaled e4m3 loses small values to its subnormals (below
     2^-6): at values ~0.003 its error is several times the scaled one (both stated). In float16 (q's dtype)
-    the kernel must not round the value-scaled softmax weights into float16's subnormals (V ~1e-4)."""
+    the kernel must not round the value-scaled softmax weights into float16's subnormals (V ~1e-4). Both ways of
+    widening the tiles of 16-bit models (tuning.FP8_KV_F16_DOTS: float16 dots, or q's dtype)."""
     from glint.pallas_kernels.reference import to_pool_dtype
 
+    monkeypatch.setattr(tuning, "FP8_KV_F16_DOTS", f16_dots)
     case = CASES[name] if dtype is None else dataclasses.replace(CASES[name], dtype=dtype)
     tolerance = TOLERANCE.get(case.dtype, TOLERANCE["bfloat16"])
     inputs = make_attention_inputs(case, np.random.default_rng(_seed(request)))
@@ -364,3 +367,15 @@ def test_validation_errors(change, match):
 def test_block_sizes_validation(fields, match):
     with pytest.raises(ValueError, match=match):
         BlockSizes(**fields)
+
+
+def test_fp8_pools_decode_with_their_own_tile():
+    """Decode over fp8 pools takes the table's "decode-fp8" tile (twice the keys per block: an fp8 key row is half
+    the bytes); bf16 pools and prefill steps keep theirs; a head_dim without an fp8 entry falls back to decode's."""
+    from glint.pallas_kernels.varlen_attention import default_block_sizes
+
+    fp8 = jnp.float8_e4m3fn
+    assert default_block_sizes(8, 8, 128, fp8) == BlockSizes(**tuning.ATTENTION_BLOCKS["decode-fp8", 128])
+    assert default_block_sizes(8, 8, 128, jnp.bfloat16) == BlockSizes(**tuning.ATTENTION_BLOCKS["decode", 128])
+    assert default_block_sizes(64, 1, 128, fp8) == BlockSizes(**tuning.ATTENTION_BLOCKS["prefill", 128])
+    assert default_block_sizes(8, 8, 64, fp8) == BlockSizes(**tuning.ATTENTION_BLOCKS["decode", 64])

@@ -3,8 +3,10 @@ fp8 cache) KV pools on the GPU: the Triton kernel checked against the jnp refere
 chained inside one jit and as separate calls, as % of 4.3 TB/s of the K/V bytes (and scales) it must read.
 llama3-8b's attention shape (32 query / 8 KV heads of 128, page 16).
 
-  python tools/gpu_fp8_kv.py [BATCH CONTEXT]
+  python tools/gpu_fp8_kv.py [BATCH CONTEXT] [--sweep]   (--sweep: then the scaled fp8 pools and bf16's at each
+      decode tile in SWEEP, chained, each checked against the reference)
 """
+import dataclasses
 import statistics
 import sys
 import time
@@ -14,10 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from glint.pallas_kernels import varlen_attention, varlen_attention_reference
+from glint.pallas_kernels import BlockSizes, varlen_attention, varlen_attention_reference
 from glint.pallas_kernels.reference import quantize_rows, to_pool_dtype
 
 PEAK, REPS, PAGE, HKV, GROUP, D = 4.3e12, 20, 16, 8, 4, 128
+SWEEP = [BlockSizes(16, k, w, st) for k in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4)]
 
 
 def timed(fn, *args):
@@ -30,7 +33,7 @@ def timed(fn, *args):
     return statistics.median(out)
 
 
-def main(batch: int, context: int) -> None:
+def main(batch: int, context: int, sweep: bool = False) -> None:
     rng = np.random.default_rng(0)
     pages_per_seq = context // PAGE
     num_pages = 1 + batch * pages_per_seq
@@ -75,7 +78,27 @@ def main(batch: int, context: int) -> None:
                                                                                                  np.float32))
     print(f"scaled fp8 / bf16 time: chained {rows[0][2] / rows[2][2]:.2f}x faster, separate "
           f"{rows[0][3] / rows[2][3]:.2f}x; scaled fp8 output vs bf16 output max |diff| {scaled_vs_bf16.max():.4f}")
+    if sweep:
+        print("tile (block_m, block_k, warps, stages) | pools | max err vs reference | chained us | % of 4.3 TB/s")
+    for blocks in SWEEP if sweep else ():
+        for name in ("bf16", "fp8-scaled"):
+            sweep_row(q, pools[name], page_table, seq_info, blocks, name, next(r[4] for r in rows if r[0] == name))
 
+
+def sweep_row(q, pool, page_table, seq_info, blocks, name, nbytes):
+    """One tile on one pool: checked against the reference, timed chained."""
+    scales = dict(zip(("k_scale", "v_scale"), pool[2:]))
+    tiled = jax.jit(lambda q, k, v, **s: varlen_attention(q, k, v, page_table, seq_info, scale=D ** -0.5,
+                                                          block_sizes=blocks, **s))
+    got = np.asarray(tiled(q, *pool[:2], **scales), np.float32)
+    want = np.asarray(varlen_attention_reference(q, *pool[:2], page_table, seq_info, scale=D ** -0.5, **scales),
+                      np.float32)
+    chained = jax.jit(lambda q, k, v, **s: lax.fori_loop(0, REPS, lambda i, q: q + 0 * tiled(q, k, v, **s), q))
+    t = timed(lambda q: chained(q, *pool[:2], **scales), q) / REPS
+    err = float(np.abs(got - want).max() / np.abs(want).max())
+    print(f"{dataclasses.astuple(blocks)} | {name} | {err:.2e} | {t * 1e6:.1f} | {100 * nbytes / t / PEAK:.0f}",
+          flush=True)
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:3])) if len(sys.argv) > 2 else main(64, 4096)
+    args = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [64, 4096]
+    main(*args, sweep="--sweep" in sys.argv)
