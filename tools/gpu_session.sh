@@ -50,20 +50,22 @@ case "${1:-all}" in
       grep -E "roofline|Error" "$out/quant_$q.log" | head -2; sed -n '/decode (one token/,$p' "$out/quant_$q.log"
     done
     ;;
-  quant-e2e)  # llama3-8b end to end 256 x 512 -> 128 per weight format (QUANT_FORMATS, default "none fp8");
+  quant-e2e)  # llama3-8b end to end 256 x 512 -> 128 per weight format (QUANT_FORMATS, default "none fp8"; a
+             # format ending in +kv8 also runs the fp8 KV cache, e.g. "none fp8 fp8+kv8");
              # --batch sets max_seqs: it must be 256 (--batch 1 served the 256 requests one at a time)
     for q in ${QUANT_FORMATS:-none fp8}; do
       start=$(date +%s)
-      timeout 280 python3 -m glint.runtime.cli bench llama3-8b --quantize $q --batch 256 --prompt-len 512 \
-        --gen-len 128 --requests 256 --e2e-gen-len 128 --repeats 2 \
+      kv=auto; [[ $q == *+kv8 ]] && kv=fp8
+      timeout 280 python3 -m glint.runtime.cli bench llama3-8b --quantize ${q%+kv8} --kv-cache-dtype $kv \
+        --batch 256 --prompt-len 512 --gen-len 128 --requests 256 --e2e-gen-len 128 --repeats 2 \
         --json "$out/quant_e2e_$q.json" > "$out/quant_e2e_$q.log" 2>&1
       echo "== $q: $(( $(date +%s) - start )) s"
       grep -E "roofline|Error" "$out/quant_e2e_$q.log" | head -2; tail -12 "$out/quant_e2e_$q.log"
     done
     ;;
-  fp8-kv)  # decode attention over bf16 and fp8 KV pools, 64 x 4096 (~1 min)
-    timeout 200 python3 tools/gpu_fp8_kv.py 64 4096 > "$out/fp8_kv.log" 2>&1
-    grep -v cuda_timer "$out/fp8_kv.log" | tail -6
+  fp8-kv)  # decode attention over bf16 and fp8 KV pools, 64 x 4096 (~1 min; FP8_KV_ARGS="256 640 --sweep" etc.)
+    timeout 260 python3 tools/gpu_fp8_kv.py ${FP8_KV_ARGS:-64 4096} > "$out/fp8_kv.log" 2>&1
+    grep -v cuda_timer "$out/fp8_kv.log" | grep -E "\||faster"
     ;;
   quant-kernels)  # quantized matmuls at llama3-8b's shapes, M = 1, 8, 64: Mosaic int8 and int4 configs, XLA int8 /
                  # int4 / fp8, bf16 (~6 min before the int4 configs; give QUANT_ARGS --ways or --rows to fit 560 s)
