@@ -39,10 +39,14 @@ def _hidden(y, xscale, wscale_g, wscale_u):
     return g * u / (1.0 + jnp.exp(-g))
 
 
-def _quantized(h, amax):
-    """h [rows, cols] (amax [rows]) -> (fp8 h / scale, scale) with scale = amax / 448 (1 for an all-zero row)."""
-    inverse = jnp.where(amax > 0, FP8_MAX / amax, 1.0)
-    return jnp.clip(h * inverse[:, None], -FP8_MAX, FP8_MAX).astype(FP8), jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+def _scales(amax):
+    """Rows' amax -> (448 / amax, scale = amax / 448), both 1 for an all-zero row."""
+    return jnp.where(amax > 0, FP8_MAX / amax, 1.0), jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+
+
+def _to_fp8(h, inverse):
+    """h [rows, cols] times its rows' 448 / amax, in float8_e4m3fn."""
+    return jnp.clip(h * inverse[:, None], -FP8_MAX, FP8_MAX).astype(FP8)
 
 
 def gated_quantize_fp8_reference(y, xscale, wscale):
@@ -51,8 +55,8 @@ def gated_quantize_fp8_reference(y, xscale, wscale):
     g, u = jnp.split(y, 2, axis=-1)
     wg, wu = jnp.split(wscale, 2)
     h = _hidden((g, u), xscale, wg[None, :], wu[None, :])
-    q, scale = _quantized(h, jnp.max(jnp.abs(h), axis=-1))
-    return q, scale[:, None]
+    inverse, scale = _scales(jnp.max(jnp.abs(h), axis=-1))
+    return _to_fp8(h, inverse), scale[:, None]
 
 
 def _kernel(y_ref, xscale_ref, wscale_ref, q_ref, scale_ref, *, num_rows: int, width: int, tile: int, block: int):
@@ -72,26 +76,25 @@ def _kernel(y_ref, xscale_ref, wscale_ref, q_ref, scale_ref, *, num_rows: int, w
         wu = plgpu.load(wscale_ref.at[width + c], mask=c < width, other=0)[None, :]
         return c, ok, _hidden((g, u), xscale, wg, wu)  # masked lanes: g = u = 0, so h = 0
 
-    def store(c, ok, h, amax):
-        q, scale = _quantized(h, amax)
-        plgpu.store(q_ref.at[rows[:, None], c[None, :]], q, mask=ok)
-        return scale
+    def store(c, ok, h, inverse):
+        plgpu.store(q_ref.at[rows[:, None], c[None, :]], _to_fp8(h, inverse), mask=ok)
 
     if num_blocks == 1:  # the tile's whole rows in registers: y read once
         c, ok, h = hidden(0)
-        plgpu.store(scale_ref.at[rows], store(c, ok, h, jnp.max(jnp.abs(h), axis=1)), mask=row_ok)
-        return
+        inverse, scale = _scales(jnp.max(jnp.abs(h), axis=1))
+        store(c, ok, h, inverse)
+    else:
+        def amax_of(b, amax):
+            _, _, h = hidden(b)
+            return jnp.maximum(amax, jnp.max(jnp.abs(h), axis=1))
 
-    def amax_of(b, amax):
-        _, _, h = hidden(b)
-        return jnp.maximum(amax, jnp.max(jnp.abs(h), axis=1))
+        inverse, scale = _scales(jax.lax.fori_loop(0, num_blocks, amax_of, jnp.zeros((tile,), jnp.float32)))
 
-    amax = jax.lax.fori_loop(0, num_blocks, amax_of, jnp.zeros((tile,), jnp.float32))
+        def quantize(b, carry):
+            store(*hidden(b), inverse)
+            return carry
 
-    def quantize(b, scale):
-        return store(*hidden(b), amax)
-
-    scale = jax.lax.fori_loop(0, num_blocks, quantize, jnp.ones((tile,), jnp.float32))
+        jax.lax.fori_loop(0, num_blocks, quantize, 0)
     plgpu.store(scale_ref.at[rows], scale, mask=row_ok)
 
 

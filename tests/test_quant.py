@@ -389,10 +389,11 @@ def test_gated_fp8_kernel_matches_its_reference_and_the_model(rows, d, hidden, g
     assert fused.dtype == x.dtype and fused.shape == x.shape
 
 
-def test_fused_fp8_mlp_is_no_less_accurate_than_the_unfused_one(monkeypatch):
+def test_fused_fp8_mlp_is_as_accurate_as_the_unfused_one(monkeypatch):
     """The fp8 MLP's output with the fused middle and with XLA's, against float32 throughout (the fp8 weights
-    dequantized, the hidden not quantized): the fused path, rounding once where the unfused one rounds each op to
-    bfloat16 first, has no larger mean error (a width large enough that the means are stable)."""
+    dequantized, the hidden not quantized): the fused path rounds once where the unfused one rounds each op to
+    bfloat16 first, but the fp8 rounding dominates both, so its mean error is within 5 % of the unfused one's (a
+    width large enough that the means are stable)."""
     monkeypatch.setattr(tuning, "GATED_FP8_BLOCK", 1024)
     monkeypatch.setattr(tuning, "GATED_FP8_ROWS", 8)
     x, gate_up, down = _fp8_mlp_inputs(32, 64, 1000, 7)

@@ -33,6 +33,26 @@ def timed(fn, *args):
     return statistics.median(out)
 
 
+def attention(page_table, seq_info, blocks=None):
+    """varlen_attention over (q, k, v[, k_scale, v_scale]) at this table, jitted (blocks: None, the defaults)."""
+    return jax.jit(lambda q, k, v, *s: varlen_attention(q, k, v, page_table, seq_info, scale=D ** -0.5,
+                                                         block_sizes=blocks, **dict(zip(("k_scale", "v_scale"), s))))
+
+
+def error(attend, q, pool, page_table, seq_info) -> float:
+    """Max |attend - the jnp reference| over the same pools, relative to the reference's largest value."""
+    got = np.asarray(attend(q, *pool), np.float32)
+    want = np.asarray(varlen_attention_reference(q, *pool[:2], page_table, seq_info, scale=D ** -0.5,
+                                                 **dict(zip(("k_scale", "v_scale"), pool[2:]))), np.float32)
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def chained_time(attend, q, pool) -> float:
+    """Seconds per call, REPS calls chained inside one jit (each feeds the next)."""
+    chained = jax.jit(lambda q, *pool: lax.fori_loop(0, REPS, lambda i, q: q + 0 * attend(q, *pool), q))
+    return timed(chained, q, *pool) / REPS
+
+
 def main(batch: int, context: int, sweep: bool = False) -> None:
     rng = np.random.default_rng(0)
     pages_per_seq = context // PAGE
@@ -47,21 +67,12 @@ def main(batch: int, context: int, sweep: bool = False) -> None:
     (k8, ks), (v8, vs) = (quantize_rows(x.reshape(-1, HKV, D)) for x in (k, v))
     pools = {"bf16": (k, v), "fp8": (to_pool_dtype(k, jnp.float8_e4m3fn), to_pool_dtype(v, jnp.float8_e4m3fn)),
              "fp8-scaled": (k8.reshape(shape), v8.reshape(shape), ks.reshape(shape[:3]), vs.reshape(shape[:3]))}
-    attend = jax.jit(lambda q, k, v, *s: varlen_attention(q, k, v, page_table, seq_info, scale=D ** -0.5,
-                                                           **dict(zip(("k_scale", "v_scale"), s))))
+    attend = attention(page_table, seq_info)
     rows = []
     for name, pool in pools.items():
-        got = np.asarray(attend(q, *pool), np.float32)
-        want = np.asarray(varlen_attention_reference(q, *pool[:2], page_table, seq_info, scale=D ** -0.5,
-                                                     **dict(zip(("k_scale", "v_scale"), pool[2:]))), np.float32)
-        err = float(np.abs(got - want).max() / np.abs(want).max())
+        err = error(attend, q, pool, page_table, seq_info)
         nbytes = 2 * batch * context * HKV * (D * pool[0].dtype.itemsize + 4 * (len(pool) > 2))
-
-        @jax.jit
-        def chained(q, *pool):
-            return lax.fori_loop(0, REPS, lambda i, q: q + 0 * attend(q, *pool), q)
-
-        t_chain = timed(chained, q, *pool) / REPS
+        t_chain = chained_time(attend, q, pool)
         t_sep = timed(lambda q, *pool: [attend(q, *pool) for _ in range(REPS)][-1], q, *pool) / REPS
         rows.append((name, err, t_chain, t_sep, nbytes))
         print(rows[-1], flush=True)
@@ -81,23 +92,13 @@ def main(batch: int, context: int, sweep: bool = False) -> None:
     if sweep:
         print("tile (block_m, block_k, warps, stages) | pools | max err vs reference | chained us | % of 4.3 TB/s")
     for blocks in SWEEP if sweep else ():
-        for name in ("bf16", "fp8-scaled"):
-            sweep_row(q, pools[name], page_table, seq_info, blocks, name, next(r[4] for r in rows if r[0] == name))
+        tiled = attention(page_table, seq_info, blocks)
+        for name, _, _, _, nbytes in rows:
+            if name != "fp8":
+                err, t = error(tiled, q, pools[name], page_table, seq_info), chained_time(tiled, q, pools[name])
+                print(f"{dataclasses.astuple(blocks)} | {name} | {err:.2e} | {t * 1e6:.1f} | "
+                      f"{100 * nbytes / t / PEAK:.0f}", flush=True)
 
-
-def sweep_row(q, pool, page_table, seq_info, blocks, name, nbytes):
-    """One tile on one pool: checked against the reference, timed chained."""
-    scales = dict(zip(("k_scale", "v_scale"), pool[2:]))
-    tiled = jax.jit(lambda q, k, v, **s: varlen_attention(q, k, v, page_table, seq_info, scale=D ** -0.5,
-                                                          block_sizes=blocks, **s))
-    got = np.asarray(tiled(q, *pool[:2], **scales), np.float32)
-    want = np.asarray(varlen_attention_reference(q, *pool[:2], page_table, seq_info, scale=D ** -0.5, **scales),
-                      np.float32)
-    chained = jax.jit(lambda q, k, v, **s: lax.fori_loop(0, REPS, lambda i, q: q + 0 * tiled(q, k, v, **s), q))
-    t = timed(lambda q: chained(q, *pool[:2], **scales), q) / REPS
-    err = float(np.abs(got - want).max() / np.abs(want).max())
-    print(f"{dataclasses.astuple(blocks)} | {name} | {err:.2e} | {t * 1e6:.1f} | {100 * nbytes / t / PEAK:.0f}",
-          flush=True)
 
 if __name__ == "__main__":
     args = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [64, 4096]
