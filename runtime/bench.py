@@ -67,6 +67,7 @@ class StepTiming:
     tokens_per_s: float
     roofline_pct: float
     engine_ms: float | None = None  # decode rows: per step of the engine's own pipelined loop (engine.step())
+    engine_host_ms: dict | None = None  # and the loop's host time per step: busy, waiting, busy by phase
 
 
 class StepBench:
@@ -137,9 +138,11 @@ class StepBench:
                           100 * ideal / device)
 
 
-def pipelined_decode_ms(engine: Engine, batch: int, context: int, steps: int = 32, seed: int = 0) -> float:
+def pipelined_decode_ms(engine: Engine, batch: int, context: int, steps: int = 32, seed: int = 0
+                        ) -> tuple[float, dict]:
     """Milliseconds per engine.step() while `batch` requests with `context` tokens each decode: the loop users
-    get (step n+1 dispatched before step n is read, host bookkeeping included), after prefill and two steps."""
+    get (step n+1 dispatched before step n is read, host bookkeeping included), after prefill and two steps;
+    and the loop's host time per step (`host_ms`)."""
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
     rids = [engine.add_request(rng.integers(0, engine.model.vocab_size, context).tolist(), params)
@@ -147,10 +150,13 @@ def pipelined_decode_ms(engine: Engine, batch: int, context: int, steps: int = 3
     try:
         while min(len(engine.output(rid, text=False).token_ids) for rid in rids) < 2:
             engine.step()
+        kept, engine.stats = engine.stats, type(engine.stats)()
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
-        return 1e3 * (time.perf_counter() - t0) / steps
+        ms = 1e3 * (time.perf_counter() - t0) / steps
+        timed, engine.stats = engine.stats, kept
+        return ms, host_ms(timed, steps)
     finally:
         for rid in rids:
             engine.abort(rid)
@@ -158,6 +164,12 @@ def pipelined_decode_ms(engine: Engine, batch: int, context: int, steps: int = 3
             engine.step()
         for rid in rids:
             engine.release(rid)
+
+
+def host_ms(stats, steps: int) -> dict:
+    """The host's milliseconds per step in `stats` (EngineStats): busy, waiting on the device, busy by phase."""
+    return dict(busy=1e3 * stats.host_seconds / steps, wait=1e3 * stats.wait_seconds / steps,
+                **{k: 1e3 * v / steps for k, v in sorted(stats.host_phase_seconds.items())})
 
 
 def end_to_end(engine: Engine, num_requests: int, prompt_len: int, gen_len: int, spread: float = 0.0,
@@ -183,7 +195,7 @@ def end_to_end(engine: Engine, num_requests: int, prompt_len: int, gen_len: int,
     steps = sum(s.steps_per_bucket.values())
     return dict(requests=num_requests, prompt_len=prompt_len, gen_len=gen_len, length_spread=spread, wall_s=wall,
                 output_tokens_per_s=generated / wall, steps=steps, host_ms_per_step=1e3 * s.host_seconds / steps,
-                wait_ms_per_step=1e3 * s.wait_seconds / steps, preemptions=s.preemptions,
+                wait_ms_per_step=1e3 * s.wait_seconds / steps, host_ms=host_ms(s, steps), preemptions=s.preemptions,
                 steps_per_bucket=dict(sorted(s.steps_per_bucket.items())))
 
 
@@ -207,6 +219,7 @@ def engine_settings(args) -> dict:
                 compile_cache=args.compile_cache, **({"quantize": args.quantize} if args.quantize else {}),
                 **({"quantize_head": True} if args.quantize_head else {}), kv_cache_dtype=args.kv_cache_dtype,
                 tensor_parallel=args.tensor_parallel,
+                **({"forward_sizes": tuple(int(w) for w in args.forward_sizes.split(","))} if args.forward_sizes else {}),
                 allow_long_context=True)  # a speed test: the synthetic context may pass the model's
 
 
@@ -473,8 +486,12 @@ def run_bench(args) -> dict:
                for w in track(engine.config.buckets, description="buckets", console=console)]
     result["buckets"] = [dataclasses.asdict(t) | {"compile_s": compile_s[t.width]} for t in buckets]
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else [args.prompt_len + args.gen_len // 2]
-    decode = [dataclasses.replace(bench.time_step(b, c, 1, args.repeats), engine_ms=pipelined_decode_ms(engine, b, c))
-              for b in track(batches, description="decode", console=console) for c in contexts]
+    decode = []
+    for b in track(batches, description="decode", console=console):
+        for c in contexts:
+            engine_ms, engine_host_ms = pipelined_decode_ms(engine, b, c)
+            decode.append(dataclasses.replace(bench.time_step(b, c, 1, args.repeats), engine_ms=engine_ms,
+                                              engine_host_ms=engine_host_ms))
     result["decode"] = [dataclasses.asdict(t) for t in decode]
     if args.requests:
         e2e = end_to_end(engine, args.requests, args.prompt_len, args.e2e_gen_len or args.gen_len, args.length_spread)
@@ -488,6 +505,11 @@ def run_bench(args) -> dict:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return result
+
+
+def _host_line(ms: dict) -> str:
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in ms.items() if k not in ("busy", "wait"))
+    return f"busy {ms['busy']:.2f} ms ({phases}), waiting on the device {ms['wait']:.2f} ms"
 
 
 def read_peers(path: str, e2e: dict) -> list[dict]:
@@ -522,12 +544,17 @@ def print_tables(console: Console, result: dict) -> None:
                   f"{engine_ms:.2f}" if engine_ms else "",
                   f"{r['roofline_pct'] * r['device_ms'] / engine_ms:.0f}" if engine_ms else "")
     console.print(t)
+    for r in result["decode"]:
+        if r.get("engine_host_ms"):
+            console.print(f"the loop at batch {r['batch']}, host per step: {_host_line(r['engine_host_ms'])}")
     if "end_to_end" in result:
         e = result["end_to_end"]
         console.print(f"end to end: {e['requests']} requests x ({e['prompt_len']} prompt + {e['gen_len']} generated): "
                       f"{e['output_tokens_per_s']:.0f} output tokens/s, {e['wall_s']:.1f}s, host "
                       f"{e['host_ms_per_step']:.2f} ms busy / {e['wait_ms_per_step']:.2f} ms waiting on the device per step, "
                       f"ceiling {e['ceiling_tokens_per_s']:.0f} tokens/s ({100 * e['fraction_of_ceiling']:.0f}%)")
+        if "host_ms" in e:
+            console.print(f"end to end, host per step: {_host_line(e['host_ms'])}")
     for peer in result.get("peers", []):
         if "glint_ratio" in peer:
             console.print(f"peer {peer['peer']} ({peer['variant']}): {peer['output_tokens_per_s']:.0f} output tokens/s; "

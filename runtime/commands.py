@@ -302,6 +302,8 @@ def _register_bench(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-step-tokens", type=int, help="default: 4096 on a GPU, 128 on a CPU")
+    p.add_argument("--forward-sizes", help="the narrow step widths, comma-separated (default: the engine's up to "
+                   "--max-step-tokens); e.g. --forward-sizes 256 --max-step-tokens 256 compiles one program")
     p.add_argument("--attention", default="auto", choices=["auto", "pallas", "reference", "interpret"])
     p.add_argument("--repeats", type=int, help="default: 10 on a GPU, 3 on a CPU")
     p.add_argument("--bandwidth-gbps", type=float, default=0.0,

@@ -63,7 +63,8 @@ class EngineStats:
     page_copies: int = 0  # copy-on-write page copies (n > 1 clones writing into a shared page)
     host_seconds: float = 0.0  # host busy: scheduling, metadata, dispatch, postprocessing
     # of it, by phase: "schedule" (the scheduler and page bookkeeping), "dispatch" (packing and launching the
-    # step's programs), "postprocess" (committing, accepting and delivering a step's tokens)
+    # step's programs; "launch", a part of it: the forward program's call returning, its enqueueing of the device's
+    # work), "postprocess" (committing, accepting and delivering a step's tokens)
     host_phase_seconds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     wait_seconds: float = 0.0  # host blocked on the device's results
     spec_steps: int = 0  # speculative blocks verified
@@ -566,8 +567,10 @@ class Engine:
         params = list({id(p): p for p in params}.values())  # a block's rows share their request's
         padded_rows = np.zeros(rows_out, np.int32)
         padded_rows[:len(rows)] = rows
+        t0 = time.perf_counter()
         next_tokens, logits, self.kv = self.runner.forward(width, self.params, self.kv, tokens, token_src, prev,
                                                            device_meta, padded_rows, sampler)
+        self.stats.host_phase_seconds["launch"] += time.perf_counter() - t0
         if uses_filters(params):
             next_tokens = self.runner.sample(logits, sampler)
         lp = self.runner.logprobs(logits, next_tokens) if any(p.logprobs for p in params) else None

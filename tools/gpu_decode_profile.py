@@ -74,7 +74,7 @@ def main():
     engine.warmup(progress=False)
     print(f"engine + warmup {time.perf_counter() - t0:.1f} s", flush=True)
     weight_bytes = weights.decode_weight_bytes(engine.params, engine.model.tie_embeddings)
-    loop = sorted(pipelined_decode_ms(engine, 1, CONTEXT, steps=64) for _ in range(3))[1]
+    loop = sorted(pipelined_decode_ms(engine, 1, CONTEXT, steps=64)[0] for _ in range(3))[1]
     steps = 16
     rng = np.random.default_rng(1)
     rid = engine.add_request(rng.integers(0, engine.model.vocab_size, CONTEXT).tolist(),
