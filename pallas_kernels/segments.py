@@ -15,7 +15,8 @@ def tile_map(tiles_per_segment, num_tiles: int):
     num_segments = tiles_per_segment.shape[0]
     ends = jnp.cumsum(tiles_per_segment)
     b = jnp.arange(num_tiles, dtype=jnp.int32)
-    segment = jnp.searchsorted(ends, b, side="right").astype(jnp.int32)
+    # compare_all: one fusion; the default binary search is a loop the GPU runs op by op, launched from the host
+    segment = jnp.searchsorted(ends, b, side="right", method="compare_all").astype(jnp.int32)
     valid = segment < num_segments
     seg = jnp.minimum(segment, num_segments - 1)
     local = b - (ends[seg] - tiles_per_segment[seg])
