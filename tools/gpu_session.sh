@@ -56,11 +56,11 @@ case "${1:-all}" in
     for q in ${QUANT_FORMATS:-none fp8}; do
       start=$(date +%s)
       kv=auto; [[ $q == *+kv8 ]] && kv=fp8
-      timeout 280 python3 -m glint.runtime.cli bench llama3-8b --quantize ${q%+kv8} --kv-cache-dtype $kv \
+      timeout ${E2E_TIMEOUT:-280} python3 -m glint.runtime.cli bench llama3-8b --quantize ${q%+kv8} --kv-cache-dtype $kv \
         --batch 256 --prompt-len 512 --gen-len 128 --requests 256 --e2e-gen-len 128 --repeats 2 \
-        --json "$out/quant_e2e_$q.json" > "$out/quant_e2e_$q.log" 2>&1
+        --json "$out/quant_e2e_${q/+/_}.json" > "$out/quant_e2e_${q/+/_}.log" 2>&1
       echo "== $q: $(( $(date +%s) - start )) s"
-      grep -E "roofline|Error" "$out/quant_e2e_$q.log" | head -2; tail -12 "$out/quant_e2e_$q.log"
+      grep -E "roofline|Error" "$out/quant_e2e_${q/+/_}.log" | head -2; tail -12 "$out/quant_e2e_${q/+/_}.log"
     done
     ;;
   fp8-kv)  # decode attention over bf16 and fp8 KV pools, 64 x 4096 (~1 min; FP8_KV_ARGS="256 640 --sweep" etc.)
