@@ -1,0 +1,137 @@
+"""What the host spends launching a step: the engine's decode loop at one width, on the GPU, in one process.
+
+1. the pipelined loop (`pipelined_decode_ms`, median of 3) and its host time per step by phase; "launch" is the
+   forward program's call returning, i.e. what XLA does on the host to enqueue the step;
+2. the forward called directly on one captured step, 24 times back to back ("overlapped": the next call while
+   the last runs, as the loop does) and 24 times each after the last finished ("waited"): the launch time of
+   each way. XLA re-records its command buffer (a CUDA graph) when a buffer the graph uses moved; if only the
+   overlapped calls pay for that, the temporaries of two steps in flight are what moves;
+3. with --trace DIR: a jax.profiler trace of 8 loop steps with command buffers kept on while profiling
+   (XLA otherwise runs op by op under the profiler), its host events summed per step by name: e.g.
+   `command_buffer::update` (the re-recording) and `cuGraphLaunch`.
+
+    python3 tools/gpu_launch.py --quantize fp8 --kv-cache-dtype fp8 --trace $OUT/launch_fp8
+    python3 tools/gpu_launch.py                      # bf16, batch 256 at 576 keys
+One width is compiled (forward_sizes = max_step_tokens = the batch).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+from glint.runtime.bench import pipelined_decode_ms
+from glint.runtime.engine import Engine
+from glint.runtime.params import SamplingParams
+
+
+def direct_launches(engine: Engine, batch: int, context: int, calls: int = 24) -> dict:
+    """Median ms for the forward's call to return, overlapped and waited (two rounds each, alternating)."""
+    captured = {}
+    forward = engine.runner.forward
+
+    def capture(*args):
+        captured["args"] = args
+        return forward(*args)
+
+    engine.runner.forward = capture
+    rng = np.random.default_rng(3)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request(rng.integers(0, engine.model.vocab_size, context).tolist(), params)
+            for _ in range(batch)]
+    try:
+        while min(len(engine.output(rid, text=False).token_ids) for rid in rids) < 3:
+            engine.step()
+    finally:
+        engine.runner.forward = forward
+    width, weights, _, *step = captured["args"]
+    kv = engine.kv
+    jax.block_until_ready(kv.parts())
+    times = collections.defaultdict(list)
+    for way in ("overlapped", "waited") * 2:
+        for i in range(calls):
+            t = time.perf_counter()
+            tokens, _, kv = forward(width, weights, kv, *step)
+            if i >= 4:  # the first calls of a round follow the other way's
+                times[way].append(time.perf_counter() - t)
+            if way == "waited":
+                tokens.block_until_ready()
+        tokens.block_until_ready()
+    engine.kv = kv  # the last call's pools: the engine's own were donated
+    return {way: 1e3 * float(np.median(t)) for way, t in times.items()}
+
+
+def host_events(engine: Engine, batch: int, context: int, trace_dir: str, steps: int = 8, top: int = 20) -> list:
+    """(ms per step, calls per step, name) of the host events in a trace of `steps` loop steps, most first."""
+    rng = np.random.default_rng(2)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request(rng.integers(0, engine.model.vocab_size, context).tolist(), params)
+            for _ in range(batch)]
+    while min(len(engine.output(rid, text=False).token_ids) for rid in rids) < 3:
+        engine.step()
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # Python frames would swamp the host threads' own events
+    jax.profiler.start_trace(trace_dir, profiler_options=options)
+    for _ in range(steps):
+        engine.step()
+    jax.profiler.stop_trace()
+    for rid in rids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    for rid in rids:
+        engine.release(rid)
+    path = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)[0]
+    with gzip.open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "/device:GPU" in e["args"]["name"]}
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") not in gpu:
+            total[e["name"][:80]] += e.get("dur", 0)
+            count[e["name"][:80]] += 1
+    return [(us / steps / 1e3, count[name] / steps, name) for name, us in total.most_common(top)]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model", nargs="?", default="llama3-8b")
+    p.add_argument("--quantize", default=None)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--context", type=int, default=576)
+    p.add_argument("--trace", help="also trace 8 loop steps here and sum their host events")
+    args = p.parse_args()
+    if args.trace:  # before the backend starts: XLA reads its flags once
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_enable_command_buffers_during_profiling=true").strip()
+    b, capacity = args.batch, args.context + 256
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(args.model, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
+                                    max_seqs=b, max_step_tokens=b, forward_sizes=(b,), capacity=capacity,
+                                    num_pages=b * -(-capacity // 16) + 16, allow_long_context=True)
+    engine.warmup()
+    print(f"engine + warmup {time.perf_counter() - t0:.0f} s", flush=True)
+    loops = sorted((pipelined_decode_ms(engine, b, args.context) for _ in range(3)), key=lambda r: r[0])
+    ms, host = loops[1]
+    label = f"{args.model} {args.quantize or 'bf16'} KV {args.kv_cache_dtype}, batch {b} at {args.context} keys"
+    print(f"loop: {ms:.2f} ms/step; host per step " + ", ".join(f"{k} {v:.2f}" for k, v in host.items()), flush=True)
+    launches = direct_launches(engine, b, args.context)
+    print("forward launch ms: " + ", ".join(f"{k} {v:.2f}" for k, v in launches.items()), flush=True)
+    if args.trace:
+        for ms_step, calls, name in host_events(engine, b, args.context, args.trace):
+            print(f"{ms_step:8.3f} ms {calls:7.1f}x  {name}")
+    print(json.dumps({"case": label, "loop_ms": ms, "host_ms": host, "launch_ms": launches}))
+
+
+if __name__ == "__main__":
+    main()
