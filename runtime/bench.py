@@ -147,17 +147,18 @@ def pipelined_decode_ms(engine: Engine, batch: int, context: int, steps: int = 3
     params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
     rids = [engine.add_request(rng.integers(0, engine.model.vocab_size, context).tolist(), params)
             for _ in range(batch)]
+    kept = engine.stats  # the timed steps count on fresh stats; the engine's own come back after
     try:
         while min(len(engine.output(rid, text=False).token_ids) for rid in rids) < 2:
             engine.step()
-        kept, engine.stats = engine.stats, type(engine.stats)()
+        engine.stats = type(kept)()
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
         ms = 1e3 * (time.perf_counter() - t0) / steps
-        timed, engine.stats = engine.stats, kept
-        return ms, host_ms(timed, steps)
+        return ms, host_ms(engine.stats, steps)
     finally:
+        engine.stats = kept
         for rid in rids:
             engine.abort(rid)
         while engine.has_unfinished():
@@ -167,9 +168,11 @@ def pipelined_decode_ms(engine: Engine, batch: int, context: int, steps: int = 3
 
 
 def host_ms(stats, steps: int) -> dict:
-    """The host's milliseconds per step in `stats` (EngineStats): busy, waiting on the device, busy by phase."""
+    """The host's milliseconds per step in `stats` (EngineStats): busy, waiting on the device, busy by phase, and
+    of the dispatch phase the forward's launch."""
     return dict(busy=1e3 * stats.host_seconds / steps, wait=1e3 * stats.wait_seconds / steps,
-                **{k: 1e3 * v / steps for k, v in sorted(stats.host_phase_seconds.items())})
+                **{k: 1e3 * v / steps for k, v in sorted(stats.host_phase_seconds.items())},
+                launch=1e3 * stats.launch_seconds / steps)
 
 
 def end_to_end(engine: Engine, num_requests: int, prompt_len: int, gen_len: int, spread: float = 0.0,
@@ -219,7 +222,7 @@ def engine_settings(args) -> dict:
                 compile_cache=args.compile_cache, **({"quantize": args.quantize} if args.quantize else {}),
                 **({"quantize_head": True} if args.quantize_head else {}), kv_cache_dtype=args.kv_cache_dtype,
                 tensor_parallel=args.tensor_parallel,
-                **({"forward_sizes": tuple(int(w) for w in args.forward_sizes.split(","))} if args.forward_sizes else {}),
+                **({"forward_sizes": args.forward_sizes} if args.forward_sizes else {}),
                 allow_long_context=True)  # a speed test: the synthetic context may pass the model's
 
 
@@ -508,7 +511,8 @@ def run_bench(args) -> dict:
 
 
 def _host_line(ms: dict) -> str:
-    phases = ", ".join(f"{k} {v:.2f}" for k, v in ms.items() if k not in ("busy", "wait"))
+    phases = ", ".join(f"{k} {v:.2f}" + (f" (launch {ms['launch']:.2f})" if k == "dispatch" else "")
+                       for k, v in ms.items() if k not in ("busy", "wait", "launch"))
     return f"busy {ms['busy']:.2f} ms ({phases}), waiting on the device {ms['wait']:.2f} ms"
 
 
@@ -546,7 +550,8 @@ def print_tables(console: Console, result: dict) -> None:
     console.print(t)
     for r in result["decode"]:
         if r.get("engine_host_ms"):
-            console.print(f"the loop at batch {r['batch']}, host per step: {_host_line(r['engine_host_ms'])}")
+            console.print(f"the loop at batch {r['batch']}, context {r['context']}, host per step: "
+                          f"{_host_line(r['engine_host_ms'])}")
     if "end_to_end" in result:
         e = result["end_to_end"]
         console.print(f"end to end: {e['requests']} requests x ({e['prompt_len']} prompt + {e['gen_len']} generated): "

@@ -22,6 +22,17 @@ class Help(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _widths(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated positive step widths."""
+    try:
+        widths = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        widths = ()
+    if not widths or min(widths) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive widths")
+    return widths
+
+
 def _engine_args(p) -> None:
     from glint.runtime.config import EngineConfig as C
 
@@ -302,7 +313,7 @@ def _register_bench(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-step-tokens", type=int, help="default: 4096 on a GPU, 128 on a CPU")
-    p.add_argument("--forward-sizes", help="the narrow step widths, comma-separated (default: the engine's up to "
+    p.add_argument("--forward-sizes", type=_widths, help="the narrow step widths, comma-separated (default: the engine's up to "
                    "--max-step-tokens); e.g. --forward-sizes 256 --max-step-tokens 256 compiles one program")
     p.add_argument("--attention", default="auto", choices=["auto", "pallas", "reference", "interpret"])
     p.add_argument("--repeats", type=int, help="default: 10 on a GPU, 3 on a CPU")

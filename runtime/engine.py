@@ -63,9 +63,10 @@ class EngineStats:
     page_copies: int = 0  # copy-on-write page copies (n > 1 clones writing into a shared page)
     host_seconds: float = 0.0  # host busy: scheduling, metadata, dispatch, postprocessing
     # of it, by phase: "schedule" (the scheduler and page bookkeeping), "dispatch" (packing and launching the
-    # step's programs; "launch", a part of it: the forward program's call returning, its enqueueing of the device's
-    # work), "postprocess" (committing, accepting and delivering a step's tokens)
+    # step's programs), "postprocess" (committing, accepting and delivering a step's tokens)
     host_phase_seconds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    # of "dispatch": the forward's packing and call until it returns (XLA enqueueing the step's device work)
+    launch_seconds: float = 0.0
     wait_seconds: float = 0.0  # host blocked on the device's results
     spec_steps: int = 0  # speculative blocks verified
     spec_tokens: int = 0  # tokens they committed (accepted drafts + the target's own)
@@ -570,7 +571,7 @@ class Engine:
         t0 = time.perf_counter()
         next_tokens, logits, self.kv = self.runner.forward(width, self.params, self.kv, tokens, token_src, prev,
                                                            device_meta, padded_rows, sampler)
-        self.stats.host_phase_seconds["launch"] += time.perf_counter() - t0
+        self.stats.launch_seconds += time.perf_counter() - t0
         if uses_filters(params):
             next_tokens = self.runner.sample(logits, sampler)
         lp = self.runner.logprobs(logits, next_tokens) if any(p.logprobs for p in params) else None

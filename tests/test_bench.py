@@ -14,9 +14,9 @@ def test_bench_demo_runs(tmp_path, capsys):
     assert all(d["device_ms"] > 0 and d["roofline_pct"] > 0 and d["engine_ms"] > 0 for d in result["decode"])
     e2e = result["end_to_end"]
     for host in [d["engine_host_ms"] for d in result["decode"]] + [e2e["host_ms"]]:
-        # busy is the phases' sum; the forward's launch is a part of the dispatch phase
+        # the phases are most of the host's busy time, never more; the forward's launch is a part of dispatch
         phases = host["schedule"] + host["dispatch"] + host["postprocess"]
-        assert abs(host["busy"] - phases) < 0.05 * host["busy"] and 0 < host["launch"] < host["dispatch"]
+        assert 0.5 * host["busy"] < phases <= host["busy"] * (1 + 1e-9) and 0 < host["launch"] < host["dispatch"]
     assert e2e["requests"] == 8 and e2e["length_spread"] == 0.5 and e2e["output_tokens_per_s"] > 0 and 0 < e2e["fraction_of_ceiling"]
     assert set(result["compile_s"]) == {str(w) for w in [1, 2, 4, 8, 16, 32, 64, 128]}
     assert "decode (one token per sequence)" in capsys.readouterr().out
