@@ -2,10 +2,11 @@
 
 1. the pipelined loop (`pipelined_decode_ms`, median of 3) and its host time per step by phase; "launch" is the
    forward program's call returning, i.e. what XLA does on the host to enqueue the step;
-2. the forward called directly on one captured step, 24 times back to back ("overlapped": the next call while
-   the last runs, as the loop does) and 24 times each after the last finished ("waited"): the launch time of
-   each way. XLA re-records its command buffer (a CUDA graph) when a buffer the graph uses moved; if only the
-   overlapped calls pay for that, the temporaries of two steps in flight are what moves;
+2. the forward called directly on one captured step, 24 times with two calls in flight ("overlapped", as the
+   loop runs) and 24 times each after the last finished ("waited"), the previous tokens a new buffer each call
+   as in the loop: the launch time of each way. XLA re-records its command buffer (a CUDA graph) when a buffer
+   the graph uses moved; if only the overlapped calls pay for that, what moves is what two steps in flight do
+   not share (XLA's temporaries, most likely);
 3. with --trace DIR: a jax.profiler trace of 8 loop steps with command buffers kept on while profiling
    (XLA otherwise runs op by op under the profiler), its host events summed per step by name: e.g.
    `command_buffer::update` (the re-recording) and `cuGraphLaunch`.
@@ -25,6 +26,7 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from glint.runtime.bench import pipelined_decode_ms
@@ -41,35 +43,47 @@ def direct_launches(engine: Engine, batch: int, context: int, calls: int = 24) -
         captured["args"] = args
         return forward(*args)
 
-    engine.runner.forward = capture
     rng = np.random.default_rng(3)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     rids = [engine.add_request(rng.integers(0, engine.model.vocab_size, context).tolist(), params)
             for _ in range(batch)]
+    engine.runner.forward = capture
     try:
         while min(len(engine.output(rid, text=False).token_ids) for rid in rids) < 3:
             engine.step()
     finally:
-        engine.runner.forward = forward
-    width, weights, _, *step = captured["args"]
+        del engine.runner.forward  # the class's method again
+    width, weights, _, tokens, token_src, prev, *step = captured["args"]
     kv = engine.kv
     jax.block_until_ready(kv.parts())
     times = collections.defaultdict(list)
-    for way in ("overlapped", "waited") * 2:
-        for i in range(calls):
-            t = time.perf_counter()
-            tokens, _, kv = forward(width, weights, kv, *step)
-            if i >= 4:  # the first calls of a round follow the other way's
-                times[way].append(time.perf_counter() - t)
-            if way == "waited":
-                tokens.block_until_ready()
-        tokens.block_until_ready()
-    engine.kv = kv  # the last call's pools: the engine's own were donated
+    try:
+        for way in ("overlapped", "waited") * 2:
+            pending = []
+            for i in range(calls):
+                moved = jnp.copy(prev)  # the previous step's tokens: a buffer of its own each step, as in the loop
+                t = time.perf_counter()
+                out, _, kv = forward(width, weights, kv, tokens, token_src, moved, *step)
+                if i >= 4:  # the first calls of a round follow the other way's
+                    times[way].append(time.perf_counter() - t)
+                pending.append(out)
+                if way == "waited" or len(pending) > 2:  # overlapped: two steps in flight at most, as the loop has
+                    pending.pop(0).block_until_ready()
+            jax.block_until_ready(pending)
+    finally:
+        engine.kv = kv  # the last call's pools: the engine's own were donated
+        for rid in rids:
+            engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()
+        for rid in rids:
+            engine.release(rid)
     return {way: 1e3 * float(np.median(t)) for way, t in times.items()}
 
 
 def host_events(engine: Engine, batch: int, context: int, trace_dir: str, steps: int = 8, top: int = 20) -> list:
-    """(ms per step, calls per step, name) of the host events in a trace of `steps` loop steps, most first."""
+    """(ms per step, calls per step, name) of the host events in a trace of `steps` loop steps, most first; the
+    GPU's events summed as one row."""
     rng = np.random.default_rng(2)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     rids = [engine.add_request(rng.integers(0, engine.model.vocab_size, context).tolist(), params)
@@ -88,7 +102,7 @@ def host_events(engine: Engine, batch: int, context: int, trace_dir: str, steps:
         engine.step()
     for rid in rids:
         engine.release(rid)
-    path = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)[0]
+    path = max(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
     with gzip.open(path) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -96,9 +110,10 @@ def host_events(engine: Engine, batch: int, context: int, trace_dir: str, steps:
            and "/device:GPU" in e["args"]["name"]}
     total, count = collections.Counter(), collections.Counter()
     for e in events:
-        if e.get("ph") == "X" and e.get("pid") not in gpu:
-            total[e["name"][:80]] += e.get("dur", 0)
-            count[e["name"][:80]] += 1
+        if e.get("ph") == "X":
+            name = "GPU kernels and copies" if e.get("pid") in gpu else e["name"][:80]
+            total[name] += e.get("dur", 0)
+            count[name] += 1
     return [(us / steps / 1e3, count[name] / steps, name) for name, us in total.most_common(top)]
 
 

@@ -52,15 +52,16 @@ case "${1:-all}" in
     ;;
   quant-e2e)  # llama3-8b end to end 256 x 512 -> 128 per weight format (QUANT_FORMATS, default "none fp8"; a
              # format ending in +kv8 also runs the fp8 KV cache, e.g. "none fp8 fp8+kv8");
-             # --batch sets max_seqs: it must be 256 (--batch 1 served the 256 requests one at a time)
+             # --batch sets max_seqs: it must be 256 (--batch 1 served the 256 requests one at a time);
+             # E2E_TIMEOUT s per process (default 280; a cold fp8+kv8 compile of the 13 widths takes longer)
     for q in ${QUANT_FORMATS:-none fp8}; do
       start=$(date +%s)
       kv=auto; [[ $q == *+kv8 ]] && kv=fp8
       timeout ${E2E_TIMEOUT:-280} python3 -m glint.runtime.cli bench llama3-8b --quantize ${q%+kv8} --kv-cache-dtype $kv \
         --batch 256 --prompt-len 512 --gen-len 128 --requests 256 --e2e-gen-len 128 --repeats 2 \
-        --json "$out/quant_e2e_${q/+/_}.json" > "$out/quant_e2e_${q/+/_}.log" 2>&1
+        --json "$out/quant_e2e_${q//+/_}.json" > "$out/quant_e2e_${q//+/_}.log" 2>&1
       echo "== $q: $(( $(date +%s) - start )) s"
-      grep -E "roofline|Error" "$out/quant_e2e_${q/+/_}.log" | head -2; tail -12 "$out/quant_e2e_${q/+/_}.log"
+      grep -E "roofline|Error" "$out/quant_e2e_${q//+/_}.log" | head -2; tail -12 "$out/quant_e2e_${q//+/_}.log"
     done
     ;;
   fp8-kv)  # decode attention over bf16 and fp8 KV pools, 64 x 4096 (~1 min; FP8_KV_ARGS="256 640 --sweep" etc.)
