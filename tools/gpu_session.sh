@@ -64,6 +64,14 @@ case "${1:-all}" in
       grep -E "roofline|Error" "$out/quant_e2e_${q//+/_}.log" | head -2; tail -12 "$out/quant_e2e_${q//+/_}.log"
     done
     ;;
+  launch)  # the host's launch of a step: batch-256 decode, bf16 and fp8 weights + fp8 KV (~3 min; LAUNCH_ARGS adds
+           # e.g. "--batch 1 --context 512"; TF_CPP_VMODULE=command_buffer_thunk=3 logs XLA's graph updates)
+    for q in "" "--quantize fp8 --kv-cache-dtype fp8"; do
+      name=launch_${q:+fp8}; name=${name%_}
+      timeout 200 python3 tools/gpu_launch.py $q ${LAUNCH_ARGS:-} --trace "$out/${name}_trace" > "$out/$name.log" 2>&1
+      grep -E "^(loop|forward launch)|command_buffer|cuGraphLaunch|GPU kernels|Error" "$out/$name.log" | head -12
+    done
+    ;;
   fp8-kv)  # decode attention over bf16 and fp8 KV pools, 64 x 4096 (~1 min; FP8_KV_ARGS="256 640 --sweep" etc.)
     timeout 260 python3 tools/gpu_fp8_kv.py ${FP8_KV_ARGS:-64 4096} > "$out/fp8_kv.log" 2>&1
     grep -v cuda_timer "$out/fp8_kv.log" | grep -E "\||faster"
