@@ -5,6 +5,7 @@ move (weights + the KV it reads) by the copy bandwidth this harness measures at 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -138,33 +139,43 @@ class StepBench:
                           100 * ideal / device)
 
 
-def pipelined_decode_ms(engine: Engine, batch: int, context: int, steps: int = 32, seed: int = 0
-                        ) -> tuple[float, dict]:
-    """Milliseconds per engine.step() while `batch` requests with `context` tokens each decode: the loop users
-    get (step n+1 dispatched before step n is read, host bookkeeping included), after prefill and two steps;
-    and the loop's host time per step (`host_ms`)."""
+@contextlib.contextmanager
+def decoding(engine: Engine, batch: int, context: int, max_tokens: int, seed: int = 0, started: int = 2):
+    """`batch` greedy requests of `context` random tokens, each stepped to `started` generated tokens (prefilled,
+    decoding); their ids. Aborted and released after."""
     rng = np.random.default_rng(seed)
-    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     rids = [engine.add_request(rng.integers(0, engine.model.vocab_size, context).tolist(), params)
             for _ in range(batch)]
-    kept = engine.stats  # the timed steps count on fresh stats; the engine's own come back after
     try:
-        while min(len(engine.output(rid, text=False).token_ids) for rid in rids) < 2:
+        while min(len(engine.output(rid, text=False).token_ids) for rid in rids) < started:
             engine.step()
-        engine.stats = type(kept)()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        ms = 1e3 * (time.perf_counter() - t0) / steps
-        return ms, host_ms(engine.stats, steps)
+        yield rids
     finally:
-        engine.stats = kept
         for rid in rids:
             engine.abort(rid)
         while engine.has_unfinished():
             engine.step()
         for rid in rids:
             engine.release(rid)
+
+
+def pipelined_decode_ms(engine: Engine, batch: int, context: int, steps: int = 32, seed: int = 0
+                        ) -> tuple[float, dict]:
+    """Milliseconds per engine.step() while `batch` requests with `context` tokens each decode: the loop users
+    get (step n+1 dispatched before step n is read, host bookkeeping included), after prefill and two steps;
+    and the loop's host time per step (`host_ms`)."""
+    kept = engine.stats  # the timed steps count on fresh stats; the engine's own come back after
+    try:
+        with decoding(engine, batch, context, steps + 4, seed):
+            engine.stats = type(kept)()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            ms = 1e3 * (time.perf_counter() - t0) / steps
+            return ms, host_ms(engine.stats, steps)
+    finally:
+        engine.stats = kept
 
 
 def host_ms(stats, steps: int) -> dict:

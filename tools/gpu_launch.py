@@ -29,9 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glint.runtime.bench import pipelined_decode_ms
+from glint.runtime.bench import decoding, pipelined_decode_ms
 from glint.runtime.engine import Engine
-from glint.runtime.params import SamplingParams
 
 
 def direct_launches(engine: Engine, batch: int, context: int, calls: int = 24) -> dict:
@@ -43,65 +42,44 @@ def direct_launches(engine: Engine, batch: int, context: int, calls: int = 24) -
         captured["args"] = args
         return forward(*args)
 
-    rng = np.random.default_rng(3)
-    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    rids = [engine.add_request(rng.integers(0, engine.model.vocab_size, context).tolist(), params)
-            for _ in range(batch)]
-    engine.runner.forward = capture
+    engine.runner.forward = capture  # the last step before decoding starts is the one called again
     try:
-        while min(len(engine.output(rid, text=False).token_ids) for rid in rids) < 3:
-            engine.step()
+        with decoding(engine, batch, context, 64, seed=3, started=3):
+            del engine.runner.forward  # the class's method again
+            width, weights, _, tokens, token_src, prev, *step = captured["args"]
+            kv = engine.kv
+            jax.block_until_ready(kv.parts())
+            times = collections.defaultdict(list)
+            try:
+                for way in ("overlapped", "waited") * 2:
+                    pending = []
+                    for i in range(calls):
+                        moved = jnp.copy(prev)  # the previous tokens: a buffer of their own each step, as in the loop
+                        t = time.perf_counter()
+                        out, _, kv = forward(width, weights, kv, tokens, token_src, moved, *step)
+                        if i >= 4:  # the first calls of a round follow the other way's
+                            times[way].append(time.perf_counter() - t)
+                        pending.append(out)
+                        if way == "waited" or len(pending) > 2:  # overlapped: two steps in flight at most, as the loop
+                            pending.pop(0).block_until_ready()
+                    jax.block_until_ready(pending)
+            finally:
+                engine.kv = kv  # the last call's pools: the engine's own were donated
     finally:
-        del engine.runner.forward  # the class's method again
-    width, weights, _, tokens, token_src, prev, *step = captured["args"]
-    kv = engine.kv
-    jax.block_until_ready(kv.parts())
-    times = collections.defaultdict(list)
-    try:
-        for way in ("overlapped", "waited") * 2:
-            pending = []
-            for i in range(calls):
-                moved = jnp.copy(prev)  # the previous step's tokens: a buffer of its own each step, as in the loop
-                t = time.perf_counter()
-                out, _, kv = forward(width, weights, kv, tokens, token_src, moved, *step)
-                if i >= 4:  # the first calls of a round follow the other way's
-                    times[way].append(time.perf_counter() - t)
-                pending.append(out)
-                if way == "waited" or len(pending) > 2:  # overlapped: two steps in flight at most, as the loop has
-                    pending.pop(0).block_until_ready()
-            jax.block_until_ready(pending)
-    finally:
-        engine.kv = kv  # the last call's pools: the engine's own were donated
-        for rid in rids:
-            engine.abort(rid)
-        while engine.has_unfinished():
-            engine.step()
-        for rid in rids:
-            engine.release(rid)
+        vars(engine.runner).pop("forward", None)
     return {way: 1e3 * float(np.median(t)) for way, t in times.items()}
 
 
 def host_events(engine: Engine, batch: int, context: int, trace_dir: str, steps: int = 8, top: int = 20) -> list:
     """(ms per step, calls per step, name) of the host events in a trace of `steps` loop steps, most first; the
     GPU's events summed as one row."""
-    rng = np.random.default_rng(2)
-    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    rids = [engine.add_request(rng.integers(0, engine.model.vocab_size, context).tolist(), params)
-            for _ in range(batch)]
-    while min(len(engine.output(rid, text=False).token_ids) for rid in rids) < 3:
-        engine.step()
-    options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 0  # Python frames would swamp the host threads' own events
-    jax.profiler.start_trace(trace_dir, profiler_options=options)
-    for _ in range(steps):
-        engine.step()
-    jax.profiler.stop_trace()
-    for rid in rids:
-        engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
-    for rid in rids:
-        engine.release(rid)
+    with decoding(engine, batch, context, 64, seed=2, started=3):
+        options = jax.profiler.ProfileOptions()
+        options.python_tracer_level = 0  # Python frames would swamp the host threads' own events
+        jax.profiler.start_trace(trace_dir, profiler_options=options)
+        for _ in range(steps):
+            engine.step()
+        jax.profiler.stop_trace()
     path = max(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
     with gzip.open(path) as f:
         trace = json.load(f)
