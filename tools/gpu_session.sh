@@ -57,11 +57,12 @@ case "${1:-all}" in
     for q in ${QUANT_FORMATS:-none fp8}; do
       start=$(date +%s)
       kv=auto; [[ $q == *+kv8 ]] && kv=fp8
+      log=$out/quant_e2e_${q//+/_}  # no '+' in file names: the device tool does not bring those back
       timeout ${E2E_TIMEOUT:-280} python3 -m glint.runtime.cli bench llama3-8b --quantize ${q%+kv8} --kv-cache-dtype $kv \
         --batch 256 --prompt-len 512 --gen-len 128 --requests 256 --e2e-gen-len 128 --repeats 2 \
-        --json "$out/quant_e2e_${q//+/_}.json" > "$out/quant_e2e_${q//+/_}.log" 2>&1
+        --json "$log.json" > "$log.log" 2>&1
       echo "== $q: $(( $(date +%s) - start )) s"
-      grep -E "roofline|Error" "$out/quant_e2e_${q//+/_}.log" | head -2; tail -12 "$out/quant_e2e_${q//+/_}.log"
+      grep -E "roofline|Error" "$log.log" | head -2; tail -12 "$log.log"
     done
     ;;
   launch)  # the host's launch of a step: batch-256 decode, bf16 and fp8 weights + fp8 KV (~3 min; LAUNCH_ARGS adds
