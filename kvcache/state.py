@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from typing import Sequence
 
@@ -110,8 +111,10 @@ def apply_copies(state: KVState, cfg: CacheConfig, copies: Sequence[jax.Array | 
 def free_device_bytes(fraction: float = 0.9, device: jax.Device | None = None) -> int:
     """Bytes the cache may take: `fraction` of device memory minus what is in use.
 
-    Like vLLM's gpu_memory_utilization. Devices without memory stats (CPU) get
-    `fraction * CPU_FALLBACK_BYTES`.
+    Like vLLM's gpu_memory_utilization. From XLA's allocator where it reports its pool (`memory_stats`); on a GPU
+    whose allocator does not (the VMM allocator that glint's default SKIP_TEMP command buffers select,
+    glint.runtime.xla_flags), from the driver: `fraction` of the total less what is taken. Devices with neither
+    (CPU) get `fraction * CPU_FALLBACK_BYTES`.
     """
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction = {fraction!r}, must be in (0, 1]")
@@ -121,9 +124,36 @@ def free_device_bytes(fraction: float = 0.9, device: jax.Device | None = None) -
         stats = device.memory_stats()
     except Exception:  # some backends raise instead of returning None
         stats = None
-    if not stats or "bytes_limit" not in stats:
-        return int(fraction * CPU_FALLBACK_BYTES)
-    return max(0, int(fraction * stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+    if stats and "bytes_limit" in stats:
+        return max(0, int(fraction * stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+    if device.platform == "gpu":
+        free, total = cuda_memory_info(device.local_hardware_id)
+        return max(0, int(fraction * total) - (total - free))
+    return int(fraction * CPU_FALLBACK_BYTES)
+
+
+def cuda_memory_info(ordinal: int) -> tuple[int, int]:
+    """(free, total) bytes of CUDA device `ordinal` (as CUDA_VISIBLE_DEVICES numbers it), from the driver's
+    cuMemGetInfo in the device's primary context (the one XLA runs in)."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+
+    def check(name: str, *args) -> None:
+        if (err := getattr(cuda, name)(*args)) != 0:
+            raise RuntimeError(f"{name} failed with CUDA error {err} (device {ordinal})")
+
+    dev, ctx, free, total = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_size_t()
+    check("cuInit", 0)
+    check("cuDeviceGet", ctypes.byref(dev), ordinal)
+    check("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
+    try:
+        check("cuCtxPushCurrent_v2", ctx)
+        try:
+            check("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total))
+        finally:
+            check("cuCtxPopCurrent_v2", ctypes.byref(ctypes.c_void_p()))
+    finally:
+        check("cuDevicePrimaryCtxRelease_v2", dev)
+    return free.value, total.value
 
 
 def default_num_pages(cfg: CacheConfig, fraction: float = 0.9, device: jax.Device | None = None) -> int:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from glint.kvcache import BatchControl, CacheConfig, KVState, apply_copies, default_num_pages, pad_copies
+from glint.kvcache import state
 from glint.kvcache.state import CPU_FALLBACK_BYTES, free_device_bytes
 
 
@@ -186,3 +187,20 @@ def test_default_num_pages_reads_memory_stats():
         )
     with pytest.raises(ValueError, match="fraction = 1.5"):
         free_device_bytes(1.5, FakeDevice())
+
+
+def test_free_device_bytes_asks_the_driver_where_the_allocator_reports_no_pool(monkeypatch):
+    """A GPU whose allocator has no memory stats (XLA's VMM allocator): fraction of the total less what is taken."""
+    total, taken = 80 << 30, 17 << 30
+
+    class VmmGpu:
+        platform, local_hardware_id = "gpu", 3
+
+        def memory_stats(self):
+            return None
+
+    asked = []
+    monkeypatch.setattr(state, "cuda_memory_info", lambda ordinal: asked.append(ordinal) or (total - taken, total))
+    assert free_device_bytes(0.5, VmmGpu()) == (40 << 30) - (17 << 30)
+    assert free_device_bytes(0.2, VmmGpu()) == 0  # less than is taken already
+    assert asked == [3, 3]
