@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 from typing import Sequence
 
 import jax
@@ -113,8 +114,9 @@ def free_device_bytes(fraction: float = 0.9, device: jax.Device | None = None) -
 
     Like vLLM's gpu_memory_utilization. From XLA's allocator where it reports its pool (`memory_stats`); on a GPU
     whose allocator does not (the VMM allocator that glint's default SKIP_TEMP command buffers select,
-    glint.runtime.xla_flags), from the driver: `fraction` of the total less what is taken. Devices with neither
-    (CPU) get `fraction * CPU_FALLBACK_BYTES`.
+    glint.runtime.xla_flags), from the driver: `fraction` of XLA's budget (`client_memory_fraction()` of the
+    total, which that allocator keeps to) less what is taken. Devices with neither (CPU) get
+    `fraction * CPU_FALLBACK_BYTES`.
     """
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction = {fraction!r}, must be in (0, 1]")
@@ -128,8 +130,15 @@ def free_device_bytes(fraction: float = 0.9, device: jax.Device | None = None) -
         return max(0, int(fraction * stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
     if device.platform == "gpu":
         free, total = cuda_memory_info(device.local_hardware_id)
-        return max(0, int(fraction * total) - (total - free))
+        return max(0, int(fraction * client_memory_fraction() * total) - (total - free))
     return int(fraction * CPU_FALLBACK_BYTES)
+
+
+def client_memory_fraction() -> float:
+    """The share of a GPU's memory XLA's allocator may take: XLA_CLIENT_MEM_FRACTION (or the older
+    XLA_PYTHON_CLIENT_MEM_FRACTION) as jaxlib reads it, else XLA's default, 0.75."""
+    value = os.environ.get("XLA_CLIENT_MEM_FRACTION") or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    return float(value) if value else 0.75
 
 
 def cuda_memory_info(ordinal: int) -> tuple[int, int]:

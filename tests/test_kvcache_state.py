@@ -190,8 +190,11 @@ def test_default_num_pages_reads_memory_stats():
 
 
 def test_free_device_bytes_asks_the_driver_where_the_allocator_reports_no_pool(monkeypatch):
-    """A GPU whose allocator has no memory stats (XLA's VMM allocator): fraction of the total less what is taken."""
+    """A GPU whose allocator has no memory stats (XLA's VMM allocator): fraction of XLA's share of the total less
+    what is taken."""
     total, taken = 80 << 30, 17 << 30
+    monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
 
     class VmmGpu:
         platform, local_hardware_id = "gpu", 3
@@ -201,6 +204,8 @@ def test_free_device_bytes_asks_the_driver_where_the_allocator_reports_no_pool(m
 
     asked = []
     monkeypatch.setattr(state, "cuda_memory_info", lambda ordinal: asked.append(ordinal) or (total - taken, total))
-    assert free_device_bytes(0.5, VmmGpu()) == (40 << 30) - (17 << 30)
-    assert free_device_bytes(0.2, VmmGpu()) == 0  # less than is taken already
-    assert asked == [3, 3]
+    assert free_device_bytes(1.0, VmmGpu()) == (40 << 30) - (17 << 30)
+    assert free_device_bytes(0.25, VmmGpu()) == 0  # less than is taken already
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.75")
+    assert free_device_bytes(0.5, VmmGpu()) == (30 << 30) - (17 << 30)
+    assert asked == [3, 3, 3]
