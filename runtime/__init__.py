@@ -4,10 +4,6 @@ Imported lazily, so that `glint --help` and the other light entry points do not 
 """
 import importlib
 
-from glint.runtime import xla_flags
-
-xla_flags.apply()  # before any submodule can start a JAX backend
-
 _EXPORTS = {"Completion": "glint.runtime.request", "Engine": "glint.runtime.engine",
             "EngineConfig": "glint.runtime.config", "RequestOutput": "glint.runtime.request",
             "SamplingParams": "glint.runtime.params"}

@@ -29,7 +29,6 @@ counts: collections.Counter = collections.Counter()  # "loaded" and "stored" ent
 
 SOURCE_PACKAGES = ("model", "kvcache", "pallas_kernels", "runtime", "export")
 MAX_BYTES = 8 << 30  # kept executables beyond this are dropped, least recently used first
-COMPILER_OPTIONS: dict[str, str] = {}  # XLA debug options every program compiles with (jax's compiler_options)
 
 
 @functools.cache
@@ -50,14 +49,8 @@ def key(identity: str, name: str) -> str:
     kernels' tuning values as they are now (a process may set them, as the A/B tools do, without a source edit)."""
     device = jax.devices()[0]
     parts = (identity, name, source_digest(), jax.__version__, jaxlib.__version__, device.device_kind,
-             device.client.platform_version, os.environ.get("XLA_FLAGS", ""), repr(sorted(COMPILER_OPTIONS.items())),
-             _settings(), _tuning())
+             device.client.platform_version, os.environ.get("XLA_FLAGS", ""), _settings(), _tuning())
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
-
-
-def compile(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-    """`lowered` compiled with COMPILER_OPTIONS."""
-    return lowered.compile(dict(COMPILER_OPTIONS) or None)
 
 
 def _tuning() -> str:

@@ -302,7 +302,7 @@ class ProgramSet:
         if compiled is None:
             with self._lock:
                 if name not in self._compiled:
-                    self._compiled[name] = self._cached(name) or self._finish(name, executables.compile(self.lower(name)))
+                    self._compiled[name] = self._cached(name) or self._finish(name, self.lower(name).compile())
                 compiled = self._compiled[name]
         return compiled
 
@@ -351,7 +351,7 @@ class ProgramSet:
                     continue
                 t0 = time.perf_counter()
                 lowered = self.lower(name)  # tracing holds the GIL: one at a time, here
-                futures[pool.submit(lambda n=name, low=lowered: self._finish(n, executables.compile(low)))] = (name, t0)
+                futures[pool.submit(lambda n=name, low=lowered: self._finish(n, low.compile()))] = (name, t0)
             for future in concurrent.futures.as_completed(futures):
                 name, t0 = futures[future]
                 done(name, future.result(), t0)

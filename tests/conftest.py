@@ -32,8 +32,6 @@ else:
 
 import pytest  # noqa: E402
 
-import glint.runtime  # noqa: E402, F401  (its XLA_FLAGS defaults, before any test starts a backend: as users get them)
-
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 HF_FIXTURES = pathlib.Path(os.environ.get("GLINT_HF_FIXTURES", SHARED / "fixtures" / "hf"))

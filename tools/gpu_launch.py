@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glint.runtime import executables
 from glint.runtime.bench import decoding, pipelined_decode_ms
 from glint.runtime.engine import Engine
 
@@ -106,11 +105,7 @@ def main():
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=576)
     p.add_argument("--trace", help="also trace 8 loop steps here and sum their host events")
-    p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
-                   help="an XLA debug option every program compiles with (also those XLA_FLAGS does not take), e.g. "
-                        "xla_gpu_command_buffer_update_mode=NEVER_UPDATE")
     args = p.parse_args()
-    executables.COMPILER_OPTIONS.update(o.split("=", 1) for o in args.xla_option)
     if args.trace:  # before the backend starts: XLA reads its flags once
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    " --xla_enable_command_buffers_during_profiling=true").strip()
@@ -123,8 +118,7 @@ def main():
     print(f"engine + warmup {time.perf_counter() - t0:.0f} s", flush=True)
     loops = sorted((pipelined_decode_ms(engine, b, args.context) for _ in range(3)), key=lambda r: r[0])
     ms, host = loops[1]
-    label = (f"{args.model} {args.quantize or 'bf16'} KV {args.kv_cache_dtype}, batch {b} at {args.context} keys"
-             + "".join(f", {o}" for o in args.xla_option))
+    label = f"{args.model} {args.quantize or 'bf16'} KV {args.kv_cache_dtype}, batch {b} at {args.context} keys"
     print(f"loop: {ms:.2f} ms/step; host per step " + ", ".join(f"{k} {v:.2f}" for k, v in host.items()), flush=True)
     launches = direct_launches(engine, b, args.context)
     print("forward launch ms: " + ", ".join(f"{k} {v:.2f}" for k, v in launches.items()), flush=True)
