@@ -113,10 +113,9 @@ def free_device_bytes(fraction: float = 0.9, device: jax.Device | None = None) -
     """Bytes the cache may take: `fraction` of device memory minus what is in use.
 
     Like vLLM's gpu_memory_utilization. From XLA's allocator where it reports its pool (`memory_stats`); on a GPU
-    whose allocator does not (XLA's VMM allocator: XLA_PYTHON_CLIENT_ALLOCATOR=vmm, or the one
-    --xla_gpu_command_buffer_update_mode=SKIP_TEMP selects), from the driver: `fraction` of XLA's budget (`client_memory_fraction()` of the
-    total, which that allocator keeps to) less what is taken. Devices with neither (CPU) get
-    `fraction * CPU_FALLBACK_BYTES`.
+    whose allocator does not (XLA's VMM allocator, which --xla_gpu_command_buffer_update_mode=SKIP_TEMP
+    selects), from the driver: `fraction` of XLA's budget (`client_memory_fraction()` of the total, which that
+    allocator keeps to) less what is taken. Devices with neither (CPU) get `fraction * CPU_FALLBACK_BYTES`.
     """
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction = {fraction!r}, must be in (0, 1]")
