@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
 import os
 from typing import Sequence
 
@@ -12,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from glint.kvcache.config import CacheConfig
+
+log = logging.getLogger(__name__)
 
 # Budget assumed where a device reports no memory stats (CPU).
 CPU_FALLBACK_BYTES = 1 << 30
@@ -128,14 +131,19 @@ def free_device_bytes(fraction: float = 0.9, device: jax.Device | None = None) -
     if stats and "bytes_limit" in stats:
         return max(0, int(fraction * stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
     if device.platform == "gpu":
-        free, total = cuda_memory_info(device.local_hardware_id)
-        return max(0, int(fraction * client_memory_fraction() * total) - (total - free))
+        try:
+            free, total = cuda_memory_info(device.local_hardware_id)
+        except (OSError, AttributeError, RuntimeError) as e:  # no CUDA driver (ROCm is "gpu" too), or it failed
+            log.warning("device memory unknown (%s): the KV pool gets the %d-byte fallback; set num_pages "
+                        "(--num-pages) to size it", e, CPU_FALLBACK_BYTES)
+        else:
+            return max(0, int(fraction * client_memory_fraction() * total) - (total - free))
     return int(fraction * CPU_FALLBACK_BYTES)
 
 
 def client_memory_fraction() -> float:
     """The share of a GPU's memory XLA's allocator may take: XLA_CLIENT_MEM_FRACTION (or the older
-    XLA_PYTHON_CLIENT_MEM_FRACTION) as jaxlib reads it, else XLA's default, 0.75."""
+    XLA_PYTHON_CLIENT_MEM_FRACTION; jaxlib refuses both at once), else XLA's default, 0.75."""
     value = os.environ.get("XLA_CLIENT_MEM_FRACTION") or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
     return float(value) if value else 0.75
 

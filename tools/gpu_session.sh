@@ -74,16 +74,19 @@ case "${1:-all}" in
     done
     ;;
   skip-temp)  # end to end, XLA's default command-buffer updates against SKIP_TEMP, bf16 and fp8 + fp8 KV, two widths
-              # (~5 min; SKIP_TEMP_ARGS adds bench args, e.g. "--num-pages 20000"). A stall dumps Python's stacks.
+              # (~5 min; SKIP_TEMP_ARGS adds bench args, e.g. "--num-pages 20000"). A stall (rc=124) dumps Python's
+              # stacks (SIGABRT, faulthandler; no core file).
+    ulimit -c 0
     for arm in "none auto" "fp8 fp8"; do
+      read -r q kv <<< "$arm"
       for mode in ALWAYS_UPDATE SKIP_TEMP; do
-        set -- $arm; log=$out/skip_temp_${1}_$mode; start=$(date +%s)
+        log=$out/skip_temp_${q}_$mode; start=$(date +%s)
         XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_command_buffer_update_mode=$mode" PYTHONFAULTHANDLER=1 \
-          timeout -s ABRT ${SKIP_TEMP_TIMEOUT:-120} python3 -m glint.runtime.cli bench llama3-8b --quantize $1 \
-          --kv-cache-dtype $2 --forward-sizes 256,4096 --max-step-tokens 4096 --batch 256 --prompt-len 512 \
+          timeout -s ABRT ${SKIP_TEMP_TIMEOUT:-120} python3 -m glint.runtime.cli bench llama3-8b --quantize $q \
+          --kv-cache-dtype $kv --forward-sizes 256,4096 --max-step-tokens 4096 --batch 256 --prompt-len 512 \
           --gen-len 128 --requests 256 --e2e-gen-len 128 --repeats 2 ${SKIP_TEMP_ARGS:-} --json "$log.json" \
           > "$log.log" 2>&1
-        echo "== $1 $mode rc=$? $(( $(date +%s) - start )) s"
+        echo "== $q $mode rc=$? $(( $(date +%s) - start )) s"
         grep -E "KV pages|Error|^Thread|^Current thread|^  File" "$log.log" | head -12
         grep -A1 "^end to end:" "$log.log" | head -2; grep -E "^│ +256 │ 576" "$log.log"
       done
