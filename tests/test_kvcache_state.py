@@ -189,27 +189,29 @@ def test_default_num_pages_reads_memory_stats():
         free_device_bytes(1.5, FakeDevice())
 
 
+class GpuWithoutStats:
+    """A GPU whose allocator reports no memory stats (XLA's VMM allocator)."""
+
+    platform, local_hardware_id = "gpu", 3
+
+    def memory_stats(self):
+        return None
+
+
 def test_free_device_bytes_asks_the_driver_where_the_allocator_reports_no_pool(monkeypatch):
     """A GPU whose allocator has no memory stats (XLA's VMM allocator): fraction of XLA's share of the total less
     what is taken."""
     total, taken = 80 << 30, 17 << 30
     monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
-
-    class VmmGpu:
-        platform, local_hardware_id = "gpu", 3
-
-        def memory_stats(self):
-            return None
-
     asked = []
     monkeypatch.setattr(state, "cuda_memory_info", lambda ordinal: asked.append(ordinal) or (total - taken, total))
-    assert free_device_bytes(1.0, VmmGpu()) == (40 << 30) - (17 << 30)
-    assert free_device_bytes(0.25, VmmGpu()) == 0  # less than is taken already
+    assert free_device_bytes(1.0, GpuWithoutStats()) == (40 << 30) - (17 << 30)
+    assert free_device_bytes(0.25, GpuWithoutStats()) == 0  # less than is taken already
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")  # XLA's default share: 0.75
-    assert free_device_bytes(0.5, VmmGpu()) == (30 << 30) - (17 << 30)
+    assert free_device_bytes(0.5, GpuWithoutStats()) == (30 << 30) - (17 << 30)
     monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.25")
-    assert free_device_bytes(1.0, VmmGpu()) == (20 << 30) - (17 << 30)
+    assert free_device_bytes(1.0, GpuWithoutStats()) == (20 << 30) - (17 << 30)
     assert asked == [3, 3, 3, 3]
 
 
@@ -217,15 +219,9 @@ def test_free_device_bytes_without_a_cuda_driver_falls_back(monkeypatch, caplog)
     """A "gpu" the CUDA driver cannot answer for (ROCm, no libcuda): the fallback budget and a warning, not an
     error out of pool sizing."""
 
-    class RocmGpu:
-        platform, local_hardware_id = "gpu", 0
-
-        def memory_stats(self):
-            return None
-
     def no_driver(ordinal):
         raise OSError("libcuda.so.1: cannot open shared object file")
 
     monkeypatch.setattr(state, "cuda_memory_info", no_driver)
-    assert free_device_bytes(0.5, RocmGpu()) == int(0.5 * CPU_FALLBACK_BYTES)
+    assert free_device_bytes(0.5, GpuWithoutStats()) == int(0.5 * CPU_FALLBACK_BYTES)
     assert "--num-pages" in caplog.text
