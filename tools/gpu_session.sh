@@ -10,6 +10,29 @@ out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | grep -v WARN | tail -1
+# llama3-8b end to end 256 x 512 -> 128 per weight format in QUANT_FORMATS (default "none fp8"; a format ending in
+# +kv8 also runs the fp8 KV cache) and per XLA command-buffer update mode in UPDATE_MODES (default: XLA's own, no
+# flag); E2E_ARGS adds bench args; E2E_TIMEOUT s per process (default 280; a cold fp8+kv8 compile of the 13 widths
+# takes longer). --batch sets max_seqs: it must be 256 (--batch 1 served the 256 requests one at a time). A process
+# past its time (rc=124) dumps Python's stacks (SIGABRT, faulthandler; no core file).
+quant_e2e() {
+  ulimit -c 0
+  for q in ${QUANT_FORMATS:-none fp8}; do
+    for mode in ${UPDATE_MODES:-default}; do
+      [[ $mode == default ]] && mode=
+      start=$(date +%s)
+      kv=auto; [[ $q == *+kv8 ]] && kv=fp8
+      log=$out/quant_e2e_${q//+/_}${mode:+_$mode}  # no '+' in file names: the device tool does not bring those back
+      XLA_FLAGS="${XLA_FLAGS:-}${mode:+ --xla_gpu_command_buffer_update_mode=$mode}" PYTHONFAULTHANDLER=1 \
+        timeout -s ABRT ${E2E_TIMEOUT:-280} python3 -m glint.runtime.cli bench llama3-8b --quantize ${q%+kv8} \
+        --kv-cache-dtype $kv --batch 256 --prompt-len 512 --gen-len 128 --requests 256 --e2e-gen-len 128 \
+        --repeats 2 ${E2E_ARGS:-} --json "$log.json" > "$log.log" 2>&1
+      echo "== $q ${mode:-} rc=$? $(( $(date +%s) - start )) s"
+      grep -E "roofline|KV pages|Error|^Thread|^Current thread|^  File" "$log.log" | head -12; tail -12 "$log.log"
+    done
+  done
+}
+
 case "${1:-all}" in
   kernels|all)
     timeout 150 python3 tools/gpu_engine.py .gpu/fixtures .gpu/stories260K > "$out/parity.log" 2>&1
@@ -50,20 +73,8 @@ case "${1:-all}" in
       grep -E "roofline|Error" "$out/quant_$q.log" | head -2; sed -n '/decode (one token/,$p' "$out/quant_$q.log"
     done
     ;;
-  quant-e2e)  # llama3-8b end to end 256 x 512 -> 128 per weight format (QUANT_FORMATS, default "none fp8"; a
-             # format ending in +kv8 also runs the fp8 KV cache, e.g. "none fp8 fp8+kv8");
-             # --batch sets max_seqs: it must be 256 (--batch 1 served the 256 requests one at a time);
-             # E2E_TIMEOUT s per process (default 280; a cold fp8+kv8 compile of the 13 widths takes longer)
-    for q in ${QUANT_FORMATS:-none fp8}; do
-      start=$(date +%s)
-      kv=auto; [[ $q == *+kv8 ]] && kv=fp8
-      log=$out/quant_e2e_${q//+/_}  # no '+' in file names: the device tool does not bring those back
-      timeout ${E2E_TIMEOUT:-280} python3 -m glint.runtime.cli bench llama3-8b --quantize ${q%+kv8} --kv-cache-dtype $kv \
-        --batch 256 --prompt-len 512 --gen-len 128 --requests 256 --e2e-gen-len 128 --repeats 2 \
-        --json "$log.json" > "$log.log" 2>&1
-      echo "== $q: $(( $(date +%s) - start )) s"
-      grep -E "roofline|Error" "$log.log" | head -2; tail -12 "$log.log"
-    done
+  quant-e2e)  # llama3-8b end to end per weight format (quant_e2e above: QUANT_FORMATS, UPDATE_MODES, E2E_ARGS, ...)
+    quant_e2e
     ;;
   launch)  # the host's launch of a step: batch-256 decode, bf16 and fp8 weights + fp8 KV (~3 min; LAUNCH_ARGS adds
            # e.g. "--batch 1 --context 512"; TF_CPP_VMODULE=command_buffer_thunk=3 logs XLA's graph updates)
@@ -73,24 +84,10 @@ case "${1:-all}" in
       grep -E "^(loop|forward launch)|command_buffer|cuGraphLaunch|GPU kernels|Error" "$out/$name.log" | head -12
     done
     ;;
-  skip-temp)  # end to end, XLA's default command-buffer updates against SKIP_TEMP, bf16 and fp8 + fp8 KV, two widths
-              # (~5 min; SKIP_TEMP_ARGS adds bench args, e.g. "--num-pages 20000"). A stall (rc=124) dumps Python's
-              # stacks (SIGABRT, faulthandler; no core file).
-    ulimit -c 0
-    for arm in "none auto" "fp8 fp8"; do
-      read -r q kv <<< "$arm"
-      for mode in ALWAYS_UPDATE SKIP_TEMP; do
-        log=$out/skip_temp_${q}_$mode; start=$(date +%s)
-        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_command_buffer_update_mode=$mode" PYTHONFAULTHANDLER=1 \
-          timeout -s ABRT ${SKIP_TEMP_TIMEOUT:-120} python3 -m glint.runtime.cli bench llama3-8b --quantize $q \
-          --kv-cache-dtype $kv --forward-sizes 256,4096 --max-step-tokens 4096 --batch 256 --prompt-len 512 \
-          --gen-len 128 --requests 256 --e2e-gen-len 128 --repeats 2 ${SKIP_TEMP_ARGS:-} --json "$log.json" \
-          > "$log.log" 2>&1
-        echo "== $q $mode rc=$? $(( $(date +%s) - start )) s"
-        grep -E "KV pages|Error|^Thread|^Current thread|^  File" "$log.log" | head -12
-        grep -A1 "^end to end:" "$log.log" | head -2; grep -E "^│ +256 │ 576" "$log.log"
-      done
-    done
+  skip-temp)  # quant-e2e at two widths, XLA's default command-buffer updates against SKIP_TEMP, bf16 and fp8 + fp8
+              # KV (~5 min; SKIP_TEMP_ARGS adds bench args, e.g. "--num-pages 20000")
+    QUANT_FORMATS="none fp8+kv8" UPDATE_MODES="ALWAYS_UPDATE SKIP_TEMP" E2E_TIMEOUT=${SKIP_TEMP_TIMEOUT:-120} \
+      E2E_ARGS="--forward-sizes 256,4096 --max-step-tokens 4096 ${SKIP_TEMP_ARGS:-}" quant_e2e
     ;;
   fp8-kv)  # decode attention over bf16 and fp8 KV pools, 64 x 4096 (~1 min; FP8_KV_ARGS="256 640 --sweep" etc.)
     timeout 260 python3 tools/gpu_fp8_kv.py ${FP8_KV_ARGS:-64 4096} > "$out/fp8_kv.log" 2>&1
