@@ -47,7 +47,10 @@ def _engine_args(p) -> None:
                    "sequence; else --max-step-tokens)")
     p.add_argument("--max-sample-rows", type=int, help="rows of logits a step returns (default: --max-seqs x (1 + "
                    "--num-speculative-tokens)); export with room for the blocks an artifact will verify")
-    p.add_argument("--num-pages", type=int, help=f"KV pool pages (default: {C.memory_fraction} of free memory)")
+    p.add_argument("--num-pages", type=int, help="KV pool pages (default: what --memory-fraction leaves)")
+    p.add_argument("--memory-fraction", type=float, help="share of XLA's device memory that the weights, the KV pool "
+                   f"and what is already taken may fill, like vLLM's --gpu-memory-utilization (default "
+                   f"{C.memory_fraction}; the rest is left to the programs' temporaries)")
     p.add_argument("--capacity", type=int, help="most positions per sequence (default: the model's context, "
                    "at most 32768)")
     p.add_argument("--attention", choices=["auto", "pallas", "reference", "interpret"],
@@ -81,7 +84,7 @@ def _engine_args(p) -> None:
 def _engine_config(args) -> dict:
     """The engine settings given on the command line (the rest keep EngineConfig's or the artifact's)."""
     names = ("max_seqs", "page_size", "max_step_tokens", "max_prefill_chunk", "max_sample_rows", "num_pages",
-             "capacity", "attention", "num_speculative_tokens", "kv_cache_dtype", "tensor_parallel")
+             "memory_fraction", "capacity", "attention", "num_speculative_tokens", "kv_cache_dtype", "tensor_parallel")
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     for flag in ("allow_long_context", "deterministic"):
         if getattr(args, flag):
@@ -316,6 +319,9 @@ def _register_bench(sub) -> None:
     p.add_argument("--forward-sizes", type=_widths, help="the narrow step widths, comma-separated (default: the engine's up to "
                    "--max-step-tokens); e.g. --forward-sizes 256 --max-step-tokens 256 compiles one program")
     p.add_argument("--attention", default="auto", choices=["auto", "pallas", "reference", "interpret"])
+    p.add_argument("--num-pages", type=int, help="KV pool pages (default: what --memory-fraction leaves)")
+    p.add_argument("--memory-fraction", type=float, help="share of XLA's device memory that the weights, the KV pool "
+                   "and what is already taken may fill (default: the engine's)")
     p.add_argument("--repeats", type=int, help="default: 10 on a GPU, 3 on a CPU")
     p.add_argument("--bandwidth-gbps", type=float, default=0.0,
                    help="roofline bandwidth (default: the best this harness measures)")

@@ -49,6 +49,8 @@ def test_bad_cli_input_is_a_clear_error(capsys):
     assert main(["generate", str(LLAMA), "--prompt-ids", f"1 2 {VOCAB}", "--max-tokens", "4", *SMALL]) == 2
     assert f"token id {VOCAB} is outside the vocabulary [0, {VOCAB})" in capsys.readouterr().err
     assert main(["info", "no-such-model"]) == 2
+    assert main(["generate", str(LLAMA), "--prompt-ids", "1", "--memory-fraction", "1.5", *SMALL]) == 2
+    assert "memory_fraction must be in (0, 1], got 1.5" in capsys.readouterr().err
 
 
 def test_text_prompts_through_the_tokenizer(tmp_path):
