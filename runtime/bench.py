@@ -235,6 +235,7 @@ def engine_settings(args) -> dict:
                 **({"quantize_head": True} if args.quantize_head else {}), kv_cache_dtype=args.kv_cache_dtype,
                 tensor_parallel=args.tensor_parallel,
                 **({"forward_sizes": args.forward_sizes} if args.forward_sizes else {}),
+                **{k: getattr(args, k) for k in ("num_pages", "memory_fraction") if getattr(args, k, None)},
                 allow_long_context=True)  # a speed test: the synthetic context may pass the model's
 
 
@@ -572,6 +573,9 @@ def print_tables(console: Console, result: dict) -> None:
                       f"ceiling {e['ceiling_tokens_per_s']:.0f} tokens/s ({100 * e['fraction_of_ceiling']:.0f}%)")
         if "host_ms" in e:
             console.print(f"end to end, host per step: {_host_line(e['host_ms'])}")
+        if "ms_per_bucket" in e:
+            console.print("end to end, steps by width: " + ", ".join(
+                f"{w}: {e['steps_per_bucket'][w]} x {ms:.2f} ms" for w, ms in e["ms_per_bucket"].items()))
     for peer in result.get("peers", []):
         if "glint_ratio" in peer:
             console.print(f"peer {peer['peer']} ({peer['variant']}): {peer['output_tokens_per_s']:.0f} output tokens/s; "

@@ -68,6 +68,9 @@ class EngineStats:
     # of "dispatch": the forward's packing and call until it returns (XLA enqueueing the step's device work)
     launch_seconds: float = 0.0
     wait_seconds: float = 0.0  # host blocked on the device's results
+    # per step width: the step() calls that read a step of that width, whole (the loop's period: dispatching the
+    # next step, waiting for this one, applying its tokens), so seconds / steps is the width's time in the loop
+    seconds_per_bucket: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     spec_steps: int = 0  # speculative blocks verified
     spec_tokens: int = 0  # tokens they committed (accepted drafts + the target's own)
     prefix_lookup_tokens: int = 0  # tokens of admitted requests (prompts, and recomputed ones after preemption)
@@ -102,6 +105,7 @@ class Sampled:
 
 @dataclasses.dataclass
 class InFlight:
+    width: int
     sampled: list[Sampled]
     next_tokens: jax.Array
     lp: object
@@ -457,8 +461,9 @@ class Engine:
         if self._unread is None and dispatched is None and self.scheduler.has_work():
             raise RuntimeError("no request can be scheduled: the KV pool is too small for the waiting requests")
         self.stats.host_seconds += time.perf_counter() - t0
-        if self._unread is not None:
-            self._read(self._unread)
+        if (read := self._unread) is not None:
+            self._read(read)
+            self.stats.seconds_per_bucket[read.width] += time.perf_counter() - t0
         with interrupts.deferred() as held:
             new, self._undelivered = self._undelivered, {}
             held.on_interrupt(lambda: self._undeliver(new))
@@ -547,7 +552,7 @@ class Engine:
                 e.req.generated.append(-(row + 1))  # placeholder: row `row` of this step's output
                 e.req.num_children = 0
                 row += e.samples
-        return InFlight(sampled, next_tokens, lp, proposed, drafted)
+        return InFlight(width, sampled, next_tokens, lp, proposed, drafted)
 
     def _run(self, width: int, meta, tokens, token_src, rows, samples, draft_rows):
         """Launch the step's programs: page copies, drafting, the forward, and top-k/top-p or logprobs when
