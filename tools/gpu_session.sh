@@ -14,7 +14,7 @@ python3 -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | grep -v WAR
 # +kv8 also runs the fp8 KV cache) and per XLA command-buffer update mode in UPDATE_MODES (default: XLA's own, no
 # flag); E2E_ARGS adds bench args; E2E_TIMEOUT s per process (default 280; a cold fp8+kv8 compile of the 13 widths
 # takes longer). --batch sets max_seqs: it must be 256 (--batch 1 served the 256 requests one at a time). A process
-# past its time (rc=124) dumps Python's stacks (SIGABRT, faulthandler; no core file).
+# past its time (rc=124) has its stacks taken (`within`, below), then dumps Python's (SIGABRT, faulthandler; no core).
 quant_e2e() {
   ulimit -c 0
   for q in ${QUANT_FORMATS:-none fp8}; do
@@ -24,13 +24,27 @@ quant_e2e() {
       kv=auto; [[ $q == *+kv8 ]] && kv=fp8
       log=$out/quant_e2e_${q//+/_}${mode:+_$mode}  # no '+' in file names: the device tool does not bring those back
       XLA_FLAGS="${XLA_FLAGS:-}${mode:+ --xla_gpu_command_buffer_update_mode=$mode}" PYTHONFAULTHANDLER=1 \
-        timeout -s ABRT ${E2E_TIMEOUT:-280} python3 -m glint.runtime.cli bench llama3-8b --quantize ${q%+kv8} \
+        python3 -m glint.runtime.cli bench llama3-8b --quantize ${q%+kv8} \
         --kv-cache-dtype $kv --batch 256 --prompt-len 512 --gen-len 128 --requests 256 --e2e-gen-len 128 \
-        --repeats 2 ${E2E_ARGS:-} --json "$log.json" > "$log.log" 2>&1
+        --repeats 2 ${E2E_ARGS:-} --json "$log.json" > "$log.log" 2>&1 &
+      within ${E2E_TIMEOUT:-280} $! "$log.stall.txt"
       echo "== $q ${mode:-} rc=$? $(( $(date +%s) - start )) s"
       grep -E "roofline|KV pages|Error|^Thread|^Current thread|^  File" "$log.log" | head -12; tail -12 "$log.log"
     done
   done
+}
+
+# Waits up to $1 s for process $2. One still running then has its threads' native and Python stacks (py-spy, a
+# static binary carried in .gpu/bin: python3 -m pip download py-spy==0.4.1 and unzip its wheel), their CPU and the
+# GPU's load written to $3, and is aborted. Returns the process's status, 124 when it was stopped.
+within() {
+  for ((t = 0; t < $1; t++)); do kill -0 $2 2>/dev/null || break; sleep 1; done
+  if kill -0 $2 2>/dev/null; then
+    { date; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv; ps -L -o tid,pcpu,stat,wchan:30,comm -p $2
+      timeout 60 .gpu/bin/py-spy dump --native --pid $2; nvidia-smi --query-gpu=utilization.gpu --format=csv; } > "$3" 2>&1
+    kill -ABRT $2; wait $2; return 124
+  fi
+  wait $2
 }
 
 case "${1:-all}" in
@@ -85,8 +99,9 @@ case "${1:-all}" in
     done
     ;;
   skip-temp)  # quant-e2e at two widths, XLA's default command-buffer updates against SKIP_TEMP, bf16 and fp8 + fp8
-              # KV (~5 min; SKIP_TEMP_ARGS adds bench args, e.g. "--num-pages 20000")
-    QUANT_FORMATS="none fp8+kv8" UPDATE_MODES="ALWAYS_UPDATE SKIP_TEMP" E2E_TIMEOUT=${SKIP_TEMP_TIMEOUT:-120} \
+              # KV (~6 min cold; SKIP_TEMP_ARGS adds bench args, e.g. "--num-pages 20000"; an fp8 process with no
+              # compilation cache takes 125-140 s, most of it compiling the width-4096 program)
+    QUANT_FORMATS="none fp8+kv8" UPDATE_MODES="ALWAYS_UPDATE SKIP_TEMP" E2E_TIMEOUT=${SKIP_TEMP_TIMEOUT:-250} \
       E2E_ARGS="--forward-sizes 256,4096 --max-step-tokens 4096 ${SKIP_TEMP_ARGS:-}" quant_e2e
     ;;
   fp8-kv)  # decode attention over bf16 and fp8 KV pools, 64 x 4096 (~1 min; FP8_KV_ARGS="256 640 --sweep" etc.)
