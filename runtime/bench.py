@@ -211,7 +211,9 @@ def end_to_end(engine: Engine, num_requests: int, prompt_len: int, gen_len: int,
                 output_tokens_per_s=generated / wall, steps=steps, host_ms_per_step=1e3 * s.host_seconds / steps,
                 wait_ms_per_step=1e3 * s.wait_seconds / steps, host_ms=host_ms(s, steps), preemptions=s.preemptions,
                 steps_per_bucket=dict(sorted(s.steps_per_bucket.items())),
-                ms_per_bucket={w: 1e3 * s.seconds_per_bucket[w] / n for w, n in sorted(s.steps_per_bucket.items())})
+                ms_per_bucket={w: 1e3 * s.seconds_per_bucket[w] / n for w, n in sorted(s.steps_per_bucket.items())},
+                wait_ms_per_bucket={w: 1e3 * s.wait_seconds_per_bucket[w] / n
+                                    for w, n in sorted(s.steps_per_bucket.items())})
 
 
 def workload_ceiling(engine: Engine, bench: StepBench, e2e: dict, flops: float) -> float:
@@ -575,7 +577,8 @@ def print_tables(console: Console, result: dict) -> None:
             console.print(f"end to end, host per step: {_host_line(e['host_ms'])}")
         if "ms_per_bucket" in e:
             console.print("end to end, steps by width: " + ", ".join(
-                f"{w}: {e['steps_per_bucket'][w]} x {ms:.2f} ms" for w, ms in e["ms_per_bucket"].items()))
+                f"{w}: {e['steps_per_bucket'][w]} x {ms:.2f} ms (waiting {e['wait_ms_per_bucket'][w]:.2f})"
+                for w, ms in e["ms_per_bucket"].items()))
     for peer in result.get("peers", []):
         if "glint_ratio" in peer:
             console.print(f"peer {peer['peer']} ({peer['variant']}): {peer['output_tokens_per_s']:.0f} output tokens/s; "

@@ -71,6 +71,7 @@ class EngineStats:
     # per step width: the step() calls that read a step of that width, whole (the loop's period: dispatching the
     # next step, waiting for this one, applying its tokens), so seconds / steps is the width's time in the loop
     seconds_per_bucket: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    wait_seconds_per_bucket: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # of it
     spec_steps: int = 0  # speculative blocks verified
     spec_tokens: int = 0  # tokens they committed (accepted drafts + the target's own)
     prefix_lookup_tokens: int = 0  # tokens of admitted requests (prompts, and recomputed ones after preemption)
@@ -479,6 +480,7 @@ class Engine:
             self._unread = None
         t2 = time.perf_counter()
         self.stats.wait_seconds += t1 - t0
+        self.stats.wait_seconds_per_bucket[step.width] += t1 - t0
         self.stats.host_seconds += t2 - t1
         self.stats.host_phase_seconds["postprocess"] += t2 - t1
 

@@ -25,6 +25,10 @@ def test_bench_demo_runs(tmp_path, capsys):
     looped = sum(ms * e2e["steps_per_bucket"][w] for w, ms in e2e["ms_per_bucket"].items())
     stepped = (e2e["host_ms_per_step"] + e2e["wait_ms_per_step"]) * e2e["steps"]
     assert min(e2e["ms_per_bucket"].values()) > 0 and 0.5 * stepped < looped <= 1e3 * e2e["wall_s"]
+    # of it, waiting on the device: per width within its time, in all the run's waiting (the widths' steps)
+    assert all(0 <= e2e["wait_ms_per_bucket"][w] < ms for w, ms in e2e["ms_per_bucket"].items())
+    waited = sum(ms * e2e["steps_per_bucket"][w] for w, ms in e2e["wait_ms_per_bucket"].items())
+    assert abs(waited - e2e["wait_ms_per_step"] * e2e["steps"]) < 1e-6 * max(1.0, waited)
     assert set(result["compile_s"]) == {str(w) for w in [1, 2, 4, 8, 16, 32, 64, 128]}
     assert "decode (one token per sequence)" in capsys.readouterr().out
 
