@@ -439,9 +439,9 @@ class Engine:
         interrupted; the bookkeeping around it holds Ctrl-C until it is done. Tokens a call could not
         return are returned by the next one.
         """
-        t0 = time.perf_counter()
         if self._unread is not None:  # a step whose results an interrupted call did not get to read
-            self._read(self._unread)
+            self._read(self._unread, since=time.perf_counter())
+        t0 = time.perf_counter()
         with interrupts.deferred():
             try:
                 t_schedule = time.perf_counter()
@@ -462,16 +462,16 @@ class Engine:
         if self._unread is None and dispatched is None and self.scheduler.has_work():
             raise RuntimeError("no request can be scheduled: the KV pool is too small for the waiting requests")
         self.stats.host_seconds += time.perf_counter() - t0
-        if (read := self._unread) is not None:
-            self._read(read)
-            self.stats.seconds_per_bucket[read.width] += time.perf_counter() - t0
+        if self._unread is not None:
+            self._read(self._unread, since=t0)
         with interrupts.deferred() as held:
             new, self._undelivered = self._undelivered, {}
             held.on_interrupt(lambda: self._undeliver(new))
         return new
 
-    def _read(self, step: InFlight) -> None:
-        """Wait for a dispatched step's tokens (interruptible), then apply them (not interruptible)."""
+    def _read(self, step: InFlight, since: float) -> None:
+        """Wait for a dispatched step's tokens (interruptible), then apply them (not interruptible); the time
+        from `since` (the step() call's start: dispatching the next step included) counts to the step's width."""
         t0 = time.perf_counter()
         next_tokens, lp, proposed = self._fetch(step)
         t1 = time.perf_counter()
@@ -483,6 +483,7 @@ class Engine:
         self.stats.wait_seconds_per_bucket[step.width] += t1 - t0
         self.stats.host_seconds += t2 - t1
         self.stats.host_phase_seconds["postprocess"] += t2 - t1
+        self.stats.seconds_per_bucket[step.width] += t2 - since
 
     @staticmethod
     def _fetch(step: InFlight):
