@@ -237,7 +237,7 @@ def engine_settings(args) -> dict:
                 **({"quantize_head": True} if args.quantize_head else {}), kv_cache_dtype=args.kv_cache_dtype,
                 tensor_parallel=args.tensor_parallel,
                 **({"forward_sizes": args.forward_sizes} if args.forward_sizes else {}),
-                **{k: getattr(args, k) for k in ("num_pages", "memory_fraction") if getattr(args, k, None)},
+                **{k: getattr(args, k) for k in ("num_pages", "memory_fraction") if getattr(args, k, None) is not None},
                 allow_long_context=True)  # a speed test: the synthetic context may pass the model's
 
 

@@ -33,6 +33,15 @@ def _widths(text: str) -> tuple[int, ...]:
     return widths
 
 
+def _pool_args(p) -> None:
+    from glint.runtime.config import EngineConfig as C
+
+    p.add_argument("--num-pages", type=int, help="KV pool pages (default: what --memory-fraction leaves)")
+    p.add_argument("--memory-fraction", type=float, help="share of XLA's device memory that the weights, the KV pool "
+                   f"and what is already taken may fill, like vLLM's --gpu-memory-utilization (default "
+                   f"{C.memory_fraction}; the rest is left to the programs' temporaries)")
+
+
 def _engine_args(p) -> None:
     from glint.runtime.config import EngineConfig as C
 
@@ -47,10 +56,7 @@ def _engine_args(p) -> None:
                    "sequence; else --max-step-tokens)")
     p.add_argument("--max-sample-rows", type=int, help="rows of logits a step returns (default: --max-seqs x (1 + "
                    "--num-speculative-tokens)); export with room for the blocks an artifact will verify")
-    p.add_argument("--num-pages", type=int, help="KV pool pages (default: what --memory-fraction leaves)")
-    p.add_argument("--memory-fraction", type=float, help="share of XLA's device memory that the weights, the KV pool "
-                   f"and what is already taken may fill, like vLLM's --gpu-memory-utilization (default "
-                   f"{C.memory_fraction}; the rest is left to the programs' temporaries)")
+    _pool_args(p)
     p.add_argument("--capacity", type=int, help="most positions per sequence (default: the model's context, "
                    "at most 32768)")
     p.add_argument("--attention", choices=["auto", "pallas", "reference", "interpret"],
@@ -319,9 +325,7 @@ def _register_bench(sub) -> None:
     p.add_argument("--forward-sizes", type=_widths, help="the narrow step widths, comma-separated (default: the engine's up to "
                    "--max-step-tokens); e.g. --forward-sizes 256 --max-step-tokens 256 compiles one program")
     p.add_argument("--attention", default="auto", choices=["auto", "pallas", "reference", "interpret"])
-    p.add_argument("--num-pages", type=int, help="KV pool pages (default: what --memory-fraction leaves)")
-    p.add_argument("--memory-fraction", type=float, help="share of XLA's device memory that the weights, the KV pool "
-                   "and what is already taken may fill (default: the engine's)")
+    _pool_args(p)
     p.add_argument("--repeats", type=int, help="default: 10 on a GPU, 3 on a CPU")
     p.add_argument("--bandwidth-gbps", type=float, default=0.0,
                    help="roofline bandwidth (default: the best this harness measures)")

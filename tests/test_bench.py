@@ -21,7 +21,6 @@ def test_bench_demo_runs(tmp_path, capsys):
     assert e2e["requests"] == 8 and e2e["length_spread"] == 0.5 and e2e["output_tokens_per_s"] > 0 and 0 < e2e["fraction_of_ceiling"]
     # each width's time in the loop: the step() calls that read its steps, which together are nearly all of the
     # host's busy and waiting time (the first call reads nothing), within the run's wall time
-    assert e2e["ms_per_bucket"].keys() == e2e["steps_per_bucket"].keys()
     looped = sum(ms * e2e["steps_per_bucket"][w] for w, ms in e2e["ms_per_bucket"].items())
     stepped = (e2e["host_ms_per_step"] + e2e["wait_ms_per_step"]) * e2e["steps"]
     assert min(e2e["ms_per_bucket"].values()) > 0 and 0.5 * stepped < looped <= 1e3 * e2e["wall_s"]
