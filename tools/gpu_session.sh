@@ -36,13 +36,18 @@ quant_e2e() {
 
 # Waits up to $1 s for process $2. One still running then has its threads' native and Python stacks (py-spy, a
 # static binary carried in .gpu/bin: python3 -m pip download py-spy==0.4.1 and unzip its wheel), their CPU and the
-# GPU's load written to $3, and is aborted. Returns the process's status, 124 when it was stopped.
+# GPU's load written to $3, and is aborted (killed 10 s later if SIGABRT did not end it). Returns the process's
+# status, 124 when it was stopped. $1 is whole seconds.
 within() {
+  local t
+  [[ $1 =~ ^[0-9]+$ ]] || { echo "within: '$1' is not whole seconds" >&2; kill $2; wait $2; return 2; }
   for ((t = 0; t < $1; t++)); do kill -0 $2 2>/dev/null || break; sleep 1; done
   if kill -0 $2 2>/dev/null; then
     { date; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv; ps -L -o tid,pcpu,stat,wchan:30,comm -p $2
       timeout 60 .gpu/bin/py-spy dump --native --pid $2; nvidia-smi --query-gpu=utilization.gpu --format=csv; } > "$3" 2>&1
-    kill -ABRT $2; wait $2; return 124
+    kill -ABRT $2
+    for ((t = 0; t < 10; t++)); do kill -0 $2 2>/dev/null || break; sleep 1; done
+    kill -KILL $2 2>/dev/null; wait $2; return 124
   fi
   wait $2
 }
