@@ -13,7 +13,7 @@
 
     python3 tools/gpu_launch.py --quantize fp8 --kv-cache-dtype fp8 --trace $OUT/launch_fp8
     python3 tools/gpu_launch.py                      # bf16, batch 256 at 576 keys
-One width is compiled (forward_sizes = max_step_tokens = the batch).
+One width is compiled (forward_sizes = max_step_tokens = the batch; under 64, a second one of 64 prefills).
 """
 from __future__ import annotations
 
@@ -111,8 +111,9 @@ def main():
                                    " --xla_enable_command_buffers_during_profiling=true").strip()
     b, capacity = args.batch, args.context + 256
     t0 = time.perf_counter()
+    # a narrow batch prefills in steps of 64 (a second program): a width under the minimum prefill chunk cannot
     engine = Engine.from_pretrained(args.model, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
-                                    max_seqs=b, max_step_tokens=b, forward_sizes=(b,), capacity=capacity,
+                                    max_seqs=b, max_step_tokens=max(b, 64), forward_sizes=(b,), capacity=capacity,
                                     num_pages=b * -(-capacity // 16) + 16, allow_long_context=True)
     engine.warmup()
     print(f"engine + warmup {time.perf_counter() - t0:.0f} s", flush=True)

@@ -103,6 +103,24 @@ case "${1:-all}" in
       grep -E "^(loop|forward launch)|command_buffer|cuGraphLaunch|GPU kernels|Error" "$out/$name.log" | head -12
     done
     ;;
+  graph-update)  # what would keep XLA from re-recording a step's graph every call (docs/perf.md, "SKIP_TEMP settled"):
+                 # tools/gpu_launch.py, int8 at batch 1 x 512 keys and fp8 + fp8 KV at 256 x 576, under XLA's
+                 # default, the temporaries in a colour of their own, the cuda_async allocator (~5 min; GRAPH_ARMS)
+    so=$(python3 -c "import os, jax_plugins.xla_cuda13 as p; print(os.path.dirname(p.__file__))")/xla_cuda_plugin.so
+    echo "VMM allocator with the deferred-free batches (upstream July 2026): $(grep -a -c 'Deferred deallocation batch' "$so")"
+    for arm in ${GRAPH_ARMS:-default separate-color cuda-async}; do
+      case $arm in
+        default) env=() ;;
+        separate-color) env=(XLA_FLAGS=--xla_gpu_temp_buffer_use_separate_color=true) ;;
+        cuda-async) env=(XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async) ;;
+      esac
+      for q in "--quantize int8 --batch 1 --context 512" "--quantize fp8 --kv-cache-dtype fp8"; do
+        name=graph_${arm}_$(echo $q | cut -d' ' -f2)
+        env "${env[@]}" timeout 150 python3 tools/gpu_launch.py $q > "$out/$name.log" 2>&1
+        echo "== $arm $q rc=$?"; grep -E "^(loop|forward launch)|Error|error:" "$out/$name.log" | head -4
+      done
+    done
+    ;;
   skip-temp)  # quant-e2e at two widths, XLA's default command-buffer updates against SKIP_TEMP, bf16 and fp8 + fp8
               # KV (~6 min cold; SKIP_TEMP_ARGS adds bench args, e.g. "--num-pages 20000"; an fp8 process with no
               # compilation cache takes 125-140 s, most of it compiling the width-4096 program)
