@@ -140,16 +140,26 @@ class StepBench:
 
 
 @contextlib.contextmanager
-def decoding(engine: Engine, batch: int, context: int, max_tokens: int, seed: int = 0, started: int = 2):
-    """`batch` greedy requests of `context` random tokens, each stepped to `started` generated tokens (prefilled,
-    decoding); their ids. Aborted and released after."""
+def decoding(engine: Engine, batch: int, context: int, steps: int, seed: int = 0, started: int = 2):
+    """`batch` greedy requests of `context` random tokens, all decoding (each has `started` generated tokens or
+    more) and none finishing within the next `steps` steps; their ids. Aborted and released after.
+
+    A step decodes every running request, so one admitted early has generated more by the time the last prompt
+    is in (256 prompts of 576 tokens at 4096 a step: 36 steps apart). With the prefix cache on, each prompt is
+    first run for one token: the timed requests then find all but its last page cached and start a step or two
+    apart. Without it they start as far apart as the prefill's steps."""
     rng = np.random.default_rng(seed)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    rids = [engine.add_request(rng.integers(0, engine.model.vocab_size, context).tolist(), params)
-            for _ in range(batch)]
+    prompts = [rng.integers(0, engine.model.vocab_size, context).tolist() for _ in range(batch)]
+    if engine.config.prefix_cache:
+        engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=engine.capacity - context, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request(prompt, params) for prompt in prompts]
     try:
-        while min(len(engine.output(rid, text=False).token_ids) for rid in rids) < started:
+        while min(generated := [len(engine.output(rid, text=False).token_ids) for rid in rids]) < started:
             engine.step()
+        if max(generated) + steps + 1 > params.max_tokens:  # + 1: the step in flight
+            raise ValueError(f"capacity {engine.capacity}: {batch} requests of {context} tokens, the first "
+                             f"{max(generated)} tokens ahead of the last, cannot all decode {steps} more steps")
         yield rids
     finally:
         for rid in rids:
@@ -167,7 +177,7 @@ def pipelined_decode_ms(engine: Engine, batch: int, context: int, steps: int = 3
     and the loop's host time per step (`host_ms`)."""
     kept = engine.stats  # the timed steps count on fresh stats; the engine's own come back after
     try:
-        with decoding(engine, batch, context, steps + 4, seed):
+        with decoding(engine, batch, context, steps, seed):
             engine.stats = type(kept)()
             t0 = time.perf_counter()
             for _ in range(steps):

@@ -1,6 +1,8 @@
 """`glint bench demo` runs on the CPU (the numbers are only printed; the structure is checked)."""
 import json
 
+import pytest
+
 from glint.runtime.cli import main
 
 
@@ -109,3 +111,27 @@ def test_a_failing_timed_step_raises_its_own_error_and_leaves_the_engine_clean(m
     with pytest.raises(RuntimeError, match="the device refused the step"):
         StepBench(engine, bandwidth=1e12).time_step(batch=2, context=8, q_len=1, repeats=1)
     assert not engine.control.has_pending_step and engine.control.active_seqs() == []
+
+
+def test_decoding_keeps_every_request_decoding():
+    """bench.decoding: the whole batch decodes through the steps it is asked for, though a step's budget takes
+    the prompts one at a time (run plainly, the first requests would have finished before the last began); a
+    capacity too small for that is a clear error."""
+    from glint.runtime.bench import decoding
+    from glint.runtime.engine import Engine
+
+    batch, context, steps = 6, 24, 8
+    engine = Engine.from_pretrained("tiny", dtype="float32", max_seqs=batch, max_step_tokens=32, page_size=8,
+                                    capacity=context + 24)
+    with decoding(engine, batch, context, steps) as rids:
+        start = [len(engine.output(rid, text=False).token_ids) for rid in rids]
+        assert min(start) >= 2
+        for _ in range(steps):
+            engine.step()
+            assert len(engine.scheduler.running) == batch
+        assert all(len(engine.output(rid, text=False).token_ids) > n for rid, n in zip(rids, start))
+    assert not engine.has_unfinished()
+    with pytest.raises(ValueError, match="capacity 48: .* cannot all decode 24 more steps"):
+        with decoding(engine, batch, context, 24):
+            pass
+    assert not engine.has_unfinished()
