@@ -142,22 +142,33 @@ class StepBench:
 @contextlib.contextmanager
 def decoding(engine: Engine, batch: int, context: int, steps: int, seed: int = 0, started: int = 2):
     """`batch` greedy requests of `context` random tokens, all decoding (each has `started` generated tokens or
-    more) and none finishing within the next `steps` steps; their ids. Aborted and released after.
+    more) and none finishing within the next `steps` steps (of one token each: no speculative engine); their
+    ids. Aborted and released after.
 
     A step decodes every running request, so one admitted early has generated more by the time the last prompt
     is in (256 prompts of 576 tokens at 4096 a step: 36 steps apart). With the prefix cache on, each prompt is
-    first run for one token: the timed requests then find all but its last page cached and start a step or two
-    apart. Without it they start as far apart as the prefill's steps."""
+    first run for one token: the timed requests then find all but its last page cached (a sliding-window
+    model: at most its ring's pages) and start a few steps apart. Without it they start as far apart as the
+    prefill's steps. The step must have room for a prompt chunk beside `batch` decode rows (max_step_tokens
+    >= batch + min_prefill_chunk), or the last prompts wait until the first requests finish: a clear error."""
+    room = engine.capacity - context
+    if room < started + steps + 1:  # + 1: the step in flight
+        raise ValueError(f"capacity {engine.capacity}: requests of {context} tokens cannot decode {started} + "
+                         f"{steps} more steps")
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, engine.model.vocab_size, context).tolist() for _ in range(batch)]
-    if engine.config.prefix_cache:
+    if engine.prefix_cache_enabled:
         engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    params = SamplingParams(max_tokens=engine.capacity - context, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True)
     rids = [engine.add_request(prompt, params) for prompt in prompts]
     try:
         while min(generated := [len(engine.output(rid, text=False).token_ids) for rid in rids]) < started:
+            if max(generated) == room:
+                raise ValueError(f"a request finished before every one of the {batch} had started (a step of "
+                                 f"{engine.config.max_step_tokens} tokens, {batch} requests of {context}): "
+                                 f"give the step room for a prompt chunk beside the decode rows")
             engine.step()
-        if max(generated) + steps + 1 > params.max_tokens:  # + 1: the step in flight
+        if max(generated) + steps + 1 > room:
             raise ValueError(f"capacity {engine.capacity}: {batch} requests of {context} tokens, the first "
                              f"{max(generated)} tokens ahead of the last, cannot all decode {steps} more steps")
         yield rids

@@ -275,6 +275,11 @@ class Engine:
         self._salt = prefix.salt(self.model, cache.windows, cache.kv_heads, cache.head_dim, cache.dtype,
                                  getattr(self.drafter, "cfg", None)) if enabled else None
 
+    @property
+    def prefix_cache_enabled(self) -> bool:
+        """Whether requests added now share prompt pages through the prefix cache (set_prefix_cache)."""
+        return self._salt is not None
+
     # ---- requests ----
 
     def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None) -> int:

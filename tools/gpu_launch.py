@@ -13,7 +13,7 @@
 
     python3 tools/gpu_launch.py --quantize fp8 --kv-cache-dtype fp8 --trace $OUT/launch_fp8
     python3 tools/gpu_launch.py                      # bf16, batch 256 at 576 keys
-One width is compiled (forward_sizes = max_step_tokens = the batch; under 64, a second one of 64 prefills).
+The timed width is the batch (forward_sizes); prompts prefill in a second program, 64 wider.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def direct_launches(engine: Engine, batch: int, context: int, calls: int = 24) -
 
     engine.runner.forward = capture  # the last step before decoding starts is the one called again
     try:
-        with decoding(engine, batch, context, 64, seed=3, started=3):
+        with decoding(engine, batch, context, 0, seed=3, started=3):
             del engine.runner.forward  # the class's method again
             width, weights, _, tokens, token_src, prev, *step = captured["args"]
             kv = engine.kv
@@ -75,7 +75,7 @@ def direct_launches(engine: Engine, batch: int, context: int, calls: int = 24) -
 def host_events(engine: Engine, batch: int, context: int, trace_dir: str, steps: int = 8, top: int = 20) -> list:
     """(ms per step, calls per step, name) of the host events in a trace of `steps` loop steps, most first; the
     GPU's events summed as one row."""
-    with decoding(engine, batch, context, 64, seed=2, started=3):
+    with decoding(engine, batch, context, steps, seed=2, started=3):
         options = jax.profiler.ProfileOptions()
         options.python_tracer_level = 0  # Python frames would swamp the host threads' own events
         jax.profiler.start_trace(trace_dir, profiler_options=options)
@@ -111,9 +111,9 @@ def main():
                                    " --xla_enable_command_buffers_during_profiling=true").strip()
     b, capacity = args.batch, args.context + 256
     t0 = time.perf_counter()
-    # a narrow batch prefills in steps of 64 (a second program): a width under the minimum prefill chunk cannot
+    # prompts prefill in a second program, 64 wider than the batch: room for a prompt chunk beside the decode rows
     engine = Engine.from_pretrained(args.model, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
-                                    max_seqs=b, max_step_tokens=max(b, 64), forward_sizes=(b,), capacity=capacity,
+                                    max_seqs=b, max_step_tokens=b + 64, forward_sizes=(b,), capacity=capacity,
                                     num_pages=b * -(-capacity // 16) + 16, allow_long_context=True)
     engine.warmup()
     print(f"engine + warmup {time.perf_counter() - t0:.0f} s", flush=True)
