@@ -132,14 +132,13 @@ def test_decoding_keeps_every_request_decoding():
         assert all(len(engine.output(rid, text=False).token_ids) > n for rid, n in zip(rids, start))
     assert not engine.has_unfinished()
     for ctx, more in ((context, 24), (context + 23, 0)):  # one position left: not enough for `started` tokens
-        with pytest.raises(ValueError, match="capacity 48: requests of"):
-            with decoding(engine, batch, ctx, more):
-                pass
+        with pytest.raises(ValueError, match="capacity 48: requests of"), decoding(engine, batch, ctx, more):
+            pass
     assert not engine.has_unfinished()
     # a step with no room for a prompt chunk beside the decode rows: the last prompt cannot start in time
     narrow = Engine.from_pretrained("tiny", dtype="float32", max_seqs=16, max_step_tokens=16, page_size=8,
                                     capacity=context + 24)
-    with pytest.raises(ValueError, match="finished before every one of the 16 had started"):
-        with decoding(narrow, 16, context, steps):
-            pass
+    with pytest.raises(ValueError, match="finished before every one of the 16 had started"), \
+            decoding(narrow, 16, context, steps):
+        pass
     assert not narrow.has_unfinished()
