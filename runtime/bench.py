@@ -228,13 +228,15 @@ def end_to_end(engine: Engine, num_requests: int, prompt_len: int, gen_len: int,
     generated = sum(len(o.token_ids) for o in outs)
     s = engine.stats
     steps = sum(s.steps_per_bucket.values())
+
+    def per_step(seconds) -> dict:  # ms per step of each width
+        return {w: 1e3 * seconds[w] / n for w, n in sorted(s.steps_per_bucket.items())}
+
     return dict(requests=num_requests, prompt_len=prompt_len, gen_len=gen_len, length_spread=spread, wall_s=wall,
                 output_tokens_per_s=generated / wall, steps=steps, host_ms_per_step=1e3 * s.host_seconds / steps,
                 wait_ms_per_step=1e3 * s.wait_seconds / steps, host_ms=host_ms(s, steps), preemptions=s.preemptions,
                 steps_per_bucket=dict(sorted(s.steps_per_bucket.items())),
-                ms_per_bucket={w: 1e3 * s.seconds_per_bucket[w] / n for w, n in sorted(s.steps_per_bucket.items())},
-                wait_ms_per_bucket={w: 1e3 * s.wait_seconds_per_bucket[w] / n
-                                    for w, n in sorted(s.steps_per_bucket.items())})
+                ms_per_bucket=per_step(s.seconds_per_bucket), wait_ms_per_bucket=per_step(s.wait_seconds_per_bucket))
 
 
 def workload_ceiling(engine: Engine, bench: StepBench, e2e: dict, flops: float) -> float:
