@@ -458,7 +458,7 @@ def varlen_attention(
         Hopper, for prefill steps Mosaic covers (and tuning.PREFILL_BACKEND =
         "mosaic"), each segment runs on the kernel that costs it less (long
         segments on Mosaic, decode rows and short chunks on Triton, see
-        _mosaic_segments); Triton otherwise.
+        _mosaic_segments; each row's output is its own kernel's); Triton otherwise.
       interpret: run the Pallas interpreter (CPU tests).
     Returns:
       [T, Hq, D] in q's dtype; rows outside every segment and rows that see no
@@ -493,13 +493,16 @@ def varlen_attention(
 
     if backend == "mosaic":
         return run_mosaic(seq_info)
-    # "auto": each segment goes to the kernel that costs it less; the two outputs cover disjoint rows.
+    # "auto": each segment goes to the kernel that costs it less. Each row of the output is taken from the kernel
+    # its segment went to (rows of no segment: Triton's zeros), whatever the other wrote there.
     blocks = default_block_sizes(q.shape[0], seq_info.shape[0], q.shape[2])
     to_mosaic = _mosaic_segments(seq_info, _rows_per_tile(blocks, q.shape[1] // k_pages.shape[2]))
     q_len = seq_info[:, 1]
     mosaic_info = seq_info.at[:, 1].set(jnp.where(to_mosaic, q_len, 0))
     triton_info = seq_info.at[:, 1].set(jnp.where(to_mosaic, 0, q_len))
-    return run_mosaic(mosaic_info) + run_triton(triton_info)
+    row_segment = segments.row_segments(seq_info, q.shape[0])  # [T]: 1 + segment, 0 for none
+    row_on_mosaic = (row_segment > 0) & to_mosaic[jnp.maximum(row_segment - 1, 0)]
+    return jnp.where(row_on_mosaic[:, None, None], run_mosaic(mosaic_info), run_triton(triton_info))
 
 
 def _mosaic_segments(seq_info, triton_tile_rows: int):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from glint.pallas_kernels import varlen_attention
+from glint.pallas_kernels import segments, varlen_attention
 from glint.pallas_kernels import varlen_attention_mgpu as mg
 
 
@@ -142,9 +142,10 @@ def test_one_stage_is_refused():
 
 
 def test_auto_splits_segments_between_the_kernels(monkeypatch):
-    """On Hopper, "auto" sends long segments to Mosaic and short ones to Triton and adds the two
-    outputs. Here a stand-in for the Mosaic kernel (the Triton one in interpret mode, on the
-    segments it is handed) checks the split: every row is answered once, as by Triton alone."""
+    """On Hopper, "auto" sends long segments to Mosaic and short ones to Triton and takes each row
+    from its segment's kernel. Here a stand-in for the Mosaic kernel (the Triton one in interpret
+    mode, on the segments it is handed) checks the split: every row is answered once, as by Triton alone,
+    and what either kernel writes in another's rows (NaN here) never shows."""
     import importlib
 
     from glint.pallas_kernels.testing import AttentionCase, make_attention_inputs
@@ -154,17 +155,27 @@ def test_auto_splits_segments_between_the_kernels(monkeypatch):
     inputs = {k: jnp.asarray(v, jnp.bfloat16) if v.dtype == np.float32 else jnp.asarray(v)
               for k, v in make_attention_inputs(case, np.random.default_rng(3)).items()}
     va = importlib.import_module("glint.pallas_kernels.varlen_attention")
-    handed = []
+    triton, handed = va._triton_attention, []
+    segment_rows = segments.row_segments(inputs["seq_info"], inputs["q"].shape[0]) > 0
+
+    def poisoned(out, info):  # NaN in the rows of the segments this kernel was not handed
+        foreign = segment_rows & ~(segments.row_segments(info, out.shape[0]) > 0)
+        return jnp.where(foreign[:, None, None], jnp.nan, out)
+
+    def fake_triton(q, k_pages, v_pages, page_table, info, **kwargs):
+        return poisoned(triton(q, k_pages, v_pages, page_table, info, **kwargs), info)
 
     def fake_mosaic(q, k_pages, v_pages, page_table, info, *, causal, scale, **_):
         handed.append(info)
-        return va._triton_attention(q, k_pages, v_pages, page_table, info, scales=(None, None), ring_rows=None,
-                                    window=0, causal=causal, softcap=0.0, scale=scale, num_splits=None, block_sizes=None, interpret=True)
+        out = triton(q, k_pages, v_pages, page_table, info, scales=(None, None), ring_rows=None, window=0,
+                     causal=causal, softcap=0.0, scale=scale, num_splits=None, block_sizes=None, interpret=True)
+        return poisoned(out, info)
 
+    want = va.varlen_attention(**inputs, scale=case.scale, backend="triton", interpret=True)
     monkeypatch.setattr(va, "_use_mosaic", lambda backend, **_: backend == "auto")  # as on a Hopper GPU
     monkeypatch.setattr(mg, "varlen_attention_mgpu", fake_mosaic)
+    monkeypatch.setattr(va, "_triton_attention", fake_triton)
     got = va.varlen_attention.__wrapped__(**inputs, scale=case.scale, interpret=True)  # "auto", unjitted
-    want = va.varlen_attention(**inputs, scale=case.scale, backend="triton", interpret=True)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     [info] = handed
     q_len = {int(s[2]): int(s[1]) for s in np.asarray(inputs["seq_info"])}
