@@ -15,6 +15,7 @@ python3 -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | grep -v WAR
 # flag); E2E_ARGS adds bench args; E2E_TIMEOUT s per process (default 280; a cold fp8+kv8 compile of the 13 widths
 # takes longer). --batch sets max_seqs: it must be 256 (--batch 1 served the 256 requests one at a time). A process
 # past its time (rc=124) has its stacks taken (`within`, below), then dumps Python's (SIGABRT, faulthandler; no core).
+# XLA_PYTHON_CLIENT_ALLOCATOR, when set, is named in the log's file name.
 quant_e2e() {
   ulimit -c 0
   for q in ${QUANT_FORMATS:-none fp8}; do
@@ -22,13 +23,14 @@ quant_e2e() {
       [[ $mode == default ]] && mode=
       start=$(date +%s)
       kv=auto; [[ $q == *+kv8 ]] && kv=fp8
-      log=$out/quant_e2e_${q//+/_}${mode:+_$mode}  # no '+' in file names: the device tool does not bring those back
+      alloc=${XLA_PYTHON_CLIENT_ALLOCATOR:-}
+      log=$out/quant_e2e_${q//+/_}${mode:+_$mode}${alloc:+_$alloc}  # no '+' in file names: the device tool drops them
       XLA_FLAGS="${XLA_FLAGS:-}${mode:+ --xla_gpu_command_buffer_update_mode=$mode}" PYTHONFAULTHANDLER=1 \
         python3 -m glint.runtime.cli bench llama3-8b --quantize ${q%+kv8} \
         --kv-cache-dtype $kv --batch 256 --prompt-len 512 --gen-len 128 --requests 256 --e2e-gen-len 128 \
         --repeats 2 ${E2E_ARGS:-} --json "$log.json" > "$log.log" 2>&1 &
       within ${E2E_TIMEOUT:-280} $! "$log.stall.txt"
-      echo "== $q ${mode:-} rc=$? $(( $(date +%s) - start )) s"
+      echo "== $q ${mode:-} ${alloc:-} rc=$? $(( $(date +%s) - start )) s"
       grep -E "roofline|KV pages|Error|^Thread|^Current thread|^  File" "$log.log" | head -12; tail -12 "$log.log"
     done
   done
@@ -118,6 +120,43 @@ case "${1:-all}" in
         name=graph_${arm}_$(echo $q | cut -d' ' -f2)
         env "${env[@]}" timeout 150 python3 tools/gpu_launch.py $q > "$out/$name.log" 2>&1
         echo "== $arm $q rc=$?"; grep -E "^(loop|forward launch)|Error|error:" "$out/$name.log" | head -4
+      done
+    done
+    ;;
+  while-probe)  # does a fori_loop of decode-sized GEMVs run as one CUDA graph? XLA's default command-buffer types,
+                 # then with WHILE and CONDITIONAL added (~1 min)
+    for flags in "" "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"; do
+      XLA_FLAGS=$flags timeout 200 python3 tools/gpu_while_probe.py > "$out/while_probe_${flags:+while}.log" 2>&1
+      echo "== XLA_FLAGS=$flags"; grep -E "^K=|Error" "$out/while_probe_${flags:+while}.log"
+    done
+    ;;
+  allocator)  # XLA's BFC allocator against cuda_async (cudaMallocAsync): what each reports as memory, then per format
+              # in ALLOC_FORMATS (default fp8+kv8) quant-e2e at two widths (cuda_async first; ALLOC_E2E_ARGS adds bench
+              # args, e.g. "--num-pages 20000"), then batch-1 decode per format in ALLOC_B1 (default "int8 none");
+              # one process each (~5 min with one cold fp8 compile)
+    for alloc in cuda_async bfc; do
+      ( [[ $alloc == bfc ]] || export XLA_PYTHON_CLIENT_ALLOCATOR=$alloc
+        python3 -c "import jax; from glint.kvcache.state import free_device_bytes
+s = jax.devices()[0].memory_stats() or {}
+print('$alloc', {k: s.get(k) for k in ('bytes_limit', 'bytes_in_use')}, 'free_device_bytes', free_device_bytes())" \
+          2>&1 | grep "^$alloc" )
+    done
+    for q in ${ALLOC_FORMATS-fp8+kv8}; do
+      for alloc in cuda_async bfc; do
+        ( [[ $alloc == bfc ]] || export XLA_PYTHON_CLIENT_ALLOCATOR=$alloc
+          QUANT_FORMATS=$q E2E_TIMEOUT=${E2E_TIMEOUT:-250} \
+            E2E_ARGS="--forward-sizes 256,4096 --max-step-tokens 4096 ${ALLOC_E2E_ARGS:-}" quant_e2e \
+            | grep -E "^==|KV pages|output tok|steps by|host per step" )
+      done
+    done
+    for q in ${ALLOC_B1-int8 none}; do
+      for alloc in cuda_async bfc; do
+        ( [[ $alloc == bfc ]] || export XLA_PYTHON_CLIENT_ALLOCATOR=$alloc
+          log=$out/b1_${q}_$alloc.log
+          timeout 100 python3 -m glint.runtime.cli bench llama3-8b --quantize $q --batch 1 --contexts 512 --requests 0 \
+            --forward-sizes 1 --max-step-tokens 16 --repeats 5 > "$log" 2>&1
+          echo "== batch 1 $q $alloc rc=$?"; grep -B1 -A4 "┃ batch ┃ ctx ┃       ms" "$log" | grep "│"
+          grep -A1 "the loop at batch 1" "$log" | head -2 )
       done
     done
     ;;
@@ -234,7 +273,7 @@ case "${1:-all}" in
         all-triton) env=(XLA_FLAGS=--xla_gpu_experimental_all_fusions_with_triton=true) ;;
         multi-output) env=(XLA_FLAGS=--xla_gpu_unsupported_enable_triton_multi_output_fusion=true) ;;
         min-blocks-*) env=(TUNING=MIN_BLOCKS_PER_SPLIT=${v#min-blocks-}) ;;  # key blocks per split-K split, at least
-        fp8) env=(PROFILE_QUANTIZE=fp8) ;;
+        fp8|int8|int4) env=(PROFILE_QUANTIZE=$v) ;;
         fp8-cublaslt) env=(PROFILE_QUANTIZE=fp8 XLA_FLAGS=--xla_gpu_enable_command_buffer=+CUBLASLT) ;;
       esac
       env "${env[@]}" timeout ${PROFILE_TIMEOUT:-150} python3 tools/with_tuning.py tools/gpu_decode_profile.py \
