@@ -155,21 +155,22 @@ def test_auto_splits_segments_between_the_kernels(monkeypatch):
     inputs = {k: jnp.asarray(v, jnp.bfloat16) if v.dtype == np.float32 else jnp.asarray(v)
               for k, v in make_attention_inputs(case, np.random.default_rng(3)).items()}
     va = importlib.import_module("glint.pallas_kernels.varlen_attention")
-    triton, handed = va._triton_attention, []
+    triton, handed, triton_calls = va._triton_attention, [], []
     segment_rows = segments.row_segments(inputs["seq_info"], inputs["q"].shape[0]) > 0
 
-    def poisoned(out, info):  # NaN in the rows of the segments this kernel was not handed
-        foreign = segment_rows & ~(segments.row_segments(info, out.shape[0]) > 0)
+    def poisoned(out, info, rows):  # NaN in `rows` outside the segments this kernel was handed
+        foreign = rows & ~(segments.row_segments(info, out.shape[0]) > 0)
         return jnp.where(foreign[:, None, None], jnp.nan, out)
 
-    def fake_triton(q, k_pages, v_pages, page_table, info, **kwargs):
-        return poisoned(triton(q, k_pages, v_pages, page_table, info, **kwargs), info)
+    def fake_triton(q, k_pages, v_pages, page_table, info, **kwargs):  # rows of no segment stay its zeros
+        triton_calls.append(info)
+        return poisoned(triton(q, k_pages, v_pages, page_table, info, **kwargs), info, segment_rows)
 
     def fake_mosaic(q, k_pages, v_pages, page_table, info, *, causal, scale, **_):
         handed.append(info)
         out = triton(q, k_pages, v_pages, page_table, info, scales=(None, None), ring_rows=None, window=0,
                      causal=causal, softcap=0.0, scale=scale, num_splits=None, block_sizes=None, interpret=True)
-        return poisoned(out, info)
+        return poisoned(out, info, jnp.ones_like(segment_rows))
 
     want = va.varlen_attention(**inputs, scale=case.scale, backend="triton", interpret=True)
     monkeypatch.setattr(va, "_use_mosaic", lambda backend, **_: backend == "auto")  # as on a Hopper GPU
@@ -178,6 +179,7 @@ def test_auto_splits_segments_between_the_kernels(monkeypatch):
     got = va.varlen_attention.__wrapped__(**inputs, scale=case.scale, interpret=True)  # "auto", unjitted
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     [info] = handed
+    assert len(triton_calls) == 1
     q_len = {int(s[2]): int(s[1]) for s in np.asarray(inputs["seq_info"])}
     mosaic_len = {int(s[2]): int(s[1]) for s in np.asarray(info)}
     to_mosaic = {slot for slot, n in mosaic_len.items() if n > 0}
