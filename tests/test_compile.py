@@ -49,17 +49,18 @@ def mixed_workload(vocab: int, stop_token: int):
     return prompts, params
 
 
-@pytest.mark.parametrize("source", ["live", "exported"])
+@pytest.mark.parametrize("source", ["live", "exported", "speculative"])
 def test_serving_never_compiles_after_warmup(source, tmp_path):
     llama = str(HF_FIXTURES / "llama")
+    spec = dict(draft="ngram", num_speculative_tokens=3) if source == "speculative" else {}
     if source == "exported":
         from glint.export import export_engine
 
         export_engine(llama, tmp_path / "art", dtype="float32", show_progress=False, **TIGHT)
         engine = Engine.from_export(tmp_path / "art")
     else:
-        engine = Engine.from_pretrained(llama, dtype="float32", **TIGHT)
-    live = Engine.from_pretrained(llama, dtype="float32", **TIGHT)
+        engine = Engine.from_pretrained(llama, dtype="float32", **TIGHT, **spec)
+    live = Engine.from_pretrained(llama, dtype="float32", **TIGHT, **spec)
     times = engine.warmup(progress=False)
     assert set(times) == {f"forward_{w}" for w in (1, 2, 4, 8, 16, 32)} | {"sample", "logprobs", "copy", "tables"}
     # A stop token the greedy request really meets: its 5th token when run alone.
@@ -72,7 +73,11 @@ def test_serving_never_compiles_after_warmup(source, tmp_path):
     assert counts == dict.fromkeys(EVENTS, 0), counts
     assert [[c.token_ids for c in o.outputs] for o in outs] == [
         [c.token_ids for c in o.outputs] for o in live.generate(prompts, params)]
-    assert engine.stats.preemptions > 0 and engine.stats.page_copies > 0
+    assert engine.stats.preemptions > 0
+    if spec:  # blocks were verified (and rewound); this workload then copies no page
+        assert engine.stats.spec_steps > 0 and engine.stats.spec_tokens > engine.stats.spec_steps
+    else:
+        assert engine.stats.page_copies > 0
     assert outs[4].finish_reason == "stop" and outs[4].token_ids == alone[:alone.index(alone[4]) + 1]
     assert len(outs[3].outputs) == 3 and outs[2].outputs[0].logprobs is not None
 

@@ -166,8 +166,14 @@ def test_n_samples_share_the_prompt_and_match_single_greedy():
     engine = tiny_engine()
     prompt = list(range(3, 40))
     single = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    engine.set_prefix_cache(False)  # the completions can then share the prompt only as clones of its sequence
+    fed, copies = engine.stats.fed_tokens, engine.stats.page_copies
     group = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, n=3))[0]
     assert [c.token_ids for c in group.outputs] == [single.token_ids] * 3
+    # The prompt is fed once; each completion feeds its tokens but the last (its first is drawn from the prompt).
+    assert engine.stats.fed_tokens - fed == len(prompt) + 3 * (12 - 1)
+    assert engine.stats.page_copies > copies  # the prompt's shared last page, copied when a completion writes it
+    engine.set_prefix_cache(True)
     seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=3, n=3, ignore_eos=True)
     a = [c.token_ids for c in engine.generate([prompt], seeded)[0].outputs]
     b = [c.token_ids for c in engine.generate([prompt], seeded)[0].outputs]

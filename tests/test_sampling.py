@@ -1,5 +1,6 @@
 """SamplingParams validation and the device samplers (argmax, temperature/top-k/top-p, logprobs)."""
 
+import dataclasses
 import pathlib
 import zlib
 
@@ -166,6 +167,23 @@ def test_temperature_zero_rows_are_argmax_in_mixed_batch(dtype):
     assert tokens.dtype == np.int32
     # High temperature on the other rows: some of them must leave the argmax.
     assert (tokens != greedy).any()
+
+
+@pytest.mark.parametrize("is_filtered", [True, False])
+def test_negative_temperature_rows_are_argmax(is_filtered):
+    """The device sampler's contract is temperature <= 0 = greedy (SamplingParams refuses negatives before they
+    get here, but a sampler input built otherwise must not divide by a negative temperature)."""
+    rng = case_rng(f"negative-{is_filtered}")
+    num_rows, vocab_size = 16, 301
+    logits = jnp.asarray(rng.normal(size=(num_rows, vocab_size)) * 3, jnp.float32)
+    params = [SamplingParams(temperature=2.0, seed=i) for i in range(num_rows)]
+    inputs = SamplerInputs.from_params(params, rng.integers(0, 1000, num_rows), rows=num_rows)
+    temperature = np.where(np.arange(num_rows) % 2 == 0, -rng.uniform(0.1, 3.0, num_rows), 2.0)
+    inputs = dataclasses.replace(inputs, temperature=np.asarray(temperature, np.float32))
+    tokens = np.asarray(sample_jit(logits, inputs, is_filtered=is_filtered))
+    greedy = np.asarray(sample_argmax(logits))
+    np.testing.assert_array_equal(tokens[::2], greedy[::2])
+    assert (tokens[1::2] != greedy[1::2]).any()  # the positive rows do sample
 
 
 def test_degenerate_filters_are_argmax():
