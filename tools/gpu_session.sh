@@ -107,7 +107,8 @@ case "${1:-all}" in
     ;;
   graph-update)  # what would keep XLA from re-recording a step's graph every call (docs/perf.md, "SKIP_TEMP settled"):
                  # tools/gpu_launch.py, int8 at batch 1 x 512 keys and fp8 + fp8 KV at 256 x 576, under XLA's
-                 # default, the temporaries in a colour of their own, the cuda_async allocator (~5 min; GRAPH_ARMS)
+                 # default, the temporaries in a colour of their own, the cuda_async allocator (~5 min; GRAPH_ARMS
+                 # picks, e.g. "default vmm address")
     so=$(python3 -c "import os, jax_plugins.xla_cuda13 as p; print(os.path.dirname(p.__file__))")/xla_cuda_plugin.so
     echo "VMM allocator with the deferred-free batches (upstream July 2026): $(grep -a -c 'Deferred deallocation batch' "$so")"
     for arm in ${GRAPH_ARMS:-default separate-color cuda-async}; do
@@ -115,6 +116,7 @@ case "${1:-all}" in
         default) env=() ;;
         separate-color) env=(XLA_FLAGS=--xla_gpu_temp_buffer_use_separate_color=true) ;;
         cuda-async) env=(XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async) ;;
+        vmm|address) env=(XLA_PYTHON_CLIENT_ALLOCATOR=$arm) ;;  # jaxlib 0.11.2's other allocators, not yet tried
       esac
       for q in "--quantize int8 --batch 1 --context 512" "--quantize fp8 --kv-cache-dtype fp8"; do
         name=graph_${arm}_$(echo $q | cut -d' ' -f2)
@@ -130,20 +132,22 @@ case "${1:-all}" in
       echo "== XLA_FLAGS=$flags"; grep -E "^K=|Error" "$out/while_probe_${flags:+while}.log"
     done
     ;;
-  allocator)  # XLA's BFC allocator against cuda_async (cudaMallocAsync): what each reports as memory, then per format
-              # in ALLOC_FORMATS (default fp8+kv8) quant-e2e at two widths (cuda_async first; ALLOC_E2E_ARGS adds bench
-              # args, e.g. "--num-pages 20000"), then batch-1 decode per format in ALLOC_B1 (default "int8 none");
-              # one process each (~5 min with one cold fp8 compile)
+  allocator)  # XLA's BFC allocator (its default) against cuda_async (cudaMallocAsync): what each reports as memory,
+              # then per format in ALLOC_FORMATS (default fp8+kv8) quant-e2e at two widths (cuda_async first;
+              # ALLOC_E2E_ARGS adds bench args, e.g. "--num-pages 20000"), then batch-1 decode per format in ALLOC_B1
+              # (default "int8 none"); one process each (~5 min with one cold fp8 compile). An empty ALLOC_FORMATS or
+              # ALLOC_B1 skips that part.
     for alloc in cuda_async bfc; do
-      ( [[ $alloc == bfc ]] || export XLA_PYTHON_CLIENT_ALLOCATOR=$alloc
+      ( export XLA_PYTHON_CLIENT_ALLOCATOR=$alloc
         python3 -c "import jax; from glint.kvcache.state import free_device_bytes
 s = jax.devices()[0].memory_stats() or {}
 print('$alloc', {k: s.get(k) for k in ('bytes_limit', 'bytes_in_use')}, 'free_device_bytes', free_device_bytes())" \
-          2>&1 | grep "^$alloc" )
+          > "$out/memory_$alloc.log" 2>&1 || echo "$alloc: the memory probe failed (memory_$alloc.log)"
+        grep "^$alloc" "$out/memory_$alloc.log" )
     done
     for q in ${ALLOC_FORMATS-fp8+kv8}; do
       for alloc in cuda_async bfc; do
-        ( [[ $alloc == bfc ]] || export XLA_PYTHON_CLIENT_ALLOCATOR=$alloc
+        ( export XLA_PYTHON_CLIENT_ALLOCATOR=$alloc
           QUANT_FORMATS=$q E2E_TIMEOUT=${E2E_TIMEOUT:-250} \
             E2E_ARGS="--forward-sizes 256,4096 --max-step-tokens 4096 ${ALLOC_E2E_ARGS:-}" quant_e2e \
             | grep -E "^==|KV pages|output tok|steps by|host per step" )
@@ -151,10 +155,10 @@ print('$alloc', {k: s.get(k) for k in ('bytes_limit', 'bytes_in_use')}, 'free_de
     done
     for q in ${ALLOC_B1-int8 none}; do
       for alloc in cuda_async bfc; do
-        ( [[ $alloc == bfc ]] || export XLA_PYTHON_CLIENT_ALLOCATOR=$alloc
+        ( export XLA_PYTHON_CLIENT_ALLOCATOR=$alloc
           log=$out/b1_${q}_$alloc.log
           timeout 100 python3 -m glint.runtime.cli bench llama3-8b --quantize $q --batch 1 --contexts 512 --requests 0 \
-            --forward-sizes 1 --max-step-tokens 16 --repeats 5 > "$log" 2>&1
+            --forward-sizes 1 --max-step-tokens 16 --repeats 5 --json "${log%.log}.json" > "$log" 2>&1
           echo "== batch 1 $q $alloc rc=$?"; grep -B1 -A4 "┃ batch ┃ ctx ┃       ms" "$log" | grep "│"
           grep -A1 "the loop at batch 1" "$log" | head -2 )
       done
@@ -259,8 +263,8 @@ print('$alloc', {k: s.get(k) for k in ('bytes_limit', 'bytes_in_use')}, 'free_de
       rm -rf "$out/step_$arm/trace"
     done
     ;;
-  decode-profile)  # batch-1 decode profiles (~80 s each): bf16; fp8; fp8 with cuBLASLt recorded into XLA's command
-                   # buffers; bf16 under XLA fusion / launch flags (PROFILE_VARIANTS picks)
+  decode-profile)  # batch-1 decode profiles (~80 s each): bf16; fp8, int8 or int4 weights; fp8 with cuBLASLt recorded
+                   # into XLA's command buffers; bf16 under XLA fusion / launch flags (PROFILE_VARIANTS picks)
     pdl="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true"
     heroless=--xla_gpu_experimental_enable_triton_heroless_priority_fusion=true
     for v in ${PROFILE_VARIANTS:-bf16 fp8 fp8-cublaslt}; do

@@ -3,7 +3,8 @@
 A multi-step decode program (K decode steps in one call) only amortizes the host's launch if the loop's body is
 recorded once and replayed on the device. This times, for K = 1, 4 and 16 iterations of a body of LAYERS small
 GEMVs (bf16, 4096 x 4096, one row, as a batch-1 decode layer's), the host time until the call returns and the
-wall time until its result is ready, each call fed a new input buffer like the engine's steps:
+wall time until its result is ready, each call fed a new input buffer like the engine's steps (XLA likely drops
+a one-trip loop, so K = 1 is the body alone):
     python3 tools/gpu_while_probe.py
     XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL python3 tools/gpu_while_probe.py
 Prints one line per K and a JSON line last.
