@@ -500,8 +500,7 @@ def varlen_attention(
     q_len = seq_info[:, 1]
     mosaic_info = seq_info.at[:, 1].set(jnp.where(to_mosaic, q_len, 0))
     triton_info = seq_info.at[:, 1].set(jnp.where(to_mosaic, 0, q_len))
-    row_segment = segments.row_segments(seq_info, q.shape[0])  # [T]: 1 + segment, 0 for none
-    row_on_mosaic = (row_segment > 0) & to_mosaic[jnp.maximum(row_segment - 1, 0)]
+    row_on_mosaic = segments.row_segments(mosaic_info, q.shape[0]) > 0  # [T]
     return jnp.where(row_on_mosaic[:, None, None], run_mosaic(mosaic_info), run_triton(triton_info))
 
 
