@@ -17,6 +17,7 @@ python3 -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | grep -v WAR
 # past its time (rc=124) has its stacks taken (`within`, below), then dumps Python's (SIGABRT, faulthandler; no core).
 # XLA_PYTHON_CLIENT_ALLOCATOR, when set, is named in the log's file name.
 quant_e2e() {
+  local q mode start kv alloc log
   ulimit -c 0
   for q in ${QUANT_FORMATS:-none fp8}; do
     for mode in ${UPDATE_MODES:-default}; do
