@@ -60,6 +60,12 @@ QKV_WRITE_NUM_WARPS = 4
 # keys per block, shared-memory stages).
 PREFILL_BACKEND = "mosaic"
 MOSAIC_PREFILL = dict(block_q=64, block_kv=128, num_stages=2)
+# Decode steps on Hopper: "mosaic" runs decode_attention_mgpu (a kv head's query group packed into one wgmma tile,
+# TMA page copies, split-K) where it covers the call, "triton" keeps the Triton kernel. MOSAIC_DECODE: its keys
+# per block and shared-memory stages; split-K aims at MOSAIC_DECODE_CTAS CTAs (two per H200 multiprocessor).
+DECODE_BACKEND = "triton"
+MOSAIC_DECODE = dict(block_kv=64, num_stages=3)
+MOSAIC_DECODE_CTAS = 264
 # "auto" sends a segment to Mosaic when its padded rows there x MOSAIC_ROW_COST < its padded rows on
 # Triton. 2026-12-01, H200, causal prefill 16x512 .. 2x4096 (GQA 32/8, D 128, bf16, page 16): Mosaic
 # ran 1.5-1.7x Triton's TFLOP/s on whole tiles, so a Mosaic row costs about 0.6 of a Triton row.

@@ -21,7 +21,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from glint.pallas_kernels import segments, tuning, varlen_attention_mgpu
+from glint.pallas_kernels import decode_attention_mgpu, segments, tuning, varlen_attention_mgpu
 from glint.pallas_kernels.reference import scales_error, varlen_attention_reference
 from jax import lax
 from jax.experimental import pallas as pl
@@ -364,6 +364,46 @@ def _use_mosaic(backend, *, q, k_pages, seq_info, ring_rows, window, softcap, nu
     return backend == "auto" and tuning.PREFILL_BACKEND == "mosaic" and prefill and runnable
 
 
+def _use_mosaic_decode(backend, *, q, k_pages, seq_info, ring_rows, window, softcap, block_sizes, interpret):
+    """Whether this call runs the Mosaic GPU decode kernel (decode_attention_mgpu.py); with backend
+    "mosaic_decode" and interpret, Pallas' GPU interpreter runs it (CPU tests)."""
+    num_rows, _, head_dim = q.shape
+    runnable = (
+        decode_attention_mgpu.supports(
+            dtype=q.dtype,
+            kv_dtype=k_pages.dtype,
+            head_dim=head_dim,
+            page_size=k_pages.shape[1],
+            block_kv=tuning.MOSAIC_DECODE["block_kv"],
+            ring_rows=ring_rows,
+            window=window,
+            softcap=softcap,
+        )
+        and block_sizes is None
+    )
+    if backend == "mosaic_decode":
+        if not (runnable and (interpret or varlen_attention_mgpu.is_hopper())):
+            raise ValueError(
+                f"varlen_attention: backend='mosaic_decode' needs a Hopper GPU (or interpret), bf16/f16 pools of q's "
+                f"dtype, head_dim % 64 == 0, page_size % 16 == 0, no ring/window/softcap, block_sizes unset (q "
+                f"{q.shape} {q.dtype}, pools {k_pages.dtype}, page_size {k_pages.shape[1]}, ring_rows={ring_rows}, "
+                f"window={window}, softcap={softcap}, interpret={interpret})"
+            )
+        return True
+    decode = num_rows <= tuning.DECODE_ROWS_PER_SEGMENT * seq_info.shape[0]
+    return (backend == "auto" and tuning.DECODE_BACKEND == "mosaic" and decode and runnable and not interpret
+            and varlen_attention_mgpu.is_hopper())
+
+
+def mosaic_decode_splits(num_rows: int, num_segments: int, num_q_heads: int, num_kv_heads: int, max_kv_len: int) -> int:
+    """Split-K factor of the Mosaic decode kernel: enough CTAs for tuning.MOSAIC_DECODE_CTAS, at most
+    tuning.MAX_SPLITS, and no more splits than key blocks."""
+    group = num_q_heads // num_kv_heads
+    ctas = decode_attention_mgpu.num_tiles_for(num_rows, num_segments, group) * num_kv_heads
+    blocks = pl.cdiv(max_kv_len, tuning.MOSAIC_DECODE["block_kv"])
+    return max(1, min(tuning.MAX_SPLITS, pl.cdiv(tuning.MOSAIC_DECODE_CTAS, ctas), blocks))
+
+
 def _check_args(q, k_pages, v_pages, page_table, seq_info, k_scale, v_scale, ring_rows, window, softcap, num_splits,
                 backend):
     def fail(msg):
@@ -403,8 +443,8 @@ def _check_args(q, k_pages, v_pages, page_table, seq_info, k_scale, v_scale, rin
         fail(f"softcap={softcap} must be >= 0")
     if num_splits is not None and num_splits < 1:
         fail(f"num_splits={num_splits} must be >= 1")
-    if backend not in ("auto", "triton", "mosaic"):
-        fail(f"backend={backend!r} must be 'auto', 'triton' or 'mosaic'")
+    if backend not in ("auto", "triton", "mosaic", "mosaic_decode"):
+        fail(f"backend={backend!r} must be 'auto', 'triton', 'mosaic' or 'mosaic_decode'")
 
 
 @functools.partial(
@@ -454,7 +494,9 @@ def varlen_attention(
         S and the context capacity (1 = plain flash path).
       block_sizes: BlockSizes, or None for the tuned table.
       backend: "triton" (any call), "mosaic" (the Hopper TMA/wgmma prefill
-        kernel, for the calls varlen_attention_mgpu.supports) or "auto": on
+        kernel, for the calls varlen_attention_mgpu.supports), "mosaic_decode"
+        (the Hopper decode kernel, for the calls decode_attention_mgpu.supports;
+        decode steps take it under "auto" when tuning.DECODE_BACKEND = "mosaic") or "auto": on
         Hopper, for prefill steps Mosaic covers (and tuning.PREFILL_BACKEND =
         "mosaic"), each segment runs on the kernel that costs it less (long
         segments on Mosaic, decode rows and short chunks on Triton, see
@@ -484,6 +526,15 @@ def varlen_attention(
         softcap=softcap, scale=scale, num_splits=num_splits, block_sizes=block_sizes, interpret=interpret,
     )
     if not mosaic:
+        if _use_mosaic_decode(backend, q=q, k_pages=k_pages, seq_info=seq_info, ring_rows=ring_rows, window=window,
+                              softcap=softcap, block_sizes=block_sizes, interpret=interpret):
+            if num_splits is None:
+                num_splits = mosaic_decode_splits(q.shape[0], seq_info.shape[0], q.shape[1], k_pages.shape[2],
+                                                  page_table.shape[1] * k_pages.shape[1])
+            return decode_attention_mgpu.decode_attention_mgpu(
+                q, k_pages, v_pages, page_table, seq_info, causal=causal, scale=float(scale), num_splits=num_splits,
+                interpret=interpret, **tuning.MOSAIC_DECODE,
+            )
         return run_triton(seq_info)
 
     def run_mosaic(info):

@@ -39,6 +39,7 @@ PREFILL_VARIANTS = (("default", {}), ("splitk3", dict(num_splits=3)))
 SMALL = (("small", dict(num_splits=1, block_sizes=BlockSizes(16, 16))),)
 TRITON = (("triton", dict(backend="triton")),)
 MOSAIC = (("mosaic", dict(backend="mosaic")),)
+MOSAIC_DECODE = (("mosaic_decode", dict(backend="mosaic_decode")),)
 
 
 def sweep_cases():
@@ -52,7 +53,7 @@ def sweep_cases():
         (
             f"decode-{dtype}-d{d}-g4-p16",
             C(dec, group=4, head_dim=d, dtype=dtype, num_kv_heads=2, gaps=3, num_padding_segments=2),
-            DECODE_VARIANTS + (MOSAIC if dtype == "bfloat16" else ()),
+            DECODE_VARIANTS + (MOSAIC if dtype == "bfloat16" else ()) + (MOSAIC_DECODE if d <= 128 and dtype != "float32" else ()),
         )
         for dtype, d in (("bfloat16", 64), ("bfloat16", 128), ("bfloat16", 256), ("float32", 128))
     ]
@@ -65,26 +66,27 @@ def sweep_cases():
         (
             "prefill-g4-p16",
             C(pre, group=4, dtype="bfloat16", num_kv_heads=2, head_dim=128, gaps=5),
-            PREFILL_VARIANTS + TRITON + MOSAIC,
+            PREFILL_VARIANTS + TRITON + MOSAIC + MOSAIC_DECODE,
         ),
         ("prefill-g8-d256", C(pre, group=8, dtype="bfloat16", num_kv_heads=1, head_dim=256), PREFILL_VARIANTS + MOSAIC),
         (
             "prefill-noncausal-g4",
             C(pre, group=4, dtype="bfloat16", causal=False, head_dim=128),
-            PREFILL_VARIANTS + MOSAIC,
+            PREFILL_VARIANTS + MOSAIC + MOSAIC_DECODE,
         ),
-        ("prefill-g4-p64-f16", C(pre, group=4, dtype="float16", page_size=64, head_dim=128), PREFILL_VARIANTS + MOSAIC),
-        ("prefill-g1-p256-d64", C(pre, group=1, dtype="bfloat16", page_size=256, num_kv_heads=2), MOSAIC),
+        ("prefill-g4-p64-f16", C(pre, group=4, dtype="float16", page_size=64, head_dim=128),
+         PREFILL_VARIANTS + MOSAIC + MOSAIC_DECODE),
+        ("prefill-g1-p256-d64", C(pre, group=1, dtype="bfloat16", page_size=256, num_kv_heads=2), MOSAIC + MOSAIC_DECODE),
         ("prefill-f32-g1-p32-d64", C(pre, group=1, dtype="float32", num_kv_heads=4, page_size=32), PREFILL_VARIANTS),
         (
             "chunked-g4-p16",
             C(chunk, group=4, dtype="bfloat16", num_kv_heads=2, head_dim=128),
-            PREFILL_VARIANTS + MOSAIC,
+            PREFILL_VARIANTS + MOSAIC + MOSAIC_DECODE,
         ),
         (
             "mixed-g4-p16",
             C(mixed, group=4, dtype="bfloat16", num_kv_heads=2, head_dim=128, gaps=9, num_padding_segments=3),
-            PREFILL_VARIANTS + SMALL + TRITON + MOSAIC,
+            PREFILL_VARIANTS + SMALL + TRITON + MOSAIC + MOSAIC_DECODE,
         ),
         ("mixed-g6-d80", C(mixed, group=6, dtype="bfloat16", num_kv_heads=1, head_dim=80), PREFILL_VARIANTS),
         ("mixed-f32-window", C(mixed, group=4, dtype="float32", window=128, head_dim=128), PREFILL_VARIANTS),
@@ -98,7 +100,7 @@ def sweep_cases():
             C(ring, group=2, dtype="bfloat16", ring_rows=256, window=200, causal=False, softcap=50.0, page_size=32),
             PREFILL_VARIANTS + SMALL,
         ),
-        ("underflow", C(((9, 4), (1, 50)), group=4, dtype="bfloat16"), PREFILL_VARIANTS + MOSAIC),
+        ("underflow", C(((9, 4), (1, 50)), group=4, dtype="bfloat16"), PREFILL_VARIANTS + MOSAIC + MOSAIC_DECODE),
     ]
     return cases
 

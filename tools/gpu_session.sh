@@ -264,6 +264,14 @@ print('$alloc', {k: s.get(k) for k in ('bytes_limit', 'bytes_in_use')}, 'free_de
       rm -rf "$out/step_$arm/trace"
     done
     ;;
+  decode-mgpu)  # the Mosaic decode kernel: its sweep cases compiled, then against Triton and cuDNN (~5 min)
+    timeout ${SWEEP_TIMEOUT:-120} python3 tools/gpu_kernels.py --skip-timing --variants mosaic_decode \
+      > "$out/decode_mgpu_sweep.log" 2>&1
+    echo "== sweep rc=$?"; grep -E "^(FAIL|ERROR|sweep)" "$out/decode_mgpu_sweep.log"
+    timeout ${DECODE_MGPU_TIMEOUT:-300} python3 tools/gpu_decode_mgpu.py ${DECODE_MGPU_SHAPES:-} \
+      > "$out/decode_mgpu.log" 2>&1
+    echo "== decode_mgpu rc=$?"; cat "$out/decode_mgpu.log"
+    ;;
   decode-profile)  # batch-1 decode profiles (~80 s each): bf16; fp8, int8 or int4 weights; fp8 with cuBLASLt recorded
                    # into XLA's command buffers; bf16 under XLA fusion / launch flags (PROFILE_VARIANTS picks)
     pdl="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true"
@@ -278,6 +286,7 @@ print('$alloc', {k: s.get(k) for k in ('bytes_limit', 'bytes_in_use')}, 'free_de
         all-triton) env=(XLA_FLAGS=--xla_gpu_experimental_all_fusions_with_triton=true) ;;
         multi-output) env=(XLA_FLAGS=--xla_gpu_unsupported_enable_triton_multi_output_fusion=true) ;;
         min-blocks-*) env=(TUNING=MIN_BLOCKS_PER_SPLIT=${v#min-blocks-}) ;;  # key blocks per split-K split, at least
+        mosaic-decode) env=(TUNING=DECODE_BACKEND=mosaic) ;;  # decode attention on decode_attention_mgpu.py
         fp8|int8|int4) env=(PROFILE_QUANTIZE=$v) ;;
         fp8-cublaslt) env=(PROFILE_QUANTIZE=fp8 XLA_FLAGS=--xla_gpu_enable_command_buffer=+CUBLASLT) ;;
       esac

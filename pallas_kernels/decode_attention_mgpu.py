@@ -1,0 +1,311 @@
+"""Varlen paged attention for decode-heavy steps on Hopper (Pallas, Mosaic GPU: TMA + wgmma, split-K).
+
+A tile packs one kv head's whole query group: query row t, head kv_head * group + g becomes packed row
+t * group + g of the kv head, so a decode row (group rows) and a short speculative chunk share one
+64-row wgmma tile and read each K/V block once for all the group's heads. One warpgroup per CTA walks its
+slice of the segment's key blocks (flash-decoding: `num_splits` slices, merged afterwards), with TMA
+copies of each block's page chunks running `num_stages` blocks ahead.
+
+Any layout of segments is correct (a long segment takes several tiles), but the kernel is built for
+rows of few tokens: the Triton and Mosaic prefill kernels serve prefill steps.
+
+Scope: flat layers without sliding window or soft-cap, bf16/f16 pools of q's dtype, head_dim 64 or 128, page
+sizes a multiple of 16 that divide or are divided by `block_kv` (a multiple of 64).
+
+Each CTA writes its tile's rows (float32, normalized) and their log2-sum-exp to padded outputs; the merge
+over splits gathers each query row back to the packed [T, Hq, D] layout. Pool rows past kv_end can hold
+anything: their logits are masked and their V rows zeroed in shared memory before P @ V.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from glint.pallas_kernels import segments
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_LOG2E = math.log2(math.e)
+_BLOCK_M = 64  # packed rows per tile: one wgmma tile of one warpgroup
+_ALIGN = 8  # TMA row offsets into the tiled query view are multiples of this
+
+
+def supports(*, dtype, kv_dtype, head_dim: int, page_size: int, block_kv: int, ring_rows, window: int,
+             softcap: float) -> bool:
+    """Whether this kernel covers the call (else the Triton kernel does)."""
+    return (
+        jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and jnp.dtype(kv_dtype) == jnp.dtype(dtype)
+        and head_dim in (64, 128)  # 256 would overflow shared memory with the float32 output tile
+        and block_kv % 64 == 0  # whole wgmma row tiles when zeroing V rows past kv_end
+        and page_size % 16 == 0
+        and (block_kv % page_size == 0 or page_size % block_kv == 0)
+        and ring_rows is None
+        and window == 0
+        and softcap == 0
+    )
+
+
+def _packed_span(seq_info, group: int):
+    """(first packed row, packed rows) of each segment's query rows in a kv head's packed view."""
+    return seq_info[:, 0] * group, jnp.maximum(seq_info[:, 1], 0) * group
+
+
+def _tiles(seq_info, group: int, num_tiles: int):
+    """i32[num_tiles, 2] (segment or -1, tile within it) and each segment's first tile. A segment's tiles
+    start at its first packed row rounded down to _ALIGN (TMA reads the query view from aligned rows)."""
+    start, rows = _packed_span(seq_info, group)
+    padded = jnp.where(rows > 0, (rows + start % _ALIGN + _BLOCK_M - 1) // _BLOCK_M, 0)
+    return segments.tile_map(padded, num_tiles)
+
+
+def num_tiles_for(num_rows: int, num_segments: int, group: int) -> int:
+    """Static tile count that covers any layout: segment i takes 1 + m_i tiles whose first m_i lie within
+    its own packed rows (as varlen_attention_mgpu.max_tiles argues), and never more tiles than rows."""
+    packed = num_rows * group
+    return max(1, min(packed // _BLOCK_M + num_segments, packed))
+
+
+def _kernel(
+    tiles_ref,  # i32[num_tiles, 2]
+    seq_info_ref,  # i32[S, 4]
+    page_table_ref,  # i32[R, P]
+    q_ref,  # [Hkv, T * group + _BLOCK_M, D]: each kv head's packed query rows
+    k_ref,  # [num_pages * page_size, Hkv, D]
+    v_ref,
+    o_ref,  # f32[num_splits, num_tiles, Hkv, _BLOCK_M, D]
+    lse_ref,  # f32[num_splits, num_tiles, Hkv, _BLOCK_M]
+    scoped,
+    *,
+    block_kv: int,
+    num_stages: int,
+    page_size: int,
+    group: int,
+    causal: bool,
+    scale: float,
+    num_splits: int,
+):
+    (q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem), (k_barriers, v_barriers, q_barrier) = scoped
+    kv_head = lax.axis_index("kv_heads")
+    tile = lax.axis_index("tiles")
+    split = lax.axis_index("splits")
+    head_dim = q_smem.shape[-1]
+    dtype = q_smem.dtype
+
+    segment = tiles_ref[tile, 0]
+    seg = jnp.maximum(segment, 0)
+    q_tile = tiles_ref[tile, 1]
+    q_len = seq_info_ref[seg, 1]
+    seq_slot = seq_info_ref[seg, 2]
+    kv_end = seq_info_ref[seg, 3]
+    row_start = seq_info_ref[seg, 0] * group
+    row_len = q_len * group
+    first = q_tile * _BLOCK_M - lax.rem(row_start, jnp.int32(_ALIGN))  # tile row 0, as a packed row of the segment
+    offset = kv_end - q_len  # position of the segment's query row 0
+    lo_row = jnp.maximum(first, 0)  # the tile's rows of this segment: [lo_row, hi_row)
+    hi_row = jnp.minimum(first + _BLOCK_M, row_len)
+
+    def keys_seen(row):  # keys [0, keys_seen(row)) are visible to packed row `row`
+        return jnp.minimum(offset + lax.div(row, jnp.int32(group)) + 1, kv_end) if causal else kv_end
+
+    has_rows = (segment >= 0) & (hi_row > lo_row)
+    num_blocks = jnp.where(has_rows, lax.div(jnp.maximum(keys_seen(hi_row - 1), 0) + block_kv - 1, block_kv), 0)
+    per_split = lax.div(num_blocks + num_splits - 1, jnp.int32(num_splits))
+    begin = jnp.minimum(split * per_split, num_blocks)
+    end = jnp.minimum(begin + per_split, num_blocks)
+    # Blocks every row of the tile sees whole need no mask.
+    full_end = jnp.clip(lax.div(jnp.maximum(keys_seen(lo_row), 0), jnp.int32(block_kv)), begin, end)
+    chunk = min(page_size, block_kv)
+    last_page = page_table_ref.shape[1] - 1
+
+    def load(block, slot):
+        # One TMA copy per page chunk of the block: K first (needed first), then V.
+        rows = []
+        for i in range(block_kv // chunk):
+            key = block * block_kv + i * chunk
+            page = page_table_ref[seq_slot, jnp.minimum(lax.div(key, jnp.int32(page_size)), last_page)]
+            rows.append(pl.ds(pl.multiple_of(page * page_size + lax.rem(key, jnp.int32(page_size)), _ALIGN), chunk))
+        for ref, buf, barriers in ((k_ref, k_smem, k_barriers), (v_ref, v_smem, v_barriers)):
+            for i, src in enumerate(rows):
+                plgpu.copy_gmem_to_smem(ref.at[src, kv_head], buf.at[slot, pl.ds(i * chunk, chunk)], barriers.at[slot])
+
+    @pl.when(has_rows)
+    def _():
+        @pl.loop(0, jnp.minimum(end - begin, num_stages))
+        def _prologue(i):
+            load(begin + i, i)
+
+        q_rows = pl.ds(pl.multiple_of(row_start - lax.rem(row_start, jnp.int32(_ALIGN)) + q_tile * _BLOCK_M, _ALIGN),
+                       _BLOCK_M)
+        plgpu.copy_gmem_to_smem(q_ref.at[kv_head, q_rows], q_smem, q_barrier.at[0])
+        plgpu.barrier_wait(q_barrier.at[0])
+        c = scale * _LOG2E
+
+        def body(block, carry, *, masked: bool):
+            acc, m_i, l_i = carry
+            step = block - begin
+            slot = lax.rem(step, jnp.int32(num_stages))
+            plgpu.barrier_wait(k_barriers.at[slot])
+
+            def qk_dot(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            qk = pl.run_scoped(qk_dot, plgpu.ACC((_BLOCK_M, block_kv), jnp.float32))
+            if masked:
+                rows = plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA) + first
+                keys = plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=plgpu.Layout.WGMMA) + block * block_kv
+                visible = keys < kv_end
+                if causal:  # tile rows outside the segment are never written out: any mask serves them
+                    visible = visible & (keys <= offset + lax.div(jnp.maximum(rows, 0), jnp.int32(group)))
+                qk = jnp.where(visible, qk, -jnp.inf)
+            m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
+            # A row that has seen nothing keeps m = -inf; exp2 needs a finite base.
+            base = jnp.where(m_ij == -jnp.inf, 0.0, m_ij) if masked else m_ij
+            alpha = jnp.exp2(m_i - base)
+            p = jnp.exp2(qk * c - lax.broadcast_in_dim(base, qk.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            plgpu.barrier_wait(v_barriers.at[slot])
+            if masked:
+                # V rows past kv_end come from whatever the pool holds there (NaN * 0 is NaN): zero them.
+                @pl.when((block + 1) * block_kv > kv_end)
+                def _():
+                    v_tile = v_smem.at[slot]
+                    vrows = plgpu.broadcasted_iota(jnp.int32, v_tile.shape, 0, layout=plgpu.Layout.WGMMA)
+                    v_tile[...] = jnp.where(vrows + block * block_kv < kv_end, v_tile[...], 0).astype(dtype)
+                    plgpu.commit_smem()
+
+            # P goes through shared memory (Pallas' GPU interpreter takes wgmma operands from refs only).
+            p_smem[...] = p.astype(dtype)
+            plgpu.commit_smem()
+
+            def pv_dot(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                return acc_ref[...]
+
+            acc = acc + pl.run_scoped(pv_dot, plgpu.ACC((_BLOCK_M, head_dim), jnp.float32))
+
+            # Both dots have read the slot: refill it with the block num_stages ahead.
+            @pl.when(block + num_stages < end)
+            def _():
+                load(block + num_stages, slot)
+
+            return acc, m_ij, l_i
+
+        acc = plgpu.layout_cast(jnp.full((_BLOCK_M, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        m_i = plgpu.layout_cast(jnp.full((_BLOCK_M,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((_BLOCK_M,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        carry = lax.fori_loop(begin, full_end, functools.partial(body, masked=False), (acc, m_i, l_i))
+        acc, m_i, l_i = lax.fori_loop(full_end, end, functools.partial(body, masked=True), carry)
+
+        seen = l_i > 0
+        acc = acc / lax.broadcast_in_dim(jnp.where(seen, l_i, 1.0), acc.shape, [0])
+        o_smem[...] = acc
+        lse_smem[...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
+        plgpu.commit_smem()
+
+        # Only the _ALIGN-row groups that hold rows of the segment go out.
+        @pl.loop(lax.div(lo_row - first, jnp.int32(_ALIGN)), lax.div(hi_row - first + _ALIGN - 1, jnp.int32(_ALIGN)))
+        def _store(i):
+            rows = pl.ds(pl.multiple_of(i * _ALIGN, _ALIGN), _ALIGN)
+            plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[split, tile, kv_head, rows])
+
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, tile, kv_head])
+        plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("causal", "scale", "num_splits", "block_kv", "num_stages", "interpret")
+)
+def decode_attention_mgpu(
+    q, k_pages, v_pages, page_table, seq_info, *, causal=True, scale, num_splits=1, block_kv=64, num_stages=3,
+    interpret=False,
+):
+    """Same contract as `varlen_attention` (no ring, window or soft-cap; see supports()).
+
+    num_splits: key slices per tile, merged after the kernel; block_kv keys per pipeline step; num_stages
+    K/V shared-memory slots. interpret: run Pallas' GPU interpreter (CPU tests)."""
+    if num_stages < 1 or num_splits < 1:
+        raise ValueError(f"decode_attention_mgpu: num_stages={num_stages} and num_splits={num_splits} must be >= 1")
+    num_rows, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    num_segments = seq_info.shape[0]
+    num_tiles = num_tiles_for(num_rows, num_segments, group)
+    tiles, first_tile = _tiles(seq_info, group, num_tiles)
+    flat = (num_pages * page_size, num_kv_heads, head_dim)
+    dtype = q.dtype
+
+    # Each kv head's packed rows, with a tile of slack so every tile's TMA read stays in bounds (and a row count
+    # that is a multiple of _ALIGN, as the tiled view needs).
+    q_packed = q.reshape(num_rows, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    slack = _BLOCK_M + -(num_rows * group) % _ALIGN
+    q_packed = jnp.pad(q_packed.reshape(num_kv_heads, num_rows * group, head_dim), ((0, 0), (0, slack), (0, 0)))
+
+    def entry(tiles_ref, seq_info_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+        transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        copies = block_kv // min(page_size, block_kv)
+        pl.run_scoped(
+            lambda *scoped: _kernel(
+                tiles_ref, seq_info_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped,
+                block_kv=block_kv, num_stages=num_stages, page_size=page_size, group=group, causal=causal,
+                scale=scale, num_splits=num_splits,
+            ),
+            (
+                plgpu.SMEM((_BLOCK_M, head_dim), dtype, transforms=transforms),
+                plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
+                plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
+                plgpu.SMEM((_BLOCK_M, block_kv), dtype, transforms=transforms),
+                plgpu.SMEM((_BLOCK_M, head_dim), jnp.float32),
+                plgpu.SMEM((_BLOCK_M,), jnp.float32),
+            ),
+            (
+                plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+                plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+                plgpu.Barrier(num_barriers=1),
+            ),
+        )
+
+    o, lse = plgpu.kernel(
+        entry,
+        out_type=(
+            jax.ShapeDtypeStruct((num_splits, num_tiles, num_kv_heads, _BLOCK_M, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, num_tiles, num_kv_heads, _BLOCK_M), jnp.float32),
+        ),
+        grid=(num_kv_heads, num_tiles, num_splits),
+        grid_names=("kv_heads", "tiles", "splits"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(tiles, seq_info, page_table, q_packed, k_pages.reshape(flat), v_pages.reshape(flat))
+    return _merge(o, lse, seq_info, first_tile, group, num_rows).astype(dtype)
+
+
+def _merge(o, lse, seq_info, first_tile, group: int, num_rows: int):
+    """[T, Hq, D] in the query's layout from the per-tile split outputs: rows outside every segment and
+    rows that saw no key are zero."""
+    num_splits, _, num_kv_heads, _, head_dim = o.shape
+    start, _ = _packed_span(seq_info, group)
+    seg1 = segments.row_segments(seq_info, num_rows)
+    seg = jnp.maximum(seg1 - 1, 0)
+    t = jnp.arange(num_rows, dtype=jnp.int32)[:, None]
+    hq = jnp.arange(num_kv_heads * group, dtype=jnp.int32)[None, :]
+    # Packed row of (t, hq) within its segment's tiles, counted from the aligned first row.
+    packed = (t - seq_info[seg, 0][:, None]) * group + hq % group + (start[seg] % _ALIGN)[:, None]
+    tile = first_tile[seg][:, None] + packed // _BLOCK_M
+    tile = jnp.clip(tile, 0, o.shape[1] - 1)
+    row, kv = packed % _BLOCK_M, hq // group
+    o_rows = o[:, tile, kv, row]  # f32[NS, T, Hq, D]
+    if num_splits == 1:
+        out = o_rows[0]
+    else:
+        lse_rows = lse[:, tile, kv, row]  # [NS, T, Hq]
+        m = jnp.max(lse_rows, axis=0)
+        w = jnp.exp2(lse_rows - jnp.where(m == -jnp.inf, 0.0, m)[None])
+        total = jnp.sum(w, axis=0)
+        out = jnp.sum(w[..., None] * o_rows, axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+    return jnp.where((seg1 > 0)[:, None, None], out, 0.0)

@@ -1,0 +1,107 @@
+"""The Mosaic GPU decode kernel (decode_attention_mgpu.py) against the Triton one and cuDNN, both timings (#13 item 2).
+
+For each (batch, context, capacity): the Triton decode kernel as the engine runs it (its default tile and
+split-K), the Mosaic decode kernel at its default (tuning.MOSAIC_DECODE, split-K from the capacity) and cuDNN on
+the same values laid out contiguously, each chained (10 dependent calls in one jit) and as separate calls (one
+jit call each, waited for); then, on VARIANT_SHAPES, the Mosaic kernel's other tiles and split counts, chained. Every Mosaic output
+is checked against cuDNN's first (relative error). GB/s counts the K/V bytes of the context.
+
+    python3 tools/gpu_decode_mgpu.py                       # every shape below
+    python3 tools/gpu_decode_mgpu.py 1x512x768 256x640x640  # batch x context x capacity, these only
+On a CPU machine: a dry run on tiny shapes (Pallas' GPU interpreter, no cuDNN, no timing worth reading).
+"""
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from gpu_decode_splits import _shape  # noqa: E402
+from gpu_kernels import bench, contiguous, paged_setup, rel_err  # noqa: E402
+from gpu_quant_kernels import timed  # noqa: E402
+
+from glint.pallas_kernels import tuning, varlen_attention  # noqa: E402
+from glint.pallas_kernels.decode_attention_mgpu import decode_attention_mgpu  # noqa: E402
+from glint.pallas_kernels.varlen_attention import mosaic_decode_splits  # noqa: E402
+
+HQ, HKV, D, PS = 32, 8, 128, 16
+SHAPES = [  # (batch, context, capacity)
+    (1, 512, 768), (1, 4096, 4608), (1, 32768, 33024), (8, 1024, 1024), (8, 8192, 8192), (32, 4096, 4096),
+    (64, 16384, 16384), (128, 8192, 8192), (256, 640, 640), (256, 1024, 1024), (256, 4096, 4096), (256, 8192, 8192),
+]
+TILES = [(64, 2), (64, 4), (128, 2), (128, 3)]  # (block_kv, num_stages) beside the default, on these shapes:
+VARIANT_SHAPES = {(1, 4096, 4608), (8, 8192, 8192), (256, 1024, 1024), (256, 4096, 4096)}
+
+
+def main():
+    cpu = jax.default_backend() == "cpu"
+    chosen = [_shape(a) for a in sys.argv[1:]]
+    shapes = [(1, 100, 128), (3, 70, 128)] if cpu else chosen or SHAPES
+    scale = D ** -0.5
+    key = jax.random.key(0)
+    default = (tuning.MOSAIC_DECODE["block_kv"], tuning.MOSAIC_DECODE["num_stages"])
+    print(f"Mosaic default tile: block_kv {default[0]}, {default[1]} stages; times in us (chained / separate)")
+    print(f"{'batch':>5} {'ctx':>6} {'cap':>6} | {'triton':>15} | {'mosaic':>15} {'splits':>6} {'err':>7} | "
+          f"{'cudnn':>15} | {'GB/s mos':>8} {'cudnn':>6} | {'x cuDNN c/s':>11} | {'x triton c/s':>12}")
+    variants = []  # the Mosaic kernel's other tiles and splits on this shape, printed after its line
+    for batch, ctx, cap in shapes:
+        q, k_pages, v_pages, page_table, seq_info = paged_setup(key, batch, cap, 1, HQ, HKV, D, PS, jnp.bfloat16)
+        seq_info = seq_info.at[:, 3].set(ctx)
+        paged = (q, k_pages, v_pages, page_table, seq_info)
+        kv_bytes = 2 * batch * ctx * HKV * D * 2
+        splits = mosaic_decode_splits(batch, batch, HQ, HKV, cap)
+
+        def mosaic(block_kv=default[0], num_stages=default[1], num_splits=splits):
+            return lambda q_, *a: decode_attention_mgpu(q_, *a, scale=scale, block_kv=block_kv, num_stages=num_stages,
+                                                        num_splits=num_splits, interpret=cpu)
+
+        def triton(q_, *a):
+            return varlen_attention(q_, *a, scale=scale, backend="triton", interpret=cpu)
+
+        def both(fn, args):
+            return bench(fn, args, iters=3 if cpu else 10, repeats=1 if cpu else 5), \
+                timed(jax.jit(fn), *args, repeats=1 if cpu else 30)
+
+        line = f"{batch:>5} {ctx:>6} {cap:>6} |"
+        try:
+            tt = both(triton, paged)
+            tm = both(mosaic(), paged)
+            got = np.asarray(jax.jit(mosaic())(*paged), np.float32)
+            if cpu:
+                want = np.asarray(jax.jit(triton)(*paged), np.float32)
+                tc = (float("nan"),) * 2
+            else:
+                dense = contiguous(q, k_pages, v_pages, page_table, batch, cap)
+                dense = (dense[0], dense[1][:, :ctx], dense[2][:, :ctx])
+
+                def cudnn(q_, k_, v_):
+                    return jax.nn.dot_product_attention(q_, k_, v_, scale=scale, implementation="cudnn")
+
+                tc = both(cudnn, dense)
+                want = np.asarray(jax.jit(cudnn)(*dense), np.float32).reshape(got.shape)
+            err = rel_err(got, want)
+            line += (f" {tt[0] * 1e6:7.1f} {tt[1] * 1e6:7.1f} | {tm[0] * 1e6:7.1f} {tm[1] * 1e6:7.1f} {splits:>6} "
+                     f"{err:7.1e} | {tc[0] * 1e6:7.1f} {tc[1] * 1e6:7.1f} | {kv_bytes / tm[0] / 1e9:8.0f} "
+                     f"{kv_bytes / tc[0] / 1e9:6.0f} | {tc[0] / tm[0]:5.2f} {tc[1] / tm[1]:5.2f} | "
+                     f"{tt[0] / tm[0]:6.2f} {tt[1] / tm[1]:5.2f}")
+            for block_kv, stages in TILES if cpu or (batch, ctx, cap) in VARIANT_SHAPES else ():
+                for s in sorted({max(1, splits // 2), splits, min(tuning.MAX_SPLITS, 2 * splits)}):
+                    if (block_kv, stages, s) == (*default, splits):
+                        continue
+                    fn = mosaic(block_kv, stages, s)
+                    e = rel_err(np.asarray(jax.jit(fn)(*paged), np.float32), want)
+                    t = bench(fn, paged, iters=3 if cpu else 10, repeats=1 if cpu else 5)
+                    variants.append(f"  variant {batch:>5} {ctx:>6} | block_kv {block_kv:>3} stages {stages} splits "
+                                    f"{s:>2} | {t * 1e6:8.1f} us chained, {tm[0] / t:5.2f}x default | err {e:7.1e}")
+        except Exception as e:
+            line += f" ERROR {type(e).__name__}: {str(e)[:600]}"
+        print(line, flush=True)
+        print("\n".join(variants), flush=True)
+        variants.clear()
+
+
+if __name__ == "__main__":
+    main()
