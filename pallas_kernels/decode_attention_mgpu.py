@@ -2,9 +2,9 @@
 
 A tile packs one kv head's whole query group: query row t, head kv_head * group + g becomes packed row
 t * group + g of the kv head, so a decode row (group rows) and a short speculative chunk share one
-64-row wgmma tile and read each K/V block once for all the group's heads. One warpgroup per CTA walks its
-slice of the segment's key blocks (flash-decoding: `num_splits` slices, merged afterwards), with TMA
-copies of each block's page chunks running `num_stages` blocks ahead.
+64-row wgmma tile and read each K/V block once for all the group's heads. A compute warpgroup per CTA walks its
+slice of the segment's key blocks (flash-decoding: `num_splits` slices, merged afterwards) while a memory
+warpgroup reads the page table and issues TMA copies of each block's page chunks, `num_stages` blocks ahead.
 
 Any layout of segments is correct (a long segment takes several tiles), but the kernel is built for
 rows of few tokens: the Triton and Mosaic prefill kernels serve prefill steps.
@@ -89,7 +89,8 @@ def _kernel(
     scale: float,
     num_splits: int,
 ):
-    (q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem), (k_barriers, v_barriers, q_barrier) = scoped
+    (q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem), (k_barriers, v_barriers, q_barrier), consumed = scoped
+    wg = lax.axis_index("wg")
     kv_head = lax.axis_index("kv_heads")
     tile = lax.axis_index("tiles")
     split = lax.axis_index("splits")
@@ -133,12 +134,26 @@ def _kernel(
             for i, src in enumerate(rows):
                 plgpu.copy_gmem_to_smem(ref.at[src, kv_head], buf.at[slot, pl.ds(i * chunk, chunk)], barriers.at[slot])
 
-    @pl.when(has_rows)
-    def _():
-        @pl.loop(0, jnp.minimum(end - begin, num_stages))
-        def _prologue(i):
-            load(begin + i, i)
+    @pl.when(has_rows & (wg == 1))
+    def _memory_wg():
+        # The memory warpgroup reads the page table and issues the copies, num_stages blocks ahead of the dots.
+        @pl.loop(begin, end)
+        def _(block):
+            step = block - begin
+            slot = lax.rem(step, jnp.int32(num_stages))
 
+            @pl.when(step >= num_stages)
+            def _():
+                plgpu.barrier_wait(consumed.at[slot])
+
+            load(block, slot)
+
+        @pl.loop(jnp.maximum(end - num_stages, begin), end)
+        def _drain(block):  # observe the last releases too, so every barrier ends each phase it began
+            plgpu.barrier_wait(consumed.at[lax.rem(block - begin, jnp.int32(num_stages))])
+
+    @pl.when(has_rows & (wg == 0))
+    def _compute_wg():
         q_rows = pl.ds(pl.multiple_of(row_start - lax.rem(row_start, jnp.int32(_ALIGN)) + q_tile * _BLOCK_M, _ALIGN),
                        _BLOCK_M)
         plgpu.copy_gmem_to_smem(q_ref.at[kv_head, q_rows], q_smem, q_barrier.at[0])
@@ -189,12 +204,7 @@ def _kernel(
                 return acc_ref[...]
 
             acc = acc + pl.run_scoped(pv_dot, plgpu.ACC((_BLOCK_M, head_dim), jnp.float32))
-
-            # Both dots have read the slot: refill it with the block num_stages ahead.
-            @pl.when(block + num_stages < end)
-            def _():
-                load(block + num_stages, slot)
-
+            plgpu.barrier_arrive(consumed.at[slot])  # both dots have read the slot: the memory warpgroup refills it
             return acc, m_ij, l_i
 
         acc = plgpu.layout_cast(jnp.full((_BLOCK_M, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
@@ -223,7 +233,7 @@ def _kernel(
     jax.jit, static_argnames=("causal", "scale", "num_splits", "block_kv", "num_stages", "interpret")
 )
 def decode_attention_mgpu(
-    q, k_pages, v_pages, page_table, seq_info, *, causal=True, scale, num_splits=1, block_kv=64, num_stages=3,
+    q, k_pages, v_pages, page_table, seq_info, *, causal=True, scale, num_splits=1, block_kv=128, num_stages=2,
     interpret=False,
 ):
     """Same contract as `varlen_attention` (no ring, window or soft-cap; see supports()).
@@ -269,6 +279,8 @@ def decode_attention_mgpu(
                 plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=1),
             ),
+            plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),
+            collective_axes="wg",
         )
 
     o, lse = plgpu.kernel(
@@ -279,6 +291,8 @@ def decode_attention_mgpu(
         ),
         grid=(num_kv_heads, num_tiles, num_splits),
         grid_names=("kv_heads", "tiles", "splits"),
+        num_threads=2,  # a compute and a memory warpgroup
+        thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(tiles, seq_info, page_table, q_packed, k_pages.reshape(flat), v_pages.reshape(flat))

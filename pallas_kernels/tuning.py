@@ -64,7 +64,7 @@ MOSAIC_PREFILL = dict(block_q=64, block_kv=128, num_stages=2)
 # TMA page copies, split-K) where it covers the call, "triton" keeps the Triton kernel. MOSAIC_DECODE: its keys
 # per block and shared-memory stages; split-K aims at MOSAIC_DECODE_CTAS CTAs (two per H200 multiprocessor).
 DECODE_BACKEND = "triton"
-MOSAIC_DECODE = dict(block_kv=64, num_stages=3)
+MOSAIC_DECODE = dict(block_kv=128, num_stages=2)
 MOSAIC_DECODE_CTAS = 264
 # "auto" sends a segment to Mosaic when its padded rows there x MOSAIC_ROW_COST < its padded rows on
 # Triton. 2026-12-01, H200, causal prefill 16x512 .. 2x4096 (GQA 32/8, D 128, bf16, page 16): Mosaic

@@ -119,7 +119,7 @@ def test_auto_keeps_triton_off_hopper(monkeypatch):
 
 def test_split_count():
     # Few CTAs (one sequence): as many splits as the key blocks allow, at most MAX_SPLITS.
-    assert mosaic_decode_splits(1, 1, 32, 8, 64 * 3) == 3
+    assert mosaic_decode_splits(1, 1, 32, 8, tuning.MOSAIC_DECODE["block_kv"] * 3) == 3
     assert mosaic_decode_splits(1, 1, 32, 8, 1 << 20) == tuning.MAX_SPLITS
     # Enough CTAs already (256 sequences x 8 kv heads): one.
     assert mosaic_decode_splits(256, 256, 32, 8, 4096) == 1

@@ -264,13 +264,13 @@ print('$alloc', {k: s.get(k) for k in ('bytes_limit', 'bytes_in_use')}, 'free_de
       rm -rf "$out/step_$arm/trace"
     done
     ;;
-  decode-mgpu)  # the Mosaic decode kernel: its sweep cases compiled, then against Triton and cuDNN (~5 min)
-    timeout ${SWEEP_TIMEOUT:-120} python3 tools/gpu_kernels.py --skip-timing --variants mosaic_decode \
-      > "$out/decode_mgpu_sweep.log" 2>&1
-    echo "== sweep rc=$?"; grep -E "^(FAIL|ERROR|sweep)" "$out/decode_mgpu_sweep.log"
+  decode-mgpu)  # the Mosaic decode kernel against Triton and cuDNN, then its sweep cases compiled (~6 min)
     timeout ${DECODE_MGPU_TIMEOUT:-300} python3 tools/gpu_decode_mgpu.py ${DECODE_MGPU_SHAPES:-} \
       > "$out/decode_mgpu.log" 2>&1
     echo "== decode_mgpu rc=$?"; cat "$out/decode_mgpu.log"
+    timeout ${SWEEP_TIMEOUT:-180} python3 tools/gpu_kernels.py --skip-timing --variants mosaic_decode \
+      > "$out/decode_mgpu_sweep.log" 2>&1
+    echo "== sweep rc=$?"; grep -E "^(PASS|FAIL|ERROR|sweep)" "$out/decode_mgpu_sweep.log"
     ;;
   decode-profile)  # batch-1 decode profiles (~80 s each): bf16; fp8, int8 or int4 weights; fp8 with cuBLASLt recorded
                    # into XLA's command buffers; bf16 under XLA fusion / launch flags (PROFILE_VARIANTS picks)
