@@ -63,6 +63,9 @@ MOSAIC_PREFILL = dict(block_q=64, block_kv=128, num_stages=2)
 # Decode steps on Hopper: "mosaic" runs decode_attention_mgpu (a kv head's query group packed into one wgmma tile,
 # TMA page copies, split-K) where it covers the call, "triton" keeps the Triton kernel. MOSAIC_DECODE: its keys
 # per block and shared-memory stages; split-K aims at MOSAIC_DECODE_CTAS CTAs (two per H200 multiprocessor).
+# 2026-12-04 (fifteenth session, tools/gpu_decode_mgpu.py, GQA 32/8, D 128, bf16, page 16): level with Triton from
+# batch 32 up (1.00-1.04x chained), behind it below (0.45-0.94x at batch 1 and 8); llama3-8b batch-1 decode 4.38 ms
+# a token against Triton's 4.25. So Triton stays the default (docs/perf.md).
 DECODE_BACKEND = "triton"
 MOSAIC_DECODE = dict(block_kv=128, num_stages=2)
 MOSAIC_DECODE_CTAS = 264

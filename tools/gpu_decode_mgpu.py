@@ -98,8 +98,7 @@ def main():
                                     f"{s:>2} | {t * 1e6:8.1f} us chained, {tm[0] / t:5.2f}x default | err {e:7.1e}")
         except Exception as e:
             line += f" ERROR {type(e).__name__}: {str(e)[:600]}"
-        print(line, flush=True)
-        print("\n".join(variants), flush=True)
+        print("\n".join([line, *variants]), flush=True)
         variants.clear()
 
 
