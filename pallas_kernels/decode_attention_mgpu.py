@@ -12,8 +12,11 @@ rows of few tokens: the Triton and Mosaic prefill kernels serve prefill steps.
 Scope: flat layers without sliding window or soft-cap, bf16/f16 pools of q's dtype, head_dim 64 or 128, page
 sizes a multiple of 16 that divide or are divided by `block_kv` (a multiple of 64).
 
-Each CTA writes its tile's rows (float32, normalized) and their log2-sum-exp to padded outputs; the merge
-over splits gathers each query row back to the packed [T, Hq, D] layout. Pool rows past kv_end can hold
+Each CTA writes its tile's rows (normalized; float32 with their log2-sum-exp when the keys are split) to
+padded outputs; the merge over splits gathers each query row back to the packed [T, Hq, D] layout. With one
+split the rows go out in q's dtype through the query tile's shared memory, so the CTA needs no float32 tile:
+64-key blocks in 2 stages then take 88 KB of shared memory at head_dim 128, room for two CTAs per H200
+multiprocessor. Pool rows past kv_end can hold
 anything: their logits are masked and their V rows zeroed in shared memory before P @ V.
 """
 
@@ -24,7 +27,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from glint.pallas_kernels import segments
+from glint.pallas_kernels import segments, tuning
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -59,15 +62,28 @@ def _tiles(seq_info, group: int, num_tiles: int):
     """i32[num_tiles, 2] (segment or -1, tile within it) and each segment's first tile. A segment's tiles
     start at its first packed row rounded down to _ALIGN (TMA reads the query view from aligned rows)."""
     start, rows = _packed_span(seq_info, group)
-    padded = jnp.where(rows > 0, (rows + start % _ALIGN + _BLOCK_M - 1) // _BLOCK_M, 0)
-    return segments.tile_map(padded, num_tiles)
+    counts = jnp.where(rows > 0, (rows + start % _ALIGN + _BLOCK_M - 1) // _BLOCK_M, 0)
+    return segments.tile_map(counts, num_tiles)
 
 
 def num_tiles_for(num_rows: int, num_segments: int, group: int) -> int:
-    """Static tile count that covers any layout: segment i takes 1 + m_i tiles whose first m_i lie within
-    its own packed rows (as varlen_attention_mgpu.max_tiles argues), and never more tiles than rows."""
+    """Static tile count that covers any layout of non-overlapping segments in `num_rows` rows.
+
+    Segment i (packed start s_i, R_i packed rows) takes 1 + m_i tiles. Its first m_i tiles cover
+    [floor8(s_i), floor8(s_i) + 64 m_i), which ends at a multiple of 8 before its last row, so at or before
+    floor8(s_{i+1}): these runs are disjoint within the num_rows * group packed rows, and the m_i sum to at most
+    num_rows * group // 64. And 1 + m_i <= R_i: never more tiles than packed rows."""
     packed = num_rows * group
     return max(1, min(packed // _BLOCK_M + num_segments, packed))
+
+
+def num_splits_for(num_rows: int, num_segments: int, num_q_heads: int, num_kv_heads: int, max_kv_len: int,
+                   block_kv: int) -> int:
+    """Split-K factor: as many splits as fit tuning.MOSAIC_DECODE_CTAS CTAs in one wave (rounded down), at most
+    tuning.MAX_SPLITS, and no more splits than key blocks in `max_kv_len` (the table's capacity)."""
+    ctas = num_tiles_for(num_rows, num_segments, num_q_heads // num_kv_heads) * num_kv_heads
+    blocks = -(-max_kv_len // block_kv)
+    return max(1, min(tuning.MAX_SPLITS, tuning.MOSAIC_DECODE_CTAS // ctas, blocks))
 
 
 def _kernel(
@@ -77,8 +93,8 @@ def _kernel(
     q_ref,  # [Hkv, T * group + _BLOCK_M, D]: each kv head's packed query rows
     k_ref,  # [num_pages * page_size, Hkv, D]
     v_ref,
-    o_ref,  # f32[num_splits, num_tiles, Hkv, _BLOCK_M, D]
-    lse_ref,  # f32[num_splits, num_tiles, Hkv, _BLOCK_M]
+    o_ref,  # [num_splits, num_tiles, Hkv, _BLOCK_M, D]: float32, or q's dtype with one split
+    lse_ref,  # f32[num_splits, num_tiles, Hkv, _BLOCK_M], or None with one split
     scoped,
     *,
     block_kv: int,
@@ -215,17 +231,21 @@ def _kernel(
 
         seen = l_i > 0
         acc = acc / lax.broadcast_in_dim(jnp.where(seen, l_i, 1.0), acc.shape, [0])
-        o_smem[...] = acc
-        lse_smem[...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
+        # One split: its rows are final, rounded to q's dtype in the query tile (read for the last time above).
+        out_smem = q_smem if o_smem is None else o_smem
+        out_smem[...] = acc.astype(out_smem.dtype)
+        if lse_smem is not None:
+            lse_smem[...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
         plgpu.commit_smem()
 
         # Only the _ALIGN-row groups that hold rows of the segment go out.
         @pl.loop(lax.div(lo_row - first, jnp.int32(_ALIGN)), lax.div(hi_row - first + _ALIGN - 1, jnp.int32(_ALIGN)))
         def _store(i):
             rows = pl.ds(pl.multiple_of(i * _ALIGN, _ALIGN), _ALIGN)
-            plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[split, tile, kv_head, rows])
+            plgpu.copy_smem_to_gmem(out_smem.at[rows], o_ref.at[split, tile, kv_head, rows])
 
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, tile, kv_head])
+        if lse_smem is not None:
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, tile, kv_head])
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -240,10 +260,17 @@ def decode_attention_mgpu(
 
     num_splits: key slices per tile, merged after the kernel; block_kv keys per pipeline step; num_stages
     K/V shared-memory slots. interpret: run Pallas' GPU interpreter (CPU tests)."""
-    if num_stages < 1 or num_splits < 1:
-        raise ValueError(f"decode_attention_mgpu: num_stages={num_stages} and num_splits={num_splits} must be >= 1")
     num_rows, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    if num_stages < 1 or num_splits < 1:
+        raise ValueError(f"decode_attention_mgpu: num_stages={num_stages} and num_splits={num_splits} must be >= 1")
+    if not supports(dtype=q.dtype, kv_dtype=k_pages.dtype, head_dim=head_dim, page_size=page_size, block_kv=block_kv,
+                    ring_rows=None, window=0, softcap=0.0):
+        raise ValueError(
+            f"decode_attention_mgpu: needs bf16/f16 pools of q's dtype, head_dim 64 or 128, page_size a multiple of "
+            f"16 that divides or is divided by block_kv, block_kv a multiple of 64 (q {q.shape} {q.dtype}, pools "
+            f"{k_pages.shape} {k_pages.dtype}, block_kv={block_kv})"
+        )
     group = num_q_heads // num_kv_heads
     num_segments = seq_info.shape[0]
     num_tiles = num_tiles_for(num_rows, num_segments, group)
@@ -257,7 +284,9 @@ def decode_attention_mgpu(
     slack = _BLOCK_M + -(num_rows * group) % _ALIGN
     q_packed = jnp.pad(q_packed.reshape(num_kv_heads, num_rows * group, head_dim), ((0, 0), (0, slack), (0, 0)))
 
-    def entry(tiles_ref, seq_info_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+    single = num_splits == 1  # no merge: the kernel writes final rows, and no float32 tile or lse
+
+    def entry(tiles_ref, seq_info_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref=None):
         transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         copies = block_kv // min(page_size, block_kv)
         pl.run_scoped(
@@ -271,8 +300,8 @@ def decode_attention_mgpu(
                 plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
                 plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
                 plgpu.SMEM((_BLOCK_M, block_kv), dtype, transforms=transforms),
-                plgpu.SMEM((_BLOCK_M, head_dim), jnp.float32),
-                plgpu.SMEM((_BLOCK_M,), jnp.float32),
+                None if single else plgpu.SMEM((_BLOCK_M, head_dim), jnp.float32),
+                None if single else plgpu.SMEM((_BLOCK_M,), jnp.float32),
             ),
             (
                 plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
@@ -283,12 +312,12 @@ def decode_attention_mgpu(
             collective_axes="wg",
         )
 
-    o, lse = plgpu.kernel(
+    o_type = jax.ShapeDtypeStruct((num_splits, num_tiles, num_kv_heads, _BLOCK_M, head_dim),
+                                  dtype if single else jnp.float32)
+    lse_type = jax.ShapeDtypeStruct((num_splits, num_tiles, num_kv_heads, _BLOCK_M), jnp.float32)
+    o, *lse = plgpu.kernel(
         entry,
-        out_type=(
-            jax.ShapeDtypeStruct((num_splits, num_tiles, num_kv_heads, _BLOCK_M, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((num_splits, num_tiles, num_kv_heads, _BLOCK_M), jnp.float32),
-        ),
+        out_type=(o_type,) if single else (o_type, lse_type),
         grid=(num_kv_heads, num_tiles, num_splits),
         grid_names=("kv_heads", "tiles", "splits"),
         num_threads=2,  # a compute and a memory warpgroup
@@ -296,13 +325,13 @@ def decode_attention_mgpu(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(tiles, seq_info, page_table, q_packed, k_pages.reshape(flat), v_pages.reshape(flat))
-    return _merge(o, lse, seq_info, first_tile, group, num_rows).astype(dtype)
+    return _merge(o, lse[0] if lse else None, seq_info, first_tile, group, num_rows).astype(dtype)
 
 
 def _merge(o, lse, seq_info, first_tile, group: int, num_rows: int):
     """[T, Hq, D] in the query's layout from the per-tile split outputs: rows outside every segment and
     rows that saw no key are zero."""
-    num_splits, _, num_kv_heads, _, head_dim = o.shape
+    num_kv_heads = o.shape[2]
     start, _ = _packed_span(seq_info, group)
     seg1 = segments.row_segments(seq_info, num_rows)
     seg = jnp.maximum(seg1 - 1, 0)
@@ -313,8 +342,8 @@ def _merge(o, lse, seq_info, first_tile, group: int, num_rows: int):
     tile = first_tile[seg][:, None] + packed // _BLOCK_M
     tile = jnp.clip(tile, 0, o.shape[1] - 1)
     row, kv = packed % _BLOCK_M, hq // group
-    o_rows = o[:, tile, kv, row]  # f32[NS, T, Hq, D]
-    if num_splits == 1:
+    o_rows = o[:, tile, kv, row]  # [NS, T, Hq, D]
+    if lse is None:
         out = o_rows[0]
     else:
         lse_rows = lse[:, tile, kv, row]  # [NS, T, Hq]

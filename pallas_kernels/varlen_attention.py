@@ -385,7 +385,8 @@ def _use_mosaic_decode(backend, *, q, k_pages, seq_info, ring_rows, window, soft
         if not (runnable and (interpret or varlen_attention_mgpu.is_hopper())):
             raise ValueError(
                 f"varlen_attention: backend='mosaic_decode' needs a Hopper GPU (or interpret), bf16/f16 pools of q's "
-                f"dtype, head_dim % 64 == 0, page_size % 16 == 0, no ring/window/softcap, block_sizes unset (q "
+                f"dtype, head_dim 64 or 128, page_size a multiple of 16 that divides or is divided by "
+                f"{tuning.MOSAIC_DECODE['block_kv']}, no ring/window/softcap, block_sizes unset (q "
                 f"{q.shape} {q.dtype}, pools {k_pages.dtype}, page_size {k_pages.shape[1]}, ring_rows={ring_rows}, "
                 f"window={window}, softcap={softcap}, interpret={interpret})"
             )
@@ -393,15 +394,6 @@ def _use_mosaic_decode(backend, *, q, k_pages, seq_info, ring_rows, window, soft
     decode = num_rows <= tuning.DECODE_ROWS_PER_SEGMENT * seq_info.shape[0]
     return (backend == "auto" and tuning.DECODE_BACKEND == "mosaic" and decode and runnable and not interpret
             and varlen_attention_mgpu.is_hopper())
-
-
-def mosaic_decode_splits(num_rows: int, num_segments: int, num_q_heads: int, num_kv_heads: int, max_kv_len: int) -> int:
-    """Split-K factor of the Mosaic decode kernel: enough CTAs for tuning.MOSAIC_DECODE_CTAS, at most
-    tuning.MAX_SPLITS, and no more splits than key blocks."""
-    group = num_q_heads // num_kv_heads
-    ctas = decode_attention_mgpu.num_tiles_for(num_rows, num_segments, group) * num_kv_heads
-    blocks = pl.cdiv(max_kv_len, tuning.MOSAIC_DECODE["block_kv"])
-    return max(1, min(tuning.MAX_SPLITS, pl.cdiv(tuning.MOSAIC_DECODE_CTAS, ctas), blocks))
 
 
 def _check_args(q, k_pages, v_pages, page_table, seq_info, k_scale, v_scale, ring_rows, window, softcap, num_splits,
@@ -529,8 +521,9 @@ def varlen_attention(
         if _use_mosaic_decode(backend, q=q, k_pages=k_pages, seq_info=seq_info, ring_rows=ring_rows, window=window,
                               softcap=softcap, block_sizes=block_sizes, interpret=interpret):
             if num_splits is None:
-                num_splits = mosaic_decode_splits(q.shape[0], seq_info.shape[0], q.shape[1], k_pages.shape[2],
-                                                  page_table.shape[1] * k_pages.shape[1])
+                num_splits = decode_attention_mgpu.num_splits_for(
+                    q.shape[0], seq_info.shape[0], q.shape[1], k_pages.shape[2], page_table.shape[1] * k_pages.shape[1],
+                    tuning.MOSAIC_DECODE["block_kv"])
             return decode_attention_mgpu.decode_attention_mgpu(
                 q, k_pages, v_pages, page_table, seq_info, causal=causal, scale=float(scale), num_splits=num_splits,
                 interpret=interpret, **tuning.MOSAIC_DECODE,

@@ -6,33 +6,43 @@ times it (tools/gpu_decode_mgpu.py). Also: the static tile count, the dispatch r
 lowers for CUDA at the engine's sizes.
 """
 
+import functools
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from glint.pallas_kernels import decode_attention_mgpu as dm
-from glint.pallas_kernels import tuning, varlen_attention
+from glint.pallas_kernels import tuning, varlen_attention, varlen_attention_mgpu
 from glint.pallas_kernels.reference import varlen_attention_reference
 from glint.pallas_kernels.testing import AttentionCase as C
 from glint.pallas_kernels.testing import make_attention_inputs
-from glint.pallas_kernels.varlen_attention import mosaic_decode_splits
 
 TOL = {"bfloat16": 2e-2, "float16": 1e-2}
 DECODE = tuple((1, n) for n in (1, 17, 300, 1024, 513, 64))
 CASES = {
     # decode rows of every context length class, gaps and padding segments between them
-    "decode-g4-d128": C(DECODE, group=4, head_dim=128, dtype="bfloat16", num_kv_heads=2, gaps=3, num_padding_segments=2),
+    "decode-g4-d128": C(DECODE, group=4, head_dim=128, dtype="bfloat16", num_kv_heads=2, gaps=3,
+                        num_padding_segments=2),
     # speculative-sized chunks and a prefill chunk that takes several 64-row tiles, among decode rows
     "mixed-g4": C(((1, 900), (5, 5), (0, 0), (7, 260), (16, 80), (40, 400)), group=4, head_dim=128,
                   dtype="bfloat16", num_kv_heads=2, gaps=9, num_padding_segments=1),
-    "noncausal-g2-f16": C(((3, 70), (1, 200), (12, 12)), group=2, head_dim=64, dtype="float16", causal=False),
+    # a group that does not divide 64: one query row's heads span two tiles
+    "g6-d64": C(((1, 300), (11, 40), (3, 3)), group=6, head_dim=64, dtype="bfloat16", num_kv_heads=1, gaps=2),
+    # non-causal, one segment over three tiles
+    "noncausal-f16": C(((40, 100), (1, 50), (3, 70)), group=4, head_dim=64, dtype="float16", causal=False),
     "g8-p32-d64": C(DECODE, group=8, page_size=32, head_dim=64, dtype="bfloat16", num_kv_heads=1),
-    "g1-p128": C(((1, 300), (2, 129)), group=1, page_size=128, head_dim=64, dtype="bfloat16", num_kv_heads=2),
+    # pages wider than a key block: a block starts inside a page
+    "g4-p256": C(((1, 600), (2, 300)), group=4, page_size=256, head_dim=64, dtype="bfloat16", num_kv_heads=1),
 }
 
 
-def _inputs(case, seed=0):
+def _inputs(case, seed=0, shift=0):
+    """The case's inputs as device arrays; `shift` more query rows (NaN, of no segment) go before the first."""
     inputs = make_attention_inputs(case, np.random.default_rng(seed))
+    inputs["q"] = np.concatenate([np.full((shift, *inputs["q"].shape[1:]), np.nan, np.float32), inputs["q"]])
+    inputs["seq_info"][:, 0] += shift
     return {k: jnp.asarray(v, case.dtype) if v.dtype == np.float32 else jnp.asarray(v) for k, v in inputs.items()}
 
 
@@ -70,23 +80,65 @@ def test_splits_and_tiles(num_splits, block_kv, num_stages):
     _check(got, want, args["seq_info"], case.dtype)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_unaligned_start_over_several_tiles(num_splits):
+    """Group 1, a 130-row segment starting at row 7 (packed start 7 mod 8): its first tile starts 7 rows before
+    it, and its first and last 8-row output groups are partly its own."""
+    case = C(((130, 200), (1, 90)), group=1, head_dim=64, dtype="bfloat16", num_kv_heads=2)
+    [start] = [q_start for q_start, q_len, _, _ in make_attention_inputs(case, np.random.default_rng(0))["seq_info"]
+               if q_len == 130]
+    args = _inputs(case, shift=(7 - start) % 8)
+    assert [int(i[0]) % 8 for i in args["seq_info"] if i[1] == 130] == [7]
+    want = varlen_attention_reference(**args, scale=case.scale)
+    got = dm.decode_attention_mgpu(**args, scale=case.scale, num_splits=num_splits, interpret=True)
+    _check(got, want, args["seq_info"], case.dtype)
+
+
+@functools.cache
+def _tiles_fn(group):
+    return jax.jit(lambda info: dm._tiles(info, group, _MAX_SEGMENTS * 40 * 8))  # one per packed row: never short
+
+
+_MAX_SEGMENTS = 32
+
+
+def _covering(info, group):
+    """The tiles `_tiles` gives each segment, checked to cover its packed rows; returns how many it used. `info`
+    is padded to _MAX_SEGMENTS segments of q_len 0 (one compile per group)."""
+    info = np.concatenate([info, np.zeros((_MAX_SEGMENTS - len(info), 4), np.int32)]).astype(np.int32)
+    tiles, first = (np.asarray(x) for x in _tiles_fn(group)(jnp.asarray(info)))
+    for s, (q_start, q_len, _, _) in enumerate(info):
+        if q_len <= 0:
+            continue
+        start, rows = q_start * group, q_len * group
+        ks = tiles[tiles[:, 0] == s, 1]
+        assert first[s] == np.flatnonzero(tiles[:, 0] == s)[0]
+        covered = np.zeros(start + rows + 64, bool)
+        for k in ks:  # tile k of a segment: 64 packed rows from its start rounded down to 8
+            covered[start - start % 8 + 64 * k:][:64] = True
+        assert covered[start:start + rows].all()
+    return int((tiles[:, 0] >= 0).sum())
+
+
 def test_num_tiles_covers_every_layout():
-    """The static tile count is enough for random layouts, including ones where every segment's packed start
-    sits at 7 mod 8 (one more tile each)."""
+    """The static tile count holds the tiles every layout needs: random layouts, and the tight one where every
+    segment of 58 rows starts at 7 mod 8 (group 1) and so takes two tiles."""
     rng = np.random.default_rng(0)
-    for trial in range(300):
-        group = int(rng.choice([1, 2, 4, 8]))
-        num_segments = int(rng.integers(1, 65))
+    for trial in range(200):
+        group = int(rng.choice([1, 2, 4, 6, 8]))
+        num_segments = int(rng.integers(1, 33))
         lengths = rng.integers(0, 40, num_segments) if trial % 2 else np.full(num_segments, 1)
-        gaps = rng.integers(0, 5, num_segments)
         starts, row = [], int(rng.integers(0, 8))
-        for q_len, gap in zip(lengths, gaps):
+        for q_len in lengths:
             starts.append(row)
-            row += int(q_len) + int(gap)
+            row += int(q_len) + int(rng.integers(0, 5))
         info = np.stack([starts, lengths, np.zeros_like(lengths), lengths + 1], 1).astype(np.int32)
-        start, rows = np.asarray(info[:, 0]) * group, lengths * group
-        needed = int(np.where(rows > 0, -(-(rows + start % 8) // 64), 0).sum())
-        assert needed <= dm.num_tiles_for(max(row, 1), num_segments, group), (trial, group, needed)
+        assert _covering(info, group) <= dm.num_tiles_for(max(row, 1), num_segments, group), trial
+    num_segments = 12
+    starts = 7 + 64 * np.arange(num_segments)
+    info = np.stack([starts, np.full(num_segments, 58), np.zeros(num_segments, int), np.full(num_segments, 58)], 1)
+    used = _covering(info.astype(np.int32), 1)
+    assert used == 2 * num_segments == dm.num_tiles_for(7 + 64 * num_segments, num_segments, 1)
 
 
 def test_supports_and_refusals():
@@ -95,34 +147,58 @@ def test_supports_and_refusals():
     assert dm.supports(**ok)
     assert dm.supports(**{**ok, "dtype": jnp.float16, "kv_dtype": jnp.float16, "head_dim": 64, "page_size": 256})
     for bad in ({"kv_dtype": jnp.float8_e4m3fn}, {"dtype": jnp.float32, "kv_dtype": jnp.float32}, {"head_dim": 256},
-                {"head_dim": 80}, {"page_size": 8}, {"block_kv": 32}, {"ring_rows": 96}, {"window": 64},
-                {"softcap": 30.0}):
+                {"head_dim": 80}, {"page_size": 8}, {"page_size": 48}, {"block_kv": 32}, {"ring_rows": 96},
+                {"window": 64}, {"softcap": 30.0}):
         assert not dm.supports(**{**ok, **bad}), bad
-    args = _inputs(CASES["g1-p128"])
+    args = _inputs(CASES["g4-p256"])
     with pytest.raises(ValueError, match="backend='mosaic_decode' needs.*window=8"):
         varlen_attention(**args, scale=0.1, backend="mosaic_decode", window=8, interpret=True)
     with pytest.raises(ValueError, match="backend='mosaic_decode' needs a Hopper GPU"):
         varlen_attention(**args, scale=0.1, backend="mosaic_decode")  # compiled, on a CPU machine
     with pytest.raises(ValueError, match="num_stages=0"):
         dm.decode_attention_mgpu(**args, scale=0.1, num_stages=0)
+    with pytest.raises(ValueError, match="block_kv=32"):
+        dm.decode_attention_mgpu(**args, scale=0.1, block_kv=32)
 
 
-def test_auto_keeps_triton_off_hopper(monkeypatch):
-    """With the decode backend set to Mosaic, "auto" still runs Triton where no Hopper GPU is (here)."""
+def test_auto_dispatch(monkeypatch):
+    """On a Hopper GPU (stubbed) with DECODE_BACKEND "mosaic", "auto" takes the kernel for decode steps only, and
+    never for what it does not cover; elsewhere it never does."""
+    va = importlib.import_module("glint.pallas_kernels.varlen_attention")
     monkeypatch.setattr(tuning, "DECODE_BACKEND", "mosaic")
-    case = CASES["g8-p32-d64"]
-    args = _inputs(case)
-    auto = varlen_attention.__wrapped__(**args, scale=case.scale, interpret=True)
-    triton = varlen_attention(**args, scale=case.scale, backend="triton", interpret=True)
-    np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(triton, np.float32))
+    monkeypatch.setattr(varlen_attention_mgpu, "is_hopper", lambda: True)
+    q = jnp.zeros((8, 32, 128), jnp.bfloat16)
+    pages = jnp.zeros((4, 16, 8, 128), jnp.bfloat16)
+
+    def use(num_segments=8, backend="auto", **kw):
+        args = dict(q=q, k_pages=pages, seq_info=jnp.zeros((num_segments, 4), jnp.int32), ring_rows=None, window=0,
+                    softcap=0.0, block_sizes=None, interpret=False)
+        return va._use_mosaic_decode(backend, **{**args, **kw})
+
+    assert use()  # 8 rows in 8 segments: a decode step
+    assert not use(num_segments=1)  # 8 rows in one segment: prefill
+    assert not use(backend="triton")
+    assert not use(block_sizes=va.BlockSizes())
+    assert not use(k_pages=pages.astype(jnp.float8_e4m3fn))
+    assert not use(window=64)
+    assert not use(interpret=True)
+    monkeypatch.setattr(varlen_attention_mgpu, "is_hopper", lambda: False)
+    assert not use()
+    monkeypatch.setattr(varlen_attention_mgpu, "is_hopper", lambda: True)
+    monkeypatch.setattr(tuning, "DECODE_BACKEND", "triton")
+    assert not use()
 
 
 def test_split_count():
-    # Few CTAs (one sequence): as many splits as the key blocks allow, at most MAX_SPLITS.
-    assert mosaic_decode_splits(1, 1, 32, 8, tuning.MOSAIC_DECODE["block_kv"] * 3) == 3
-    assert mosaic_decode_splits(1, 1, 32, 8, 1 << 20) == tuning.MAX_SPLITS
+    block_kv = tuning.MOSAIC_DECODE["block_kv"]
+    # Few keys (one sequence, 8 kv heads: 8 CTAs a split): no more splits than key blocks.
+    assert dm.num_splits_for(1, 1, 32, 8, block_kv * 3, block_kv) == 3
+    # Many keys: as many splits as one wave of the CTA target holds, at most MAX_SPLITS.
+    s = dm.num_splits_for(1, 1, 32, 8, 1 << 20, block_kv)
+    assert s * 8 <= max(tuning.MOSAIC_DECODE_CTAS, 8)
+    assert s == tuning.MAX_SPLITS or (s + 1) * 8 > tuning.MOSAIC_DECODE_CTAS
     # Enough CTAs already (256 sequences x 8 kv heads): one.
-    assert mosaic_decode_splits(256, 256, 32, 8, 4096) == 1
+    assert dm.num_splits_for(256, 256, 32, 8, 4096, block_kv) == 1
 
 
 @pytest.mark.parametrize("num_rows,hq,hkv,d,page_size,num_splits", [

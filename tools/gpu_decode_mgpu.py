@@ -1,10 +1,10 @@
-"""The Mosaic GPU decode kernel (decode_attention_mgpu.py) against the Triton one and cuDNN, both timings (#13 item 2).
+"""The Mosaic GPU decode kernel (decode_attention_mgpu.py) against the Triton one and cuDNN, both timings (#13).
 
 For each (batch, context, capacity): the Triton decode kernel as the engine runs it (its default tile and
 split-K), the Mosaic decode kernel at its default (tuning.MOSAIC_DECODE, split-K from the capacity) and cuDNN on
 the same values laid out contiguously, each chained (10 dependent calls in one jit) and as separate calls (one
-jit call each, waited for); then, on VARIANT_SHAPES, the Mosaic kernel's other tiles and split counts, chained. Every Mosaic output
-is checked against cuDNN's first (relative error). GB/s counts the K/V bytes of the context.
+jit call each, waited for); then, on VARIANT_SHAPES, the Mosaic kernel's other tiles and split counts, chained.
+Every Mosaic output is checked against cuDNN's first (relative error). GB/s counts the K/V bytes of the context.
 
     python3 tools/gpu_decode_mgpu.py                       # every shape below
     python3 tools/gpu_decode_mgpu.py 1x512x768 256x640x640  # batch x context x capacity, these only
@@ -24,8 +24,7 @@ from gpu_kernels import bench, contiguous, paged_setup, rel_err  # noqa: E402
 from gpu_quant_kernels import timed  # noqa: E402
 
 from glint.pallas_kernels import tuning, varlen_attention  # noqa: E402
-from glint.pallas_kernels.decode_attention_mgpu import decode_attention_mgpu  # noqa: E402
-from glint.pallas_kernels.varlen_attention import mosaic_decode_splits  # noqa: E402
+from glint.pallas_kernels.decode_attention_mgpu import decode_attention_mgpu, num_splits_for  # noqa: E402
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 SHAPES = [  # (batch, context, capacity)
@@ -52,7 +51,7 @@ def main():
         seq_info = seq_info.at[:, 3].set(ctx)
         paged = (q, k_pages, v_pages, page_table, seq_info)
         kv_bytes = 2 * batch * ctx * HKV * D * 2
-        splits = mosaic_decode_splits(batch, batch, HQ, HKV, cap)
+        splits = num_splits_for(batch, batch, HQ, HKV, cap, default[0])
 
         def mosaic(block_kv=default[0], num_stages=default[1], num_splits=splits):
             return lambda q_, *a: decode_attention_mgpu(q_, *a, scale=scale, block_kv=block_kv, num_stages=num_stages,

@@ -53,7 +53,8 @@ def sweep_cases():
         (
             f"decode-{dtype}-d{d}-g4-p16",
             C(dec, group=4, head_dim=d, dtype=dtype, num_kv_heads=2, gaps=3, num_padding_segments=2),
-            DECODE_VARIANTS + (MOSAIC if dtype == "bfloat16" else ()) + (MOSAIC_DECODE if d <= 128 and dtype != "float32" else ()),
+            DECODE_VARIANTS + (MOSAIC if dtype == "bfloat16" else ())
+            + (MOSAIC_DECODE if d <= 128 and dtype != "float32" else ()),
         )
         for dtype, d in (("bfloat16", 64), ("bfloat16", 128), ("bfloat16", 256), ("float32", 128))
     ]
@@ -76,7 +77,8 @@ def sweep_cases():
         ),
         ("prefill-g4-p64-f16", C(pre, group=4, dtype="float16", page_size=64, head_dim=128),
          PREFILL_VARIANTS + MOSAIC + MOSAIC_DECODE),
-        ("prefill-g1-p256-d64", C(pre, group=1, dtype="bfloat16", page_size=256, num_kv_heads=2), MOSAIC + MOSAIC_DECODE),
+        ("prefill-g1-p256-d64", C(pre, group=1, dtype="bfloat16", page_size=256, num_kv_heads=2),
+         MOSAIC + MOSAIC_DECODE),
         ("prefill-f32-g1-p32-d64", C(pre, group=1, dtype="float32", num_kv_heads=4, page_size=32), PREFILL_VARIANTS),
         (
             "chunked-g4-p16",
