@@ -211,15 +211,22 @@ def _kernel(
                     v_tile[...] = jnp.where(vrows + block * block_kv < kv_end, v_tile[...], 0).astype(dtype)
                     plgpu.commit_smem()
 
-            # P goes through shared memory (Pallas' GPU interpreter takes wgmma operands from refs only).
-            p_smem[...] = p.astype(dtype)
-            plgpu.commit_smem()
+            if p_smem is None:  # P from registers, accumulated in place (compiled only)
+                def pv_dot(acc_ref):
+                    plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
 
-            def pv_dot(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-                return acc_ref[...]
+                acc = pl.run_state(pv_dot)(plgpu.ACC.init(acc))
+            else:
+                # P through shared memory, into a fresh accumulator: the GPU interpreter takes wgmma operands from
+                # refs only and does not run pl.run_state.
+                p_smem[...] = p.astype(dtype)
+                plgpu.commit_smem()
 
-            acc = acc + pl.run_scoped(pv_dot, plgpu.ACC((_BLOCK_M, head_dim), jnp.float32))
+                def pv_dot(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                    return acc_ref[...]
+
+                acc = acc + pl.run_scoped(pv_dot, plgpu.ACC((_BLOCK_M, head_dim), jnp.float32))
             plgpu.barrier_arrive(consumed.at[slot])  # both dots have read the slot: the memory warpgroup refills it
             return acc, m_ij, l_i
 
@@ -250,20 +257,24 @@ def _kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("causal", "scale", "num_splits", "block_kv", "num_stages", "interpret")
+    jax.jit, static_argnames=("causal", "scale", "num_splits", "block_kv", "num_stages", "p_in_registers", "interpret")
 )
 def decode_attention_mgpu(
     q, k_pages, v_pages, page_table, seq_info, *, causal=True, scale, num_splits=1, block_kv=128, num_stages=2,
-    interpret=False,
+    p_in_registers=False, interpret=False,
 ):
     """Same contract as `varlen_attention` (no ring, window or soft-cap; see supports()).
 
     num_splits: key slices per tile, merged after the kernel; block_kv keys per pipeline step; num_stages
-    K/V shared-memory slots. interpret: run Pallas' GPU interpreter (CPU tests)."""
+    K/V shared-memory slots. p_in_registers: P @ V takes P from registers into the running accumulator, as
+    FlashAttention-3 does, where by default P goes through shared memory into a fresh accumulator (the form the
+    interpreter runs; which is faster is not yet measured). interpret: run Pallas' GPU interpreter (CPU tests)."""
     num_rows, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     if num_stages < 1 or num_splits < 1:
         raise ValueError(f"decode_attention_mgpu: num_stages={num_stages} and num_splits={num_splits} must be >= 1")
+    if p_in_registers and interpret:
+        raise ValueError("decode_attention_mgpu: p_in_registers has no interpreted form (wgmma from registers)")
     if not supports(dtype=q.dtype, kv_dtype=k_pages.dtype, head_dim=head_dim, page_size=page_size, block_kv=block_kv,
                     ring_rows=None, window=0, softcap=0.0):
         raise ValueError(
@@ -299,7 +310,7 @@ def decode_attention_mgpu(
                 plgpu.SMEM((_BLOCK_M, head_dim), dtype, transforms=transforms),
                 plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
                 plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
-                plgpu.SMEM((_BLOCK_M, block_kv), dtype, transforms=transforms),
+                None if p_in_registers else plgpu.SMEM((_BLOCK_M, block_kv), dtype, transforms=transforms),
                 None if single else plgpu.SMEM((_BLOCK_M, head_dim), jnp.float32),
                 None if single else plgpu.SMEM((_BLOCK_M,), jnp.float32),
             ),

@@ -159,6 +159,8 @@ def test_supports_and_refusals():
         dm.decode_attention_mgpu(**args, scale=0.1, num_stages=0)
     with pytest.raises(ValueError, match="block_kv=32"):
         dm.decode_attention_mgpu(**args, scale=0.1, block_kv=32)
+    with pytest.raises(ValueError, match="p_in_registers has no interpreted form"):
+        dm.decode_attention_mgpu(**args, scale=0.1, p_in_registers=True, interpret=True)
 
 
 def test_auto_dispatch(monkeypatch):
@@ -201,13 +203,15 @@ def test_split_count():
     assert dm.num_splits_for(256, 256, 32, 8, 4096, block_kv) == 1
 
 
-@pytest.mark.parametrize("num_rows,hq,hkv,d,page_size,num_splits", [
-    (256, 32, 8, 128, 16, 1),  # llama3-8b decode at batch 256
-    (1, 32, 8, 128, 16, 16),  # batch 1, split-K
-    (64, 64, 8, 128, 64, 4),  # group 8, page 64
-    (37, 16, 16, 64, 16, 2),  # group 1, d64
+@pytest.mark.parametrize("num_rows,hq,hkv,d,page_size,num_splits,p_in_registers", [
+    (256, 32, 8, 128, 16, 1, False),  # llama3-8b decode at batch 256
+    (256, 32, 8, 128, 16, 1, True),
+    (1, 32, 8, 128, 16, 16, False),  # batch 1, split-K
+    (1, 32, 8, 128, 16, 16, True),
+    (64, 64, 8, 128, 64, 4, False),  # group 8, page 64
+    (37, 16, 16, 64, 16, 2, False),  # group 1, d64
 ])
-def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, num_splits):
+def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, num_splits, p_in_registers):
     """Layout inference, TMA tiling and shared-memory checks run at lowering, at the engine's sizes."""
     args = (
         jax.ShapeDtypeStruct((num_rows, hq, d), jnp.bfloat16),
@@ -217,5 +221,5 @@ def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, num_splits):
         jax.ShapeDtypeStruct((num_rows, 4), jnp.int32),
     )
     fn = jax.jit(lambda *a: dm.decode_attention_mgpu(*a, scale=d**-0.5, num_splits=num_splits,
-                                                     **tuning.MOSAIC_DECODE))
+                                                     p_in_registers=p_in_registers, **tuning.MOSAIC_DECODE))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -3,7 +3,8 @@
 For each (batch, context, capacity): the Triton decode kernel as the engine runs it (its default tile and
 split-K), the Mosaic decode kernel at its default (tuning.MOSAIC_DECODE, split-K from the capacity) and cuDNN on
 the same values laid out contiguously, each chained (10 dependent calls in one jit) and as separate calls (one
-jit call each, waited for); then, on VARIANT_SHAPES, the Mosaic kernel's other tiles and split counts, chained.
+jit call each, waited for); then, on VARIANT_SHAPES, the Mosaic kernel with P in registers
+(p_in_registers) and its other tiles and split counts, chained.
 Every Mosaic output is checked against cuDNN's first (relative error). GB/s counts the K/V bytes of the context.
 
     python3 tools/gpu_decode_mgpu.py                       # every shape below
@@ -53,9 +54,10 @@ def main():
         kv_bytes = 2 * batch * ctx * HKV * D * 2
         splits = num_splits_for(batch, batch, HQ, HKV, cap, default[0])
 
-        def mosaic(block_kv=default[0], num_stages=default[1], num_splits=splits):
+        def mosaic(block_kv=default[0], num_stages=default[1], num_splits=splits, p_in_registers=False):
             return lambda q_, *a: decode_attention_mgpu(q_, *a, scale=scale, block_kv=block_kv, num_stages=num_stages,
-                                                        num_splits=num_splits, interpret=cpu)
+                                                        num_splits=num_splits, p_in_registers=p_in_registers,
+                                                        interpret=cpu)
 
         def triton(q_, *a):
             return varlen_attention(q_, *a, scale=scale, backend="triton", interpret=cpu)
@@ -86,6 +88,12 @@ def main():
                      f"{err:7.1e} | {tc[0] * 1e6:7.1f} {tc[1] * 1e6:7.1f} | {kv_bytes / tm[0] / 1e9:8.0f} "
                      f"{kv_bytes / tc[0] / 1e9:6.0f} | {tc[0] / tm[0]:5.2f} {tc[1] / tm[1]:5.2f} | "
                      f"{tt[0] / tm[0]:6.2f} {tt[1] / tm[1]:5.2f}")
+            if not cpu and (batch, ctx, cap) in VARIANT_SHAPES:  # the default, P @ V from registers in place
+                fn = mosaic(p_in_registers=True)
+                e = rel_err(np.asarray(jax.jit(fn)(*paged), np.float32), want)
+                t = bench(fn, paged)
+                variants.append(f"  variant {batch:>5} {ctx:>6} | default, P in registers      | {t * 1e6:8.1f} us "
+                                f"chained, {tm[0] / t:5.2f}x default | err {e:7.1e}")
             for block_kv, stages in TILES if cpu or (batch, ctx, cap) in VARIANT_SHAPES else ():
                 for s in sorted({max(1, splits // 2), splits, min(tuning.MAX_SPLITS, 2 * splits)}):
                     if (block_kv, stages, s) == (*default, splits):
