@@ -90,7 +90,7 @@ def _kernel(
     tiles_ref,  # i32[num_tiles, 2]
     seq_info_ref,  # i32[S, 4]
     page_table_ref,  # i32[R, P]
-    q_ref,  # [Hkv, T * group + _BLOCK_M, D]: each kv head's packed query rows
+    q_ref,  # [Hkv, T * group (padded to a multiple of _ALIGN), D]: each kv head's packed query rows
     k_ref,  # [num_pages * page_size, Hkv, D]
     v_ref,
     o_ref,  # [num_splits, num_tiles, Hkv, _BLOCK_M, D]: float32, or q's dtype with one split
@@ -289,11 +289,13 @@ def decode_attention_mgpu(
     flat = (num_pages * page_size, num_kv_heads, head_dim)
     dtype = q.dtype
 
-    # Each kv head's packed rows, with a tile of slack so every tile's TMA read stays in bounds (and a row count
-    # that is a multiple of _ALIGN, as the tiled view needs).
+    # Each kv head's packed rows (at one query row a bitcast). A tile's TMA read past the last row is filled with
+    # zeros (by the interpreter too); the tiled view needs a row count below _ALIGN or a multiple of it.
+    packed = num_rows * group
     q_packed = q.reshape(num_rows, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    slack = _BLOCK_M + -(num_rows * group) % _ALIGN
-    q_packed = jnp.pad(q_packed.reshape(num_kv_heads, num_rows * group, head_dim), ((0, 0), (0, slack), (0, 0)))
+    q_packed = q_packed.reshape(num_kv_heads, packed, head_dim)
+    if packed > _ALIGN and packed % _ALIGN:
+        q_packed = jnp.pad(q_packed, ((0, 0), (0, -packed % _ALIGN), (0, 0)))
 
     single = num_splits == 1  # no merge: the kernel writes final rows, and no float32 tile or lse
 

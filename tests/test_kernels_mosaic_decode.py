@@ -35,6 +35,8 @@ CASES = {
     "g8-p32-d64": C(DECODE, group=8, page_size=32, head_dim=64, dtype="bfloat16", num_kv_heads=1),
     # pages wider than a key block: a block starts inside a page
     "g4-p256": C(((1, 600), (2, 300)), group=4, page_size=256, head_dim=64, dtype="bfloat16", num_kv_heads=1),
+    # batch-1 decode: 4 packed query rows, the tile's TMA read runs past them (filled with zeros)
+    "one-row": C(((1, 77),), group=4, head_dim=64, dtype="bfloat16", num_kv_heads=2),
 }
 
 
