@@ -87,8 +87,7 @@ def num_splits_for(num_rows: int, num_segments: int, num_q_heads: int, num_kv_he
 
 
 def _kernel(
-    tiles_ref,  # i32[num_tiles, 2]
-    seq_info_ref,  # i32[S, 4]
+    tiles_ref,  # i32[num_tiles, 6]: (segment or -1, tile within it, q_start, q_len, seq_slot, kv_end)
     page_table_ref,  # i32[R, P]
     q_ref,  # [Hkv, T * group (padded to a multiple of _ALIGN), D]: each kv head's packed query rows
     k_ref,  # [num_pages * page_size, Hkv, D]
@@ -113,13 +112,9 @@ def _kernel(
     head_dim = q_smem.shape[-1]
     dtype = q_smem.dtype
 
-    segment = tiles_ref[tile, 0]
-    seg = jnp.maximum(segment, 0)
-    q_tile = tiles_ref[tile, 1]
-    q_len = seq_info_ref[seg, 1]
-    seq_slot = seq_info_ref[seg, 2]
-    kv_end = seq_info_ref[seg, 3]
-    row_start = seq_info_ref[seg, 0] * group
+    segment, q_tile = tiles_ref[tile, 0], tiles_ref[tile, 1]
+    q_len, seq_slot, kv_end = tiles_ref[tile, 3], tiles_ref[tile, 4], tiles_ref[tile, 5]
+    row_start = tiles_ref[tile, 2] * group
     row_len = q_len * group
     first = q_tile * _BLOCK_M - lax.rem(row_start, jnp.int32(_ALIGN))  # tile row 0, as a packed row of the segment
     offset = kv_end - q_len  # position of the segment's query row 0
@@ -286,6 +281,8 @@ def decode_attention_mgpu(
     num_segments = seq_info.shape[0]
     num_tiles = num_tiles_for(num_rows, num_segments, group)
     tiles, first_tile = _tiles(seq_info, group, num_tiles)
+    # Each tile's segment fields beside it: a CTA reads one row, not a row that names another.
+    tile_info = jnp.concatenate([tiles, seq_info[jnp.maximum(tiles[:, 0], 0)]], axis=1)
     flat = (num_pages * page_size, num_kv_heads, head_dim)
     dtype = q.dtype
 
@@ -299,12 +296,12 @@ def decode_attention_mgpu(
 
     single = num_splits == 1  # no merge: the kernel writes final rows, and no float32 tile or lse
 
-    def entry(tiles_ref, seq_info_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref=None):
+    def entry(tiles_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref=None):
         transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         copies = block_kv // min(page_size, block_kv)
         pl.run_scoped(
             lambda *scoped: _kernel(
-                tiles_ref, seq_info_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped,
+                tiles_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped,
                 block_kv=block_kv, num_stages=num_stages, page_size=page_size, group=group, causal=causal,
                 scale=scale, num_splits=num_splits,
             ),
@@ -337,7 +334,7 @@ def decode_attention_mgpu(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(tiles, seq_info, page_table, q_packed, k_pages.reshape(flat), v_pages.reshape(flat))
+    )(tile_info, page_table, q_packed, k_pages.reshape(flat), v_pages.reshape(flat))
     return _merge(o, lse[0] if lse else None, seq_info, first_tile, group, num_rows).astype(dtype)
 
 
