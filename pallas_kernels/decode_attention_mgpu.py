@@ -27,7 +27,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from glint.pallas_kernels import segments, tuning
+from glint.pallas_kernels import segments, tuning, varlen_attention_mgpu
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -131,19 +131,9 @@ def _kernel(
     end = jnp.minimum(begin + per_split, num_blocks)
     # Blocks every row of the tile sees whole need no mask.
     full_end = jnp.clip(lax.div(jnp.maximum(keys_seen(lo_row), 0), jnp.int32(block_kv)), begin, end)
-    chunk = min(page_size, block_kv)
-    last_page = page_table_ref.shape[1] - 1
-
     def load(block, slot):
-        # One TMA copy per page chunk of the block: K first (needed first), then V.
-        rows = []
-        for i in range(block_kv // chunk):
-            key = block * block_kv + i * chunk
-            page = page_table_ref[seq_slot, jnp.minimum(lax.div(key, jnp.int32(page_size)), last_page)]
-            rows.append(pl.ds(pl.multiple_of(page * page_size + lax.rem(key, jnp.int32(page_size)), _ALIGN), chunk))
-        for ref, buf, barriers in ((k_ref, k_smem, k_barriers), (v_ref, v_smem, v_barriers)):
-            for i, src in enumerate(rows):
-                plgpu.copy_gmem_to_smem(ref.at[src, kv_head], buf.at[slot, pl.ds(i * chunk, chunk)], barriers.at[slot])
+        varlen_attention_mgpu.copy_kv_block(page_table_ref, seq_slot, block, (k_ref, v_ref), kv_head,
+                                            (k_smem, v_smem), slot, (k_barriers, v_barriers), page_size=page_size)
 
     @pl.when(has_rows & (wg == 1))
     def _memory_wg():

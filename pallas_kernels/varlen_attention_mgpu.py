@@ -96,6 +96,23 @@ def _gather_rows(out_pad, seq_info, first_tile, tile_rows: int, num_rows: int):
     return jnp.where((seg1 > 0)[:, None, None], out_pad[src], 0).astype(out_pad.dtype)
 
 
+def copy_kv_block(page_table_ref, seq_slot, block, pools, kv_head, bufs, slot, barriers, *, page_size: int):
+    """Starts the TMA copies of key block `block` of sequence `seq_slot` (its rows of kv head `kv_head` in the flat
+    pools (k, v)) into slot `slot` of the shared-memory buffers (k, v), one copy per page chunk, K first (needed
+    first), each arriving at its buffer's barrier for the slot. A block past the table's last page reads that page."""
+    block_kv = bufs[0].shape[1]
+    chunk = min(page_size, block_kv)
+    last_page = page_table_ref.shape[1] - 1
+    rows = []
+    for i in range(block_kv // chunk):
+        key = block * block_kv + i * chunk
+        page = page_table_ref[seq_slot, jnp.minimum(lax.div(key, jnp.int32(page_size)), last_page)]
+        rows.append(pl.ds(pl.multiple_of(page * page_size + lax.rem(key, jnp.int32(page_size)), _ALIGN), chunk))
+    for ref, buf, barrier in zip(pools, bufs, barriers):
+        for i, src in enumerate(rows):
+            plgpu.copy_gmem_to_smem(ref.at[src, kv_head], buf.at[slot, pl.ds(i * chunk, chunk)], barrier.at[slot])
+
+
 def _kernel(
     tiles_ref,
     seq_info_ref,
@@ -253,21 +270,10 @@ def _kernel(
     @pl.when((wg == _COMPUTE_WGS) & (segment >= 0))
     def _memory_wg():
         plgpu.set_max_registers(40, action="decrease")
-        chunk = min(page_size, block_kv)
-        last_page = page_table_ref.shape[1] - 1
 
         def load(step, slot):
-            # One TMA copy per page chunk of the block: K first (needed first), then V.
-            rows = []
-            for i in range(block_kv // chunk):
-                key = step * block_kv + i * chunk
-                page = page_table_ref[seq_slot, jnp.minimum(lax.div(key, jnp.int32(page_size)), last_page)]
-                start = pl.multiple_of(page * page_size + lax.rem(key, jnp.int32(page_size)), _ALIGN)
-                rows.append(pl.ds(start, chunk))
-            for ref, buf, barriers in ((k_ref, k_smem, k_barriers), (v_ref, v_smem, v_barriers)):
-                for i, src in enumerate(rows):
-                    dst = buf.at[slot, pl.ds(i * chunk, chunk)]
-                    plgpu.copy_gmem_to_smem(ref.at[src, kv_head], dst, barriers.at[slot])
+            copy_kv_block(page_table_ref, seq_slot, step, (k_ref, v_ref), kv_head, (k_smem, v_smem), slot,
+                          (k_barriers, v_barriers), page_size=page_size)
 
         @pl.loop(0, jnp.minimum(tile_steps, num_stages))
         def _prologue(step):
