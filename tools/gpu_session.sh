@@ -272,6 +272,18 @@ print('$alloc', {k: s.get(k) for k in ('bytes_limit', 'bytes_in_use')}, 'free_de
       > "$out/decode_mgpu_sweep.log" 2>&1
     echo "== sweep rc=$?"; grep -E "^(PASS|FAIL|ERROR|sweep)" "$out/decode_mgpu_sweep.log"
     ;;
+  decode-e2e)  # llama3-8b 256 x (512 + 128) end to end with decode attention on each of DECODE_ARMS (default "triton
+               # mosaic": tuning.DECODE_BACKEND), one process each (~4.5 min each; E2E_ARGS adds bench args)
+    for arm in ${DECODE_ARMS:-triton mosaic}; do
+      start=$(date +%s)
+      log=$out/decode_e2e_$arm
+      TUNING=DECODE_BACKEND=$arm PYTHONFAULTHANDLER=1 python3 tools/with_tuning.py -m glint.runtime.cli bench \
+        llama3-8b --batch 256 --prompt-len 512 --gen-len 128 --requests 256 --e2e-gen-len 128 --repeats 2 \
+        ${E2E_ARGS:-} --json "$log.json" > "$log.log" 2>&1 &
+      within ${E2E_TIMEOUT:-270} $! "$log.stall.txt"
+      echo "== $arm rc=$? $(( $(date +%s) - start )) s"; grep -E "roofline|Error" "$log.log" | head -6; tail -12 "$log.log"
+    done
+    ;;
   decode-profile)  # batch-1 decode profiles (~80 s each): bf16; fp8, int8 or int4 weights; fp8 with cuBLASLt recorded
                    # into XLA's command buffers; bf16 under XLA fusion / launch flags (PROFILE_VARIANTS picks)
     pdl="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true"
