@@ -256,8 +256,9 @@ def decode_attention_mgpu(
     interpreter runs; which is faster is not yet measured). interpret: run Pallas' GPU interpreter (CPU tests)."""
     num_rows, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
-    if num_stages < 1 or num_splits < 1:
-        raise ValueError(f"decode_attention_mgpu: num_stages={num_stages} and num_splits={num_splits} must be >= 1")
+    if num_stages < 1 or num_splits < 1 or num_rows < 1:
+        raise ValueError(f"decode_attention_mgpu: num_stages={num_stages}, num_splits={num_splits} and the query rows "
+                         f"({num_rows}) must be >= 1")
     if p_in_registers and interpret:
         raise ValueError("decode_attention_mgpu: p_in_registers has no interpreted form (wgmma from registers)")
     if not supports(dtype=q.dtype, kv_dtype=k_pages.dtype, head_dim=head_dim, page_size=page_size, block_kv=block_kv,

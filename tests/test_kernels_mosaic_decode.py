@@ -210,6 +210,8 @@ def test_split_count():
     (256, 32, 8, 128, 16, 1, True),
     (1, 32, 8, 128, 16, 16, False),  # batch 1, split-K
     (1, 32, 8, 128, 16, 16, True),
+    (1, 32, 8, 128, 16, 1, False),  # batch 1, one split: 4 packed query rows, final rows through the query tile
+    (1, 16, 4, 64, 16, 1, True),
     (64, 64, 8, 128, 64, 4, False),  # group 8, page 64
     (37, 16, 16, 64, 16, 2, False),  # group 1, d64
 ])

@@ -273,7 +273,9 @@ print('$alloc', {k: s.get(k) for k in ('bytes_limit', 'bytes_in_use')}, 'free_de
     echo "== sweep rc=$?"; grep -E "^(PASS|FAIL|ERROR|sweep)" "$out/decode_mgpu_sweep.log"
     ;;
   decode-e2e)  # llama3-8b 256 x (512 + 128) end to end with decode attention on each of DECODE_ARMS (default "triton
-               # mosaic": tuning.DECODE_BACKEND), one process each (~4.5 min each; E2E_ARGS adds bench args)
+               # mosaic": tuning.DECODE_BACKEND), one process each of at most E2E_TIMEOUT s (default 270, so two
+               # arms fit one 600 s call; a process past it has its stacks taken, as in quant-e2e); E2E_ARGS adds
+               # bench args
     for arm in ${DECODE_ARMS:-triton mosaic}; do
       start=$(date +%s)
       log=$out/decode_e2e_$arm
