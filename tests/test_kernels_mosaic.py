@@ -1,9 +1,11 @@
 """The Mosaic GPU prefill kernel (varlen_attention_mgpu.py) on a CPU machine.
 
-Its values are checked on the H200 (tools/gpu_kernels.py sweep, variant "mosaic"): the Pallas
-interpreter does not run wgmma. Here: the host-side tile map and row gather against NumPy, the
-dispatch rules, and that the kernel lowers to a Mosaic GPU custom call for CUDA (layout
-inference, TMA tiling and shared-memory checks run at lowering) across the shapes it claims.
+Its values are checked on the H200 (tools/gpu_kernels.py sweep, variant "mosaic"): Pallas' GPU
+interpreter runs wgmma only from shared-memory operands and does not run pl.run_state, which this
+kernel's P @ V uses (tests/test_kernels_mosaic_decode.py runs the decode kernel there). Here: the
+host-side tile map and row gather against NumPy, the dispatch rules, and that the kernel lowers to a
+Mosaic GPU custom call for CUDA (layout inference, TMA tiling and shared-memory checks run at
+lowering) across the shapes it claims.
 """
 
 import jax

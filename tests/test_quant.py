@@ -22,6 +22,9 @@ from glint.pallas_kernels import gated_fp8, tuning
 from glint.runtime.engine import Engine
 from glint.runtime.params import SamplingParams
 
+# The quantized matmuls' register-operand wgmma and inline PTX have no form in Pallas' GPU interpreter.
+MOSAIC_ONLY_ON_GPU = "Mosaic GPU kernel: runs on a Hopper GPU only (no interpreted form)"
+
 SMALL = dict(max_seqs=4, page_size=8, max_step_tokens=64, forward_sizes=(1, 8), num_pages=96, capacity=256,
              min_prefill_chunk=4)
 
@@ -666,7 +669,7 @@ def test_mosaic_quant_matmul_plans_its_k_step_from_the_shapes():
     assert kernel_name(int8, *shapes) in {f"int8_matmul_t_m128_k{bk}" for bk in qm.BLOCK_K_CHOICES}
 
 
-@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
+@pytest.mark.skipif(not ON_GPU, reason=MOSAIC_ONLY_ON_GPU)
 @pytest.mark.parametrize("m", [1, 5, 8, 16, 17, 32, 33, 64])  # token tiles of 8, 16, 32 and 64 rows
 @pytest.mark.parametrize("block_m,block_k,stages", [(64, 128, 3), (128, 128, 2), (64, 256, 2)])
 def test_mosaic_int8_matmul_matches_the_float64_product(m, block_m, block_k, stages):
@@ -721,7 +724,7 @@ def test_mosaic_int4_matmul_checks_its_operands():
                          jnp.ones((8, 256), jnp.bfloat16))
 
 
-@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
+@pytest.mark.skipif(not ON_GPU, reason=MOSAIC_ONLY_ON_GPU)
 @pytest.mark.parametrize("m", [1, 3, 8, 17, 64])
 @pytest.mark.parametrize("block_m,block_k,stages,group", [(64, 128, 3, 256), (128, 128, 2, 128), (64, 128, 2, 256),
                                                           (64, 256, 2, 128), (128, 256, 2, 256), (64, 128, 2, 64),
@@ -780,7 +783,7 @@ def test_int4_steps_past_the_kernel_limit_stay_on_xla(monkeypatch):
         assert quant._int4_on_mosaic(jax.ShapeDtypeStruct((rows, k), jnp.float32), packed, scale) is False
 
 
-@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
+@pytest.mark.skipif(not ON_GPU, reason=MOSAIC_ONLY_ON_GPU)
 @pytest.mark.parametrize("fmt,block_m,block_k,stages,m", [
     *[("int4", 64, 128, 4, m) for m in (65, 128, 200, 256, 300, 520)],  # tiles of 128 and 256 rows; 2 and 3 of them
     *[("int4", 64, 256, 4, m) for m in (100, 256, 300)],
@@ -884,7 +887,7 @@ def test_int4_widened_in_place_meets_x_in_the_permuted_columns():
                 assert x_column[column] == weights[p + 4 * e][1], (shape, thread, reg, e)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
+@pytest.mark.skipif(not ON_GPU, reason=MOSAIC_ONLY_ON_GPU)
 @pytest.mark.parametrize("block_m,m", [(64, 1), (64, 40), (64, 300), (128, 100)])
 def test_mosaic_int4_matmul_in_one_split_stores_the_output_dtype(block_m, m):
     """With K in one range the kernel's result is final and leaves in the asked dtype (no float32 partials): float32
@@ -910,7 +913,7 @@ def test_mosaic_int4_matmul_in_one_split_stores_the_output_dtype(block_m, m):
     np.testing.assert_array_equal(np.asarray(bf16), f32.astype(ml_dtypes.bfloat16))
 
 
-@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernel: wgmma runs on a Hopper GPU only (no interpreter)")
+@pytest.mark.skipif(not ON_GPU, reason=MOSAIC_ONLY_ON_GPU)
 @pytest.mark.parametrize("length", [1, 5, 8, 40, 300])
 def test_int4_model_on_the_mosaic_kernel_matches_its_xla_ways(length, monkeypatch):
     """A model whose linears the int4 kernel covers (every N a multiple of 256, K of the group): its logits with
