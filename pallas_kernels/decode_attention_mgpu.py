@@ -34,7 +34,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 _LOG2E = math.log2(math.e)
 _BLOCK_M = 64  # packed rows per tile: one wgmma tile of one warpgroup
-_ALIGN = 8  # TMA row offsets into the tiled query view are multiples of this
+# TMA row offsets into the tiled query view are multiples of this: the prefill kernel's, whose tile counting
+# (padded_rows, max_tiles) this kernel shares over packed rows.
+_ALIGN = varlen_attention_mgpu._ALIGN
 
 
 def supports(*, dtype, kv_dtype, head_dim: int, page_size: int, block_kv: int, ring_rows, window: int,
@@ -53,28 +55,23 @@ def supports(*, dtype, kv_dtype, head_dim: int, page_size: int, block_kv: int, r
     )
 
 
-def _packed_span(seq_info, group: int):
-    """(first packed row, packed rows) of each segment's query rows in a kv head's packed view."""
-    return seq_info[:, 0] * group, jnp.maximum(seq_info[:, 1], 0) * group
+def _packed_info(seq_info, group: int):
+    """seq_info counted in a kv head's packed rows: each segment's q_start and q_len times the group."""
+    return seq_info.at[:, :2].multiply(group)
 
 
 def _tiles(seq_info, group: int, num_tiles: int):
-    """i32[num_tiles, 2] (segment or -1, tile within it) and each segment's first tile. A segment's tiles
-    start at its first packed row rounded down to _ALIGN (TMA reads the query view from aligned rows)."""
-    start, rows = _packed_span(seq_info, group)
-    counts = jnp.where(rows > 0, (rows + start % _ALIGN + _BLOCK_M - 1) // _BLOCK_M, 0)
+    """i32[num_tiles, 2] (segment or -1, tile within it) and each segment's first tile: the prefill kernel's tiles
+    of _BLOCK_M rows over the packed rows, each segment's starting at its first packed row rounded down to _ALIGN
+    (TMA reads the query view from aligned rows)."""
+    counts = varlen_attention_mgpu.padded_rows(_packed_info(seq_info, group), _BLOCK_M) // _BLOCK_M
     return segments.tile_map(counts, num_tiles)
 
 
 def num_tiles_for(num_rows: int, num_segments: int, group: int) -> int:
-    """Static tile count that covers any layout of non-overlapping segments in `num_rows` rows.
-
-    Segment i (packed start s_i, R_i packed rows) takes 1 + m_i tiles. Its first m_i tiles cover
-    [floor8(s_i), floor8(s_i) + 64 m_i), which ends at a multiple of 8 before its last row, so at or before
-    floor8(s_{i+1}): these runs are disjoint within the num_rows * group packed rows, and the m_i sum to at most
-    num_rows * group // 64. And 1 + m_i <= R_i: never more tiles than packed rows."""
-    packed = num_rows * group
-    return max(1, min(packed // _BLOCK_M + num_segments, packed))
+    """Static tile count that covers any layout of non-overlapping segments in `num_rows` rows: the prefill
+    kernel's bound (varlen_attention_mgpu.max_tiles) over the num_rows * group packed rows."""
+    return varlen_attention_mgpu.max_tiles(num_rows * group, num_segments, _BLOCK_M)
 
 
 def num_splits_for(num_rows: int, num_segments: int, num_q_heads: int, num_kv_heads: int, max_kv_len: int,
@@ -131,6 +128,7 @@ def _kernel(
     end = jnp.minimum(begin + per_split, num_blocks)
     # Blocks every row of the tile sees whole need no mask.
     full_end = jnp.clip(lax.div(jnp.maximum(keys_seen(lo_row), 0), jnp.int32(block_kv)), begin, end)
+
     def load(block, slot):
         varlen_attention_mgpu.copy_kv_block(page_table_ref, seq_slot, block, (k_ref, v_ref), kv_head,
                                             (k_smem, v_smem), slot, (k_barriers, v_barriers), page_size=page_size)
@@ -333,7 +331,7 @@ def _merge(o, lse, seq_info, first_tile, group: int, num_rows: int):
     """[T, Hq, D] in the query's layout from the per-tile split outputs: rows outside every segment and
     rows that saw no key are zero."""
     num_kv_heads = o.shape[2]
-    start, _ = _packed_span(seq_info, group)
+    start = _packed_info(seq_info, group)[:, 0]
     seg1 = segments.row_segments(seq_info, num_rows)
     seg = jnp.maximum(seg1 - 1, 0)
     t = jnp.arange(num_rows, dtype=jnp.int32)[:, None]
