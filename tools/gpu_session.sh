@@ -15,9 +15,10 @@ python3 -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | grep -v WAR
 # flag); E2E_ARGS adds bench args; E2E_TIMEOUT s per process (default 280; a cold fp8+kv8 compile of the 13 widths
 # takes longer). --batch sets max_seqs: it must be 256 (--batch 1 served the 256 requests one at a time). A process
 # past its time (rc=124) has its stacks taken (`within`, below), then dumps Python's (SIGABRT, faulthandler; no core).
-# XLA_PYTHON_CLIENT_ALLOCATOR, when set, is named in the log's file name.
+# XLA_PYTHON_CLIENT_ALLOCATOR and TUNING (pallas_kernels/tuning.py values, tools/with_tuning.py), when set, are named
+# in the log's file name.
 quant_e2e() {
-  local q mode start kv alloc log
+  local q mode start kv alloc tuned log
   ulimit -c 0
   for q in ${QUANT_FORMATS:-none fp8}; do
     for mode in ${UPDATE_MODES:-default}; do
@@ -25,13 +26,15 @@ quant_e2e() {
       start=$(date +%s)
       kv=auto; [[ $q == *+kv8 ]] && kv=fp8
       alloc=${XLA_PYTHON_CLIENT_ALLOCATOR:-}
-      log=$out/quant_e2e_${q//+/_}${mode:+_$mode}${alloc:+_$alloc}  # no '+' in file names: the device tool drops them
+      tuned=${TUNING:-}; tuned=${tuned//[^A-Za-z0-9]/_}
+      # no '+' in file names: the device tool drops them
+      log=$out/quant_e2e_${q//+/_}${mode:+_$mode}${alloc:+_$alloc}${tuned:+_$tuned}
       XLA_FLAGS="${XLA_FLAGS:-}${mode:+ --xla_gpu_command_buffer_update_mode=$mode}" PYTHONFAULTHANDLER=1 \
-        python3 -m glint.runtime.cli bench llama3-8b --quantize ${q%+kv8} \
+        python3 tools/with_tuning.py -m glint.runtime.cli bench llama3-8b --quantize ${q%+kv8} \
         --kv-cache-dtype $kv --batch 256 --prompt-len 512 --gen-len 128 --requests 256 --e2e-gen-len 128 \
         --repeats 2 ${E2E_ARGS:-} --json "$log.json" > "$log.log" 2>&1 &
       within ${E2E_TIMEOUT:-280} $! "$log.stall.txt"
-      echo "== $q ${mode:-} ${alloc:-} rc=$? $(( $(date +%s) - start )) s"
+      echo "== $q ${mode:-} ${alloc:-} ${TUNING:-} rc=$? $(( $(date +%s) - start )) s"
       grep -E "roofline|KV pages|Error|^Thread|^Current thread|^  File" "$log.log" | head -12; tail -12 "$log.log"
     done
   done
@@ -272,18 +275,11 @@ print('$alloc', {k: s.get(k) for k in ('bytes_limit', 'bytes_in_use')}, 'free_de
       > "$out/decode_mgpu_sweep.log" 2>&1
     echo "== sweep rc=$?"; grep -E "^(PASS|FAIL|ERROR|sweep)" "$out/decode_mgpu_sweep.log"
     ;;
-  decode-e2e)  # llama3-8b 256 x (512 + 128) end to end with decode attention on each of DECODE_ARMS (default "triton
-               # mosaic": tuning.DECODE_BACKEND), one process each of at most E2E_TIMEOUT s (default 270, so two
-               # arms fit one 600 s call; a process past it has its stacks taken, as in quant-e2e); E2E_ARGS adds
-               # bench args
+  decode-e2e)  # quant-e2e (bf16) with decode attention on each of DECODE_ARMS (default "triton mosaic":
+               # tuning.DECODE_BACKEND), one process each of at most E2E_TIMEOUT s (default 270, so two arms fit one
+               # 600 s call); E2E_ARGS adds bench args
     for arm in ${DECODE_ARMS:-triton mosaic}; do
-      start=$(date +%s)
-      log=$out/decode_e2e_$arm
-      TUNING=DECODE_BACKEND=$arm PYTHONFAULTHANDLER=1 python3 tools/with_tuning.py -m glint.runtime.cli bench \
-        llama3-8b --batch 256 --prompt-len 512 --gen-len 128 --requests 256 --e2e-gen-len 128 --repeats 2 \
-        ${E2E_ARGS:-} --json "$log.json" > "$log.log" 2>&1 &
-      within ${E2E_TIMEOUT:-270} $! "$log.stall.txt"
-      echo "== $arm rc=$? $(( $(date +%s) - start )) s"; grep -E "roofline|Error" "$log.log" | head -6; tail -12 "$log.log"
+      TUNING=DECODE_BACKEND=$arm QUANT_FORMATS=none E2E_TIMEOUT=${E2E_TIMEOUT:-270} quant_e2e
     done
     ;;
   decode-profile)  # batch-1 decode profiles (~80 s each): bf16; fp8, int8 or int4 weights; fp8 with cuBLASLt recorded
