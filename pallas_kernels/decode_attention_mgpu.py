@@ -250,15 +250,14 @@ def decode_attention_mgpu(
 
     num_splits: key slices per tile, merged after the kernel; block_kv keys per pipeline step; num_stages
     K/V shared-memory slots. p_in_registers: P @ V takes P from registers into the running accumulator, as
-    FlashAttention-3 does, where by default P goes through shared memory into a fresh accumulator (the form the
-    interpreter runs; which is faster is not yet measured). interpret: run Pallas' GPU interpreter (CPU tests)."""
+    FlashAttention-3 does; otherwise, and always under interpret (the interpreter has no wgmma from registers), P goes
+    through shared memory into a fresh accumulator. interpret: run Pallas' GPU interpreter (CPU tests)."""
     num_rows, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     if num_stages < 1 or num_splits < 1 or num_rows < 1:
         raise ValueError(f"decode_attention_mgpu: num_stages={num_stages}, num_splits={num_splits} and the query rows "
                          f"({num_rows}) must be >= 1")
-    if p_in_registers and interpret:
-        raise ValueError("decode_attention_mgpu: p_in_registers has no interpreted form (wgmma from registers)")
+    p_in_registers = p_in_registers and not interpret
     if not supports(dtype=q.dtype, kv_dtype=k_pages.dtype, head_dim=head_dim, page_size=page_size, block_kv=block_kv,
                     ring_rows=None, window=0, softcap=0.0):
         raise ValueError(

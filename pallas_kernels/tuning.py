@@ -62,16 +62,15 @@ PREFILL_BACKEND = "mosaic"
 MOSAIC_PREFILL = dict(block_q=64, block_kv=128, num_stages=2)
 # Decode steps on Hopper: "mosaic" runs decode_attention_mgpu (a kv head's query group packed into one wgmma tile,
 # TMA page copies, split-K) where it covers the call, "triton" keeps the Triton kernel. MOSAIC_DECODE: its keys
-# per block and shared-memory stages; split-K aims at MOSAIC_DECODE_CTAS CTAs.
-# 2026-12-04 (fifteenth session, tools/gpu_decode_mgpu.py, GQA 32/8, D 128, bf16, page 16, chained): at Triton's
-# speed at 4k+ keys from batch 32 and at 8 x 8192 (1.00-1.04x), behind it at 256 x 640 / 1024 (0.86 / 0.96x) and
-# at batch 1 and 8 with few keys (0.45-0.94x); llama3-8b batch-1 decode 4.38 ms a token against Triton's 4.25. So
-# Triton stays the default (docs/perf.md). The split target was 264 CTAs, rounded up, in those runs; but a split
-# CTA of 128-key blocks takes 192 KB of shared memory, one per multiprocessor, and fewer splits ran faster: 1 x 4096
-# keys 16 splits 36.3 us against 32 splits' 53.1, 8 x 8192 2 splits 109.1 against 5 splits' 126.1. So 132 CTAs
-# (one wave), rounded down (decode_attention_mgpu.num_splits_for); not yet timed as the default.
+# per block, shared-memory stages and P @ V from registers; split-K aims at MOSAIC_DECODE_CTAS CTAs (one wave, each
+# CTA of 128-key blocks holding most of a multiprocessor's shared memory), rounded down (num_splits_for).
+# 2026-12-04 (sixteenth session, tools/gpu_decode_mgpu.py, GQA 32/8, D 128, bf16, page 16, chained, docs/perf.md):
+# P in registers ran 1.01-1.22x P through shared memory from batch 8 up (three runs; 0.88-1.16x at batch 1), so it
+# is the default. Chained against Triton: 1.01-1.03x at 4k+ keys from batch 64, 0.98x at 256 x 640, 0.68-1.21x at
+# batch 1 and 8; against cuDNN 0.87-0.97x from batch 64, 0.70-1.02x at batch 1 and 8. Not ahead of Triton where the engine spends its decode
+# time (batch 1 with short contexts, 256 x 640), so Triton stays the default.
 DECODE_BACKEND = "triton"
-MOSAIC_DECODE = dict(block_kv=128, num_stages=2)
+MOSAIC_DECODE = dict(block_kv=128, num_stages=2, p_in_registers=True)
 MOSAIC_DECODE_CTAS = 132
 # "auto" sends a segment to Mosaic when its padded rows there x MOSAIC_ROW_COST < its padded rows on
 # Triton. 2026-12-01, H200, causal prefill 16x512 .. 2x4096 (GQA 32/8, D 128, bf16, page 16): Mosaic

@@ -161,8 +161,6 @@ def test_supports_and_refusals():
         dm.decode_attention_mgpu(**args, scale=0.1, num_stages=0)
     with pytest.raises(ValueError, match="block_kv=32"):
         dm.decode_attention_mgpu(**args, scale=0.1, block_kv=32)
-    with pytest.raises(ValueError, match="p_in_registers has no interpreted form"):
-        dm.decode_attention_mgpu(**args, scale=0.1, p_in_registers=True, interpret=True)
 
 
 def test_auto_dispatch(monkeypatch):
@@ -205,18 +203,20 @@ def test_split_count():
     assert dm.num_splits_for(256, 256, 32, 8, 4096, block_kv) == 1
 
 
-@pytest.mark.parametrize("num_rows,hq,hkv,d,page_size,num_splits,p_in_registers", [
-    (256, 32, 8, 128, 16, 1, False),  # llama3-8b decode at batch 256
-    (256, 32, 8, 128, 16, 1, True),
-    (1, 32, 8, 128, 16, 16, False),  # batch 1, split-K
-    (1, 32, 8, 128, 16, 16, True),
-    (1, 32, 8, 128, 16, 1, False),  # batch 1, one split: 4 packed query rows, final rows through the query tile
-    (1, 16, 4, 64, 16, 1, True),
-    (64, 64, 8, 128, 64, 4, False),  # group 8, page 64
-    (37, 16, 16, 64, 16, 2, False),  # group 1, d64
+@pytest.mark.parametrize("num_rows,hq,hkv,d,page_size,num_splits,tile", [
+    (256, 32, 8, 128, 16, 1, dict(p_in_registers=False)),  # llama3-8b decode at batch 256
+    (256, 32, 8, 128, 16, 1, dict(p_in_registers=True)),
+    (1, 32, 8, 128, 16, 16, dict(p_in_registers=False)),  # batch 1, split-K
+    (1, 32, 8, 128, 16, 16, dict(p_in_registers=True)),
+    (1, 32, 8, 128, 16, 16, dict(block_kv=64, num_stages=4, p_in_registers=True)),
+    (1, 32, 8, 128, 16, 1, dict(p_in_registers=False)),  # batch 1, one split: final rows through the query tile
+    (1, 16, 4, 64, 16, 1, dict(p_in_registers=True)),
+    (64, 64, 8, 128, 64, 4, {}),  # group 8, page 64
+    (37, 16, 16, 64, 16, 2, {}),  # group 1, d64
 ])
-def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, num_splits, p_in_registers):
-    """Layout inference, TMA tiling and shared-memory checks run at lowering, at the engine's sizes."""
+def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, num_splits, tile):
+    """Layout inference, TMA tiling and shared-memory checks run at lowering, at the engine's sizes (the default
+    tile, tuning.MOSAIC_DECODE, with `tile`'s fields changed)."""
     args = (
         jax.ShapeDtypeStruct((num_rows, hq, d), jnp.bfloat16),
         jax.ShapeDtypeStruct((512, page_size, hkv, d), jnp.bfloat16),
@@ -225,5 +225,5 @@ def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, num_splits, p_in_regis
         jax.ShapeDtypeStruct((num_rows, 4), jnp.int32),
     )
     fn = jax.jit(lambda *a: dm.decode_attention_mgpu(*a, scale=d**-0.5, num_splits=num_splits,
-                                                     p_in_registers=p_in_registers, **tuning.MOSAIC_DECODE))
+                                                     **{**tuning.MOSAIC_DECODE, **tile}))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
