@@ -2,13 +2,17 @@
 
 For each (batch, context, capacity): the Triton decode kernel as the engine runs it (its default tile and
 split-K), the Mosaic decode kernel at its default (tuning.MOSAIC_DECODE, split-K from the capacity) and cuDNN on
-the same values laid out contiguously, each chained (10 dependent calls in one jit) and as separate calls (one
-jit call each, waited for); then, on VARIANT_SHAPES, the Mosaic kernel with P in registers
-(p_in_registers) and its other tiles and split counts, chained.
+the same values laid out contiguously, each chained (`--iters` dependent calls in one jit, default 40) and as
+separate calls (one jit call each, waited for); then, on VARIANT_SHAPES, the Mosaic kernel at the other tiles
+(TILES: keys per block, stages, P in registers) and at half and twice the split count num_splits_for gives each,
+chained.
 Every Mosaic output is checked against cuDNN's first (relative error). GB/s counts the K/V bytes of the context.
 
     python3 tools/gpu_decode_mgpu.py                       # every shape below
     python3 tools/gpu_decode_mgpu.py 1x512x768 256x640x640  # batch x context x capacity, these only
+    python3 tools/gpu_decode_mgpu.py --iters 10 1x512x768   # 10 calls a chain
+Chains of 10 put the same 15-60 us kernel up to 2-3x apart in two runs (2026-12-04, docs/perf.md); chains of 40
+(one run so far) still leave some variants of those shapes out of order, by up to ~2x.
 On a CPU machine: a dry run on tiny shapes (Pallas' GPU interpreter, no cuDNN, no timing worth reading).
 """
 from __future__ import annotations
@@ -32,19 +36,25 @@ SHAPES = [  # (batch, context, capacity)
     (1, 512, 768), (1, 4096, 4608), (1, 32768, 33024), (8, 1024, 1024), (8, 8192, 8192), (32, 4096, 4096),
     (64, 16384, 16384), (128, 8192, 8192), (256, 640, 640), (256, 1024, 1024), (256, 4096, 4096), (256, 8192, 8192),
 ]
-TILES = [(64, 2), (64, 4), (128, 2)]  # (block_kv, num_stages) beside the default, on these shapes:
+TILES = [(128, 2, False), (128, 2, True), (64, 2, True), (64, 4, True)]  # (block_kv, num_stages, p_in_registers)
 ERR_LIMIT = 1e-2  # relative error against cuDNN (bf16 kernels measured 8e-5 to 2.5e-3, 2026-12-04)
-VARIANT_SHAPES = {(1, 4096, 4608), (8, 8192, 8192), (256, 640, 640), (256, 1024, 1024), (256, 4096, 4096)}
+VARIANT_SHAPES = {(1, 512, 768), (1, 4096, 4608), (1, 32768, 33024), (8, 1024, 1024), (8, 8192, 8192),
+                  (256, 640, 640), (256, 4096, 4096)}
 
 
 def main():
     cpu = jax.default_backend() == "cpu"
-    chosen = [_shape(a) for a in sys.argv[1:]]
+    argv = sys.argv[1:]
+    iters = 40
+    if argv[:1] == ["--iters"]:
+        iters, argv = int(argv[1]), argv[2:]
+    chosen = [_shape(a) for a in argv]
     shapes = [(1, 100, 128), (3, 70, 128)] if cpu else chosen or SHAPES
     scale = D ** -0.5
     key = jax.random.key(0)
-    default = (tuning.MOSAIC_DECODE["block_kv"], tuning.MOSAIC_DECODE["num_stages"])
-    print(f"Mosaic default tile: block_kv {default[0]}, {default[1]} stages; times in us (chained / separate)")
+    default = tuple(tuning.MOSAIC_DECODE[k] for k in ("block_kv", "num_stages", "p_in_registers"))
+    print(f"Mosaic default tile: block_kv {default[0]}, {default[1]} stages, P in registers {default[2]}; times in us "
+          "(chained / separate)")
     print(f"{'batch':>5} {'ctx':>6} {'cap':>6} | {'triton':>15} | {'mosaic':>15} {'splits':>6} {'err':>7} | "
           f"{'cudnn':>15} | {'GB/s mos':>8} {'cudnn':>6} | {'x cuDNN c/s':>11} | {'x triton c/s':>12}")
     variants = []  # the Mosaic kernel's other tiles and splits on this shape, printed after its line
@@ -56,7 +66,7 @@ def main():
         kv_bytes = 2 * batch * ctx * HKV * D * 2
         splits = num_splits_for(batch, batch, HQ, HKV, cap, default[0])
 
-        def mosaic(block_kv=default[0], num_stages=default[1], num_splits=splits, p_in_registers=False):
+        def mosaic(block_kv=default[0], num_stages=default[1], p_in_registers=default[2], num_splits=splits):
             return lambda q_, *a: decode_attention_mgpu(q_, *a, scale=scale, block_kv=block_kv, num_stages=num_stages,
                                                         num_splits=num_splits, p_in_registers=p_in_registers,
                                                         interpret=cpu)
@@ -65,7 +75,7 @@ def main():
             return varlen_attention(q_, *a, scale=scale, backend="triton", interpret=cpu)
 
         def both(fn, args):
-            return bench(fn, args, iters=3 if cpu else 10, repeats=1 if cpu else 5), \
+            return bench(fn, args, iters=3 if cpu else iters, repeats=1 if cpu else 5), \
                 timed(jax.jit(fn), *args, repeats=1 if cpu else 30)
 
         line = f"{batch:>5} {ctx:>6} {cap:>6} |"
@@ -91,23 +101,18 @@ def main():
                      f"{err:7.1e} | {tc[0] * 1e6:7.1f} {tc[1] * 1e6:7.1f} | {kv_bytes / tm[0] / 1e9:8.0f} "
                      f"{kv_bytes / tc[0] / 1e9:6.0f} | {tc[0] / tm[0]:5.2f} {tc[1] / tm[1]:5.2f} | "
                      f"{tt[0] / tm[0]:6.2f} {tt[1] / tm[1]:5.2f}")
-            if not cpu and (batch, ctx, cap) in VARIANT_SHAPES:  # the default, P @ V from registers in place
-                fn = mosaic(p_in_registers=True)
-                e = rel_err(np.asarray(jax.jit(fn)(*paged), np.float32), want)
-                errors.append(e)
-                t = bench(fn, paged)
-                variants.append(f"  variant {batch:>5} {ctx:>6} | default, P in registers      | {t * 1e6:8.1f} us "
-                                f"chained, {tm[0] / t:5.2f}x default | err {e:7.1e}")
-            for block_kv, stages in TILES if cpu or (batch, ctx, cap) in VARIANT_SHAPES else ():
-                for s in sorted({max(1, splits // 2), splits, min(tuning.MAX_SPLITS, 2 * splits)}):
-                    if (block_kv, stages, s) == (*default, splits):
+            for block_kv, stages, in_regs in TILES if cpu or (batch, ctx, cap) in VARIANT_SHAPES else ():
+                tile_splits = num_splits_for(batch, batch, HQ, HKV, cap, block_kv)
+                for s in sorted({max(1, tile_splits // 2), tile_splits, min(tuning.MAX_SPLITS, 2 * tile_splits)}):
+                    if (block_kv, stages, in_regs, s) == (*default, splits):
                         continue
-                    fn = mosaic(block_kv, stages, s)
+                    fn = mosaic(block_kv, stages, in_regs, s)
                     e = rel_err(np.asarray(jax.jit(fn)(*paged), np.float32), want)
                     errors.append(e)
-                    t = bench(fn, paged, iters=3 if cpu else 10, repeats=1 if cpu else 5)
-                    variants.append(f"  variant {batch:>5} {ctx:>6} | block_kv {block_kv:>3} stages {stages} splits "
-                                    f"{s:>2} | {t * 1e6:8.1f} us chained, {tm[0] / t:5.2f}x default | err {e:7.1e}")
+                    t = bench(fn, paged, iters=3 if cpu else iters, repeats=1 if cpu else 5)
+                    variants.append(f"  variant {batch:>5} {ctx:>6} | block_kv {block_kv:>3} stages {stages} "
+                                    f"{'P regs' if in_regs else 'P smem'} splits {s:>2} | {t * 1e6:8.1f} us chained, "
+                                    f"{tm[0] / t:5.2f}x default | err {e:7.1e}")
         except Exception as e:
             line += f" ERROR {type(e).__name__}: {str(e)[:600]}"
         print("\n".join([line, *variants]), flush=True)

@@ -267,13 +267,16 @@ print('$alloc', {k: s.get(k) for k in ('bytes_limit', 'bytes_in_use')}, 'free_de
       rm -rf "$out/step_$arm/trace"
     done
     ;;
-  decode-mgpu)  # the Mosaic decode kernel against Triton and cuDNN, then its sweep cases compiled (~6 min)
-    timeout ${DECODE_MGPU_TIMEOUT:-300} python3 tools/gpu_decode_mgpu.py ${DECODE_MGPU_SHAPES:-} \
+  decode-mgpu)  # the Mosaic decode kernel against Triton and cuDNN, every shape and tile variant (~8 min;
+                # DECODE_MGPU_ARGS: "--iters N" and/or shapes, see the tool)
+    timeout ${DECODE_MGPU_TIMEOUT:-540} python3 tools/gpu_decode_mgpu.py ${DECODE_MGPU_ARGS:-} \
       > "$out/decode_mgpu.log" 2>&1
     echo "== decode_mgpu rc=$?"; cat "$out/decode_mgpu.log"
-    timeout ${SWEEP_TIMEOUT:-180} python3 tools/gpu_kernels.py --skip-timing --variants mosaic_decode \
-      > "$out/decode_mgpu_sweep.log" 2>&1
-    echo "== sweep rc=$?"; grep -E "^(PASS|FAIL|ERROR|sweep)" "$out/decode_mgpu_sweep.log"
+    ;;
+  mosaic-sweep)  # both Mosaic attention kernels (prefill, decode) compiled, on the attention sweep's cases (~2.5 min)
+    timeout ${SWEEP_TIMEOUT:-240} python3 tools/gpu_kernels.py --skip-timing --variants mosaic,mosaic_decode \
+      > "$out/mosaic_sweep.log" 2>&1
+    echo "== sweep rc=$?"; grep -E "^(PASS|FAIL|ERROR|sweep)" "$out/mosaic_sweep.log"
     ;;
   decode-e2e)  # quant-e2e (bf16) with decode attention on each of DECODE_ARMS (default "triton mosaic":
                # tuning.DECODE_BACKEND), one process each of at most E2E_TIMEOUT s (default 270, so two arms fit one
