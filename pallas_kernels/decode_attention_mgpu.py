@@ -9,15 +9,17 @@ warpgroup reads the page table and issues TMA copies of each block's page chunks
 Any layout of segments is correct (a long segment takes several tiles), but the kernel is built for
 rows of few tokens: the Triton and Mosaic prefill kernels serve prefill steps.
 
-Scope: flat layers without sliding window or soft-cap, bf16/f16 pools of q's dtype, head_dim 64 or 128, page
-sizes a multiple of 16 that divide or are divided by `block_kv` (a multiple of 64).
+Scope: flat and ring layers, sliding windows and soft-caps; bf16/f16 pools of q's dtype (no fp8), head_dim 64 or
+128, page sizes a multiple of 16 that divide or are divided by `block_kv` (a multiple of 64). A ring layer's
+blocks walk its rows in storage order, each row standing for the latest key it holds; a windowed flat layer's
+start at the block of the tile's first visible key.
 
 Each CTA writes its tile's rows (normalized; float32 with their log2-sum-exp when the keys are split) to
 padded outputs; the merge over splits gathers each query row back to the packed [T, Hq, D] layout. With one
 split the rows go out in q's dtype through the query tile's shared memory, so the CTA needs no float32 tile:
 64-key blocks in 2 stages then take 88 KB of shared memory at head_dim 128, room for two CTAs per H200
-multiprocessor. Pool rows past kv_end can hold
-anything: their logits are masked and their V rows zeroed in shared memory before P @ V.
+multiprocessor. Pool rows of keys no row of a tile sees (past kv_end, before a window, never written in a
+ring) can hold anything: their logits are masked and their V rows zeroed in shared memory before P @ V.
 """
 
 from __future__ import annotations
@@ -39,8 +41,7 @@ _BLOCK_M = 64  # packed rows per tile: one wgmma tile of one warpgroup
 _ALIGN = varlen_attention_mgpu._ALIGN
 
 
-def supports(*, dtype, kv_dtype, head_dim: int, page_size: int, block_kv: int, ring_rows, window: int,
-             softcap: float) -> bool:
+def supports(*, dtype, kv_dtype, head_dim: int, page_size: int, block_kv: int) -> bool:
     """Whether this kernel covers the call (else the Triton kernel does)."""
     return (
         jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -49,9 +50,6 @@ def supports(*, dtype, kv_dtype, head_dim: int, page_size: int, block_kv: int, r
         and block_kv % 64 == 0  # whole wgmma row tiles when zeroing V rows past kv_end
         and page_size % 16 == 0
         and (block_kv % page_size == 0 or page_size % block_kv == 0)
-        and ring_rows is None
-        and window == 0
-        and softcap == 0
     )
 
 
@@ -100,6 +98,9 @@ def _kernel(
     causal: bool,
     scale: float,
     num_splits: int,
+    ring_rows: int | None,
+    window: int,
+    softcap: float,
 ):
     (q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem), (k_barriers, v_barriers, q_barrier), consumed = scoped
     wg = lax.axis_index("wg")
@@ -118,16 +119,45 @@ def _kernel(
     lo_row = jnp.maximum(first, 0)  # the tile's rows of this segment: [lo_row, hi_row)
     hi_row = jnp.minimum(first + _BLOCK_M, row_len)
 
-    def keys_seen(row):  # keys [0, keys_seen(row)) are visible to packed row `row`
-        return jnp.minimum(offset + lax.div(row, jnp.int32(group)) + 1, kv_end) if causal else kv_end
+    def pos(row):  # position of packed row `row` of the segment
+        return offset + lax.div(row, jnp.int32(group))
 
-    has_rows = (segment >= 0) & (hi_row > lo_row)
-    num_blocks = jnp.where(has_rows, lax.div(jnp.maximum(keys_seen(hi_row - 1), 0) + block_kv - 1, block_kv), 0)
+    # Keys the tile's rows see: [lo, hi) in all; [lo_full, hi_full) by every row.
+    lo = jnp.maximum(pos(lo_row) - window + 1, 0) if window else jnp.int32(0)
+    hi = jnp.minimum(pos(hi_row - 1) + 1, kv_end) if causal else kv_end
+    lo_full = jnp.maximum(pos(hi_row - 1) - window + 1, 0) if window else jnp.int32(0)
+    hi_full = jnp.minimum(pos(lo_row) + 1, kv_end) if causal else kv_end
+    has_rows = (segment >= 0) & (hi_row > lo_row)  # rows to write, zero if they see no key
+    if ring_rows is None:
+        # Blocks walk the keys in order (key j at row j), from the block holding lo.
+        rows_end = kv_end
+        blk_lo = lax.div(lo, jnp.int32(block_kv))
+        num_blocks = lax.div(hi + block_kv - 1, jnp.int32(block_kv)) - blk_lo
+    else:
+        # Blocks walk the ring's rows [0, rows_end) in storage order (the softmax does not care): row r holds the
+        # latest key below kv_end that is r mod ring_rows, wrapped keys being those of rows past kv_end's own.
+        rows_end = jnp.minimum(kv_end, ring_rows)
+        last_lap, last_row = lax.div(kv_end - 1, jnp.int32(ring_rows)), lax.rem(kv_end - 1, jnp.int32(ring_rows))
+        blk_lo = jnp.int32(0)
+        num_blocks = lax.div(rows_end + block_kv - 1, jnp.int32(block_kv))
+    num_blocks = jnp.where(has_rows & (hi > lo), num_blocks, 0)
     per_split = lax.div(num_blocks + num_splits - 1, jnp.int32(num_splits))
-    begin = jnp.minimum(split * per_split, num_blocks)
-    end = jnp.minimum(begin + per_split, num_blocks)
-    # Blocks every row of the tile sees whole need no mask.
-    full_end = jnp.clip(lax.div(jnp.maximum(keys_seen(lo_row), 0), jnp.int32(block_kv)), begin, end)
+    begin = blk_lo + jnp.minimum(split * per_split, num_blocks)
+    end = blk_lo + jnp.minimum(split * per_split + per_split, num_blocks)
+    # Blocks every row of the tile sees whole need no mask (ring blocks are always masked).
+    if ring_rows is None:
+        full_begin = jnp.clip(lax.div(lo_full + block_kv - 1, jnp.int32(block_kv)), begin, end)
+        full_end = jnp.clip(lax.div(jnp.maximum(hi_full, 0), jnp.int32(block_kv)), full_begin, end)
+    else:
+        full_begin = full_end = begin
+
+    def block_keys(block, shape, dim):
+        """The key each row of `block` holds, as an iota along `dim` of `shape`, and whether that row holds a key
+        below rows_end (its storage row)."""
+        rows = plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA) + block * block_kv
+        if ring_rows is None:
+            return rows, rows < rows_end
+        return rows + (last_lap - jnp.where(rows > last_row, 1, 0)) * ring_rows, rows < rows_end
 
     def load(block, slot):
         varlen_attention_mgpu.copy_kv_block(page_table_ref, seq_slot, block, (k_ref, v_ref), kv_head,
@@ -157,7 +187,7 @@ def _kernel(
                        _BLOCK_M)
         plgpu.copy_gmem_to_smem(q_ref.at[kv_head, q_rows], q_smem, q_barrier.at[0])
         plgpu.barrier_wait(q_barrier.at[0])
-        c = scale * _LOG2E
+        c = 1.0 if softcap else scale * _LOG2E
 
         def body(block, carry, *, masked: bool):
             acc, m_i, l_i = carry
@@ -170,12 +200,17 @@ def _kernel(
                 return acc_ref[...]
 
             qk = pl.run_scoped(qk_dot, plgpu.ACC((_BLOCK_M, block_kv), jnp.float32))
+            if softcap:  # logits in log2 units, capped: c folded in
+                qk = (softcap * _LOG2E) * jnp.tanh(qk * (scale / softcap))
             if masked:
                 rows = plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA) + first
-                keys = plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=plgpu.Layout.WGMMA) + block * block_kv
-                visible = keys < kv_end
-                if causal:  # tile rows outside the segment are never written out: any mask serves them
-                    visible = visible & (keys <= offset + lax.div(jnp.maximum(rows, 0), jnp.int32(group)))
+                keys, visible = block_keys(block, qk.shape, 1)
+                # Tile rows outside the segment are never written out: any mask serves them.
+                row_pos = pos(jnp.maximum(rows, 0))
+                if causal:
+                    visible = visible & (keys <= row_pos)
+                if window:
+                    visible = visible & (keys > row_pos - window)
                 qk = jnp.where(visible, qk, -jnp.inf)
             m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
             # A row that has seen nothing keeps m = -inf; exp2 needs a finite base.
@@ -186,13 +221,17 @@ def _kernel(
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(v_barriers.at[slot])
             if masked:
-                # V rows past kv_end come from whatever the pool holds there (NaN * 0 is NaN): zero them.
-                @pl.when((block + 1) * block_kv > kv_end)
-                def _():
+                # V rows of keys no row of the tile sees may hold anything (NaN * 0 is NaN): zero them.
+                def zero_unseen():
                     v_tile = v_smem.at[slot]
-                    vrows = plgpu.broadcasted_iota(jnp.int32, v_tile.shape, 0, layout=plgpu.Layout.WGMMA)
-                    v_tile[...] = jnp.where(vrows + block * block_kv < kv_end, v_tile[...], 0).astype(dtype)
+                    keys, stored = block_keys(block, v_tile.shape, 0)
+                    v_tile[...] = jnp.where(stored & (keys >= lo), v_tile[...], 0).astype(dtype)
                     plgpu.commit_smem()
+
+                if ring_rows is None:
+                    pl.when((block * block_kv < lo) | ((block + 1) * block_kv > rows_end))(zero_unseen)
+                else:
+                    zero_unseen()
 
             if p_smem is None:  # P from registers, accumulated in place (compiled only)
                 def pv_dot(acc_ref):
@@ -216,7 +255,8 @@ def _kernel(
         acc = plgpu.layout_cast(jnp.full((_BLOCK_M, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
         m_i = plgpu.layout_cast(jnp.full((_BLOCK_M,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l_i = plgpu.layout_cast(jnp.full((_BLOCK_M,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        carry = lax.fori_loop(begin, full_end, functools.partial(body, masked=False), (acc, m_i, l_i))
+        carry = lax.fori_loop(begin, full_begin, functools.partial(body, masked=True), (acc, m_i, l_i))
+        carry = lax.fori_loop(full_begin, full_end, functools.partial(body, masked=False), carry)
         acc, m_i, l_i = lax.fori_loop(full_end, end, functools.partial(body, masked=True), carry)
 
         seen = l_i > 0
@@ -240,13 +280,14 @@ def _kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("causal", "scale", "num_splits", "block_kv", "num_stages", "p_in_registers", "interpret")
+    jax.jit, static_argnames=("ring_rows", "window", "causal", "softcap", "scale", "num_splits", "block_kv",
+                              "num_stages", "p_in_registers", "interpret")
 )
 def decode_attention_mgpu(
-    q, k_pages, v_pages, page_table, seq_info, *, causal=True, scale, num_splits=1, block_kv=128, num_stages=2,
-    p_in_registers=False, interpret=False,
+    q, k_pages, v_pages, page_table, seq_info, *, ring_rows=None, window=0, causal=True, softcap=0.0, scale,
+    num_splits=1, block_kv=128, num_stages=2, p_in_registers=False, interpret=False,
 ):
-    """Same contract as `varlen_attention` (no ring, window or soft-cap; see supports()).
+    """Same contract as `varlen_attention` (unscaled pools; see supports()).
 
     num_splits: key slices per tile, merged after the kernel; block_kv keys per pipeline step; num_stages
     K/V shared-memory slots. p_in_registers: P @ V takes P from registers into the running accumulator, as
@@ -257,9 +298,12 @@ def decode_attention_mgpu(
     if num_stages < 1 or num_splits < 1 or num_rows < 1:
         raise ValueError(f"decode_attention_mgpu: num_stages={num_stages}, num_splits={num_splits} and the query rows "
                          f"({num_rows}) must be >= 1")
+    if not (ring_rows is None or 0 < ring_rows <= page_table.shape[1] * page_size) or window < 0 or softcap < 0:
+        raise ValueError(f"decode_attention_mgpu: ring_rows={ring_rows} must be None or in [1, "
+                         f"{page_table.shape[1] * page_size}] (the table's rows), window={window} and "
+                         f"softcap={softcap} >= 0")
     p_in_registers = p_in_registers and not interpret
-    if not supports(dtype=q.dtype, kv_dtype=k_pages.dtype, head_dim=head_dim, page_size=page_size, block_kv=block_kv,
-                    ring_rows=None, window=0, softcap=0.0):
+    if not supports(dtype=q.dtype, kv_dtype=k_pages.dtype, head_dim=head_dim, page_size=page_size, block_kv=block_kv):
         raise ValueError(
             f"decode_attention_mgpu: needs bf16/f16 pools of q's dtype, head_dim 64 or 128, page_size a multiple of "
             f"16 that divides or is divided by block_kv, block_kv a multiple of 64 (q {q.shape} {q.dtype}, pools "
@@ -291,7 +335,7 @@ def decode_attention_mgpu(
             lambda *scoped: _kernel(
                 tiles_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped,
                 block_kv=block_kv, num_stages=num_stages, page_size=page_size, group=group, causal=causal,
-                scale=scale, num_splits=num_splits,
+                scale=scale, num_splits=num_splits, ring_rows=ring_rows, window=window, softcap=softcap,
             ),
             (
                 plgpu.SMEM((_BLOCK_M, head_dim), dtype, transforms=transforms),

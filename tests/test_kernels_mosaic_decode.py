@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from glint.pallas_kernels import decode_attention_mgpu as dm
-from glint.pallas_kernels import tuning, varlen_attention, varlen_attention_mgpu
+from glint.pallas_kernels import BlockSizes, tuning, varlen_attention, varlen_attention_mgpu
 from glint.pallas_kernels.reference import varlen_attention_reference
 from glint.pallas_kernels.testing import AttentionCase as C
 from glint.pallas_kernels.testing import make_attention_inputs
@@ -37,7 +37,25 @@ CASES = {
     "g4-p256": C(((1, 600), (2, 300)), group=4, page_size=256, head_dim=64, dtype="bfloat16", num_kv_heads=1),
     # batch-1 decode: 4 packed query rows, the tile's TMA read runs past them (filled with zeros)
     "one-row": C(((1, 77),), group=4, head_dim=64, dtype="bfloat16", num_kv_heads=2),
+    # a sliding window on a flat layer, starting inside a key block; the rows before it are poisoned
+    "window-flat-g4": C(((1, 300), (5, 120), (16, 80), (1, 40)), group=4, head_dim=64, dtype="bfloat16", window=70,
+                        gaps=2),
+    # ring layers: decode rows whose window wraps a ring of 3.5 pages, and one that has not filled it
+    "ring-decode-wraps": C(DECODE[:3] + ((1, 203), (1, 130)), group=4, head_dim=64, dtype="bfloat16", ring_rows=56,
+                           window=50),
+    # ring chunks (each within ring_rows - window + 1 rows) with a soft-cap, head_dim 128
+    "ring-chunks-softcap": C(((1, 150), (9, 97), (4, 64), (6, 200), (3, 20)), group=4, head_dim=128,
+                             dtype="bfloat16", ring_rows=72, window=60, softcap=2.0, gaps=3),
+    # a ring wider than a key block, group 8, pages of 32
+    "ring-g8-p32": C(((1, 1000), (1, 150), (2, 450)), group=8, page_size=32, head_dim=64, dtype="bfloat16",
+                     num_kv_heads=1, ring_rows=200, window=190),
+    # more query rows than keys: the first tile's rows sit before key 0 and see nothing (zero rows out)
+    "underflow-tiles": C(((40, 10), (1, 30)), group=4, head_dim=64, dtype="bfloat16", num_kv_heads=1, window=8),
+    # non-causal with a window and a soft-cap, f16
+    "window-noncausal-softcap-f16": C(((20, 90), (1, 65), (16, 120)), group=2, head_dim=64, dtype="float16",
+                                      window=24, causal=False, softcap=1.5),
 }
+_LAYER = ("ring_rows", "window", "causal", "softcap")  # a case's layer arguments
 
 
 def _inputs(case, seed=0, shift=0):
@@ -65,19 +83,24 @@ def test_interpreted_kernel_matches_reference(name):
     gaps (NaN) must not show."""
     case = CASES[name]
     args = _inputs(case)
-    want = varlen_attention_reference(**args, scale=case.scale, causal=case.causal)
-    got = varlen_attention(**args, scale=case.scale, causal=case.causal, backend="mosaic_decode", interpret=True)
+    layer = {k: getattr(case, k) for k in _LAYER}
+    want = varlen_attention_reference(**args, scale=case.scale, **layer)
+    got = varlen_attention(**args, scale=case.scale, **layer, backend="mosaic_decode", interpret=True)
     _check(got, want, args["seq_info"], case.dtype)
 
 
-@pytest.mark.parametrize("num_splits,block_kv,num_stages", [(1, 64, 1), (3, 128, 2), (8, 64, 3)])
-def test_splits_and_tiles(num_splits, block_kv, num_stages):
+@pytest.mark.parametrize("name,num_splits,block_kv,num_stages", [
+    ("mixed-g4", 1, 64, 1), ("mixed-g4", 3, 128, 2), ("mixed-g4", 8, 64, 3),
+    ("window-flat-g4", 3, 64, 2), ("ring-chunks-softcap", 2, 64, 2), ("ring-g8-p32", 3, 64, 2),
+])
+def test_splits_and_tiles(name, num_splits, block_kv, num_stages):
     """Split-K with more splits than some segments have key blocks (empty splits merge as nothing), one stage
-    (each block loaded after the last was read) and wider blocks than a page."""
-    case = CASES["mixed-g4"]
+    (each block loaded after the last was read) and wider blocks than a page; windows and rings split too."""
+    case = CASES[name]
     args = _inputs(case, seed=1)
-    want = varlen_attention_reference(**args, scale=case.scale)
-    got = dm.decode_attention_mgpu(**args, scale=case.scale, num_splits=num_splits, block_kv=block_kv,
+    layer = {k: getattr(case, k) for k in _LAYER}
+    want = varlen_attention_reference(**args, scale=case.scale, **layer)
+    got = dm.decode_attention_mgpu(**args, scale=case.scale, **layer, num_splits=num_splits, block_kv=block_kv,
                                    num_stages=num_stages, interpret=True)
     _check(got, want, args["seq_info"], case.dtype)
 
@@ -144,17 +167,17 @@ def test_num_tiles_covers_every_layout():
 
 
 def test_supports_and_refusals():
-    ok = dict(dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, head_dim=128, page_size=16, block_kv=64, ring_rows=None,
-              window=0, softcap=0.0)
+    ok = dict(dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, head_dim=128, page_size=16, block_kv=64)
     assert dm.supports(**ok)
     assert dm.supports(**{**ok, "dtype": jnp.float16, "kv_dtype": jnp.float16, "head_dim": 64, "page_size": 256})
     for bad in ({"kv_dtype": jnp.float8_e4m3fn}, {"dtype": jnp.float32, "kv_dtype": jnp.float32}, {"head_dim": 256},
-                {"head_dim": 80}, {"page_size": 8}, {"page_size": 48}, {"block_kv": 32}, {"ring_rows": 96},
-                {"window": 64}, {"softcap": 30.0}):
+                {"head_dim": 80}, {"page_size": 8}, {"page_size": 48}, {"block_kv": 32}):
         assert not dm.supports(**{**ok, **bad}), bad
     args = _inputs(CASES["g4-p256"])
-    with pytest.raises(ValueError, match="backend='mosaic_decode' needs.*window=8"):
-        varlen_attention(**args, scale=0.1, backend="mosaic_decode", window=8, interpret=True)
+    with pytest.raises(ValueError, match="backend='mosaic_decode' needs.*block_sizes=BlockSizes"):
+        varlen_attention(**args, scale=0.1, backend="mosaic_decode", block_sizes=BlockSizes(16, 16), interpret=True)
+    with pytest.raises(ValueError, match=r"ring_rows=4096 must be None or in \[1, 1024\]"):
+        dm.decode_attention_mgpu(**args, scale=0.1, ring_rows=4096, interpret=True)
     with pytest.raises(ValueError, match="backend='mosaic_decode' needs a Hopper GPU"):
         varlen_attention(**args, scale=0.1, backend="mosaic_decode")  # compiled, on a CPU machine
     with pytest.raises(ValueError, match="num_stages=0"):
@@ -173,8 +196,8 @@ def test_auto_dispatch(monkeypatch):
     pages = jnp.zeros((4, 16, 8, 128), jnp.bfloat16)
 
     def use(num_segments=8, backend="auto", **kw):
-        args = dict(q=q, k_pages=pages, seq_info=jnp.zeros((num_segments, 4), jnp.int32), ring_rows=None, window=0,
-                    softcap=0.0, block_sizes=None, interpret=False)
+        args = dict(q=q, k_pages=pages, seq_info=jnp.zeros((num_segments, 4), jnp.int32), block_sizes=None,
+                    interpret=False)
         return va._use_mosaic_decode(backend, **{**args, **kw})
 
     assert use()  # 8 rows in 8 segments: a decode step
@@ -182,7 +205,7 @@ def test_auto_dispatch(monkeypatch):
     assert not use(backend="triton")
     assert not use(block_sizes=va.BlockSizes())
     assert not use(k_pages=pages.astype(jnp.float8_e4m3fn))
-    assert not use(window=64)
+    assert not use(q=q.astype(jnp.float32))  # pools of another dtype
     assert not use(interpret=True)
     monkeypatch.setattr(varlen_attention_mgpu, "is_hopper", lambda: False)
     assert not use()
@@ -210,6 +233,8 @@ def test_split_count():
     (1, 32, 8, 128, 16, 16, dict(p_in_registers=True)),
     (1, 32, 8, 128, 16, 16, dict(block_kv=64, num_stages=4, p_in_registers=True)),
     (1, 32, 8, 128, 16, 1, dict(p_in_registers=False)),  # batch 1, one split: final rows through the query tile
+    (4, 32, 8, 128, 16, 4, dict(ring_rows=1000, window=990)),  # a ring layer
+    (1, 32, 8, 128, 16, 16, dict(window=512, softcap=50.0)),  # a windowed flat layer with a soft-cap
     (1, 16, 4, 64, 16, 1, dict(p_in_registers=True)),
     (64, 64, 8, 128, 64, 4, {}),  # group 8, page 64
     (37, 16, 16, 64, 16, 2, {}),  # group 1, d64
