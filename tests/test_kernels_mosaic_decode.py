@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from glint.pallas_kernels import decode_attention_mgpu as dm
 from glint.pallas_kernels import BlockSizes, tuning, varlen_attention, varlen_attention_mgpu
+from glint.pallas_kernels import decode_attention_mgpu as dm
 from glint.pallas_kernels.reference import varlen_attention_reference
 from glint.pallas_kernels.testing import AttentionCase as C
 from glint.pallas_kernels.testing import make_attention_inputs
