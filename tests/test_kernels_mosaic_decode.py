@@ -8,6 +8,7 @@ lowers for CUDA at the engine's sizes.
 
 import functools
 import importlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,8 @@ from glint.pallas_kernels import decode_attention_mgpu as dm
 from glint.pallas_kernels.reference import varlen_attention_reference
 from glint.pallas_kernels.testing import AttentionCase as C
 from glint.pallas_kernels.testing import make_attention_inputs
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 TOL = {"bfloat16": 2e-2, "float16": 1e-2}
 DECODE = tuple((1, n) for n in (1, 17, 300, 1024, 513, 64))
@@ -252,3 +255,35 @@ def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, num_splits, tile):
     fn = jax.jit(lambda *a: dm.decode_attention_mgpu(*a, scale=d**-0.5, num_splits=num_splits,
                                                      **{**tuning.MOSAIC_DECODE, **tile}))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@st.composite
+def _layouts(draw):
+    """A random decode-heavy step: segments of 0-12 query rows (some with fewer keys than rows), any group,
+    flat or ring layers, with or without window, soft-cap and causality, and the kernel's split and tile."""
+    window = draw(st.sampled_from([0, 0, 9, 40, 130]))
+    ring = window > 0 and draw(st.booleans())
+    lengths = draw(st.lists(st.integers(0, 12), min_size=1, max_size=4))
+    if ring:  # the engine's ring holds a step's writes beside the window (kvcache.config.group_ring_rows)
+        ring_rows = window + max(lengths) - 1 + draw(st.integers(0, 40))
+    segs = tuple((q_len, draw(st.integers(max(q_len - 3, 0), 300))) for q_len in lengths)
+    case = C(segs, group=draw(st.sampled_from([1, 2, 4, 6, 8])), page_size=draw(st.sampled_from([16, 32])),
+             num_kv_heads=draw(st.sampled_from([1, 2])), head_dim=64, dtype="bfloat16",
+             ring_rows=ring_rows if ring else None, window=window, causal=draw(st.booleans()),
+             softcap=draw(st.sampled_from([0.0, 2.0])), gaps=draw(st.integers(0, 3)))
+    tile = dict(num_splits=draw(st.sampled_from([1, 2, 3])), block_kv=draw(st.sampled_from([64, 128])),
+                num_stages=draw(st.sampled_from([1, 2])))
+    return case, tile, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=int(os.environ.get("GLINT_FUZZ_EXAMPLES", "10")), deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(_layouts())
+def test_random_layouts_match_reference(layout):
+    """Random steps interpreted against the reference (GLINT_FUZZ_EXAMPLES sets how many; 10 in the suite)."""
+    case, tile, seed = layout
+    args = _inputs(case, seed=seed)
+    layer = {k: getattr(case, k) for k in _LAYER}
+    want = varlen_attention_reference(**args, scale=case.scale, **layer)
+    got = dm.decode_attention_mgpu(**args, scale=case.scale, **layer, **tile, interpret=True)
+    _check(got, want, args["seq_info"], case.dtype)
