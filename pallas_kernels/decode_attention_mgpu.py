@@ -9,7 +9,7 @@ warpgroup reads the page table and issues TMA copies of each block's page chunks
 Any layout of segments is correct (a long segment takes several tiles), but the kernel is built for
 rows of few tokens: the Triton and Mosaic prefill kernels serve prefill steps.
 
-Scope: flat and ring layers, sliding windows and soft-caps; bf16/f16 pools of q's dtype (no fp8), head_dim 64 or
+Scope: flat and ring layers (a ring with a window that fits it), sliding windows and soft-caps; bf16/f16 pools of q's dtype (no fp8), head_dim 64 or
 128, page sizes a multiple of 16 that divide or are divided by `block_kv` (a multiple of 64). A ring layer's
 blocks walk its rows in storage order, each row standing for the latest key it holds; a windowed flat layer's
 start at the block of the tile's first visible key.
@@ -41,10 +41,13 @@ _BLOCK_M = 64  # packed rows per tile: one wgmma tile of one warpgroup
 _ALIGN = varlen_attention_mgpu._ALIGN
 
 
-def supports(*, dtype, kv_dtype, head_dim: int, page_size: int, block_kv: int) -> bool:
-    """Whether this kernel covers the call (else the Triton kernel does)."""
+def supports(*, dtype, kv_dtype, head_dim: int, page_size: int, block_kv: int, ring_rows, window: int) -> bool:
+    """Whether this kernel covers the call (else the Triton kernel does). A ring needs a window that fits it: each
+    ring row stands for one key, so a query row must see at most ring_rows keys (the engine's rings hold a
+    step's writes beside the window: ring_rows >= window + q_len - 1, which the kernel cannot check)."""
     return (
-        jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        (ring_rows is None or 0 < window <= ring_rows)
+        and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         and jnp.dtype(kv_dtype) == jnp.dtype(dtype)
         and head_dim in (64, 128)  # 256 would overflow shared memory with the float32 output tile
         and block_kv % 64 == 0  # whole wgmma row tiles when zeroing V rows past kv_end
@@ -303,11 +306,13 @@ def decode_attention_mgpu(
                          f"{page_table.shape[1] * page_size}] (the table's rows), window={window} and "
                          f"softcap={softcap} >= 0")
     p_in_registers = p_in_registers and not interpret
-    if not supports(dtype=q.dtype, kv_dtype=k_pages.dtype, head_dim=head_dim, page_size=page_size, block_kv=block_kv):
+    if not supports(dtype=q.dtype, kv_dtype=k_pages.dtype, head_dim=head_dim, page_size=page_size, block_kv=block_kv,
+                    ring_rows=ring_rows, window=window):
         raise ValueError(
             f"decode_attention_mgpu: needs bf16/f16 pools of q's dtype, head_dim 64 or 128, page_size a multiple of "
-            f"16 that divides or is divided by block_kv, block_kv a multiple of 64 (q {q.shape} {q.dtype}, pools "
-            f"{k_pages.shape} {k_pages.dtype}, block_kv={block_kv})"
+            f"16 that divides or is divided by block_kv, block_kv a multiple of 64, and a ring a window in [1, "
+            f"ring_rows] (q {q.shape} {q.dtype}, pools {k_pages.shape} {k_pages.dtype}, block_kv={block_kv}, "
+            f"ring_rows={ring_rows}, window={window})"
         )
     group = num_q_heads // num_kv_heads
     num_segments = seq_info.shape[0]

@@ -364,7 +364,7 @@ def _use_mosaic(backend, *, q, k_pages, seq_info, ring_rows, window, softcap, nu
     return backend == "auto" and tuning.PREFILL_BACKEND == "mosaic" and prefill and runnable
 
 
-def _use_mosaic_decode(backend, *, q, k_pages, seq_info, block_sizes, interpret):
+def _use_mosaic_decode(backend, *, q, k_pages, seq_info, ring_rows, window, block_sizes, interpret):
     """Whether this call runs the Mosaic GPU decode kernel (decode_attention_mgpu.py); with backend
     "mosaic_decode" and interpret, Pallas' GPU interpreter runs it (CPU tests)."""
     num_rows, _, head_dim = q.shape
@@ -375,6 +375,8 @@ def _use_mosaic_decode(backend, *, q, k_pages, seq_info, block_sizes, interpret)
             head_dim=head_dim,
             page_size=k_pages.shape[1],
             block_kv=tuning.MOSAIC_DECODE["block_kv"],
+            ring_rows=ring_rows,
+            window=window,
         )
         and block_sizes is None
     )
@@ -383,8 +385,9 @@ def _use_mosaic_decode(backend, *, q, k_pages, seq_info, block_sizes, interpret)
             raise ValueError(
                 f"varlen_attention: backend='mosaic_decode' needs a Hopper GPU (or interpret), bf16/f16 pools of q's "
                 f"dtype, head_dim 64 or 128, page_size a multiple of 16 that divides or is divided by "
-                f"{tuning.MOSAIC_DECODE['block_kv']}, block_sizes unset (q {q.shape} {q.dtype}, pools "
-                f"{k_pages.dtype}, page_size {k_pages.shape[1]}, block_sizes={block_sizes}, interpret={interpret})"
+                f"{tuning.MOSAIC_DECODE['block_kv']}, a ring a window in [1, ring_rows], block_sizes unset (q "
+                f"{q.shape} {q.dtype}, pools {k_pages.dtype}, page_size {k_pages.shape[1]}, ring_rows={ring_rows}, "
+                f"window={window}, block_sizes={block_sizes}, interpret={interpret})"
             )
         return True
     decode = num_rows <= tuning.DECODE_ROWS_PER_SEGMENT * seq_info.shape[0]
@@ -514,12 +517,15 @@ def varlen_attention(
         softcap=softcap, scale=scale, num_splits=num_splits, block_sizes=block_sizes, interpret=interpret,
     )
     if not mosaic:
-        if _use_mosaic_decode(backend, q=q, k_pages=k_pages, seq_info=seq_info, block_sizes=block_sizes,
-                              interpret=interpret):
+        if _use_mosaic_decode(backend, q=q, k_pages=k_pages, seq_info=seq_info, ring_rows=ring_rows, window=window,
+                              block_sizes=block_sizes, interpret=interpret):
             if num_splits is None:
+                # The most keys a tile walks: a ring's rows, a window and the step's rows, or the table's.
+                keys = ring_rows or page_table.shape[1] * k_pages.shape[1]
+                keys = min(keys, window + q.shape[0]) if window else keys
                 num_splits = decode_attention_mgpu.num_splits_for(
-                    q.shape[0], seq_info.shape[0], q.shape[1], k_pages.shape[2],
-                    ring_rows or page_table.shape[1] * k_pages.shape[1], tuning.MOSAIC_DECODE["block_kv"])
+                    q.shape[0], seq_info.shape[0], q.shape[1], k_pages.shape[2], keys,
+                    tuning.MOSAIC_DECODE["block_kv"])
             return decode_attention_mgpu.decode_attention_mgpu(
                 q, k_pages, v_pages, page_table, seq_info, ring_rows=ring_rows, window=window, causal=causal,
                 softcap=softcap, scale=float(scale), num_splits=num_splits, interpret=interpret,

@@ -49,6 +49,12 @@ CASES = {
     # ring chunks (each within ring_rows - window + 1 rows) with a soft-cap, head_dim 128
     "ring-chunks-softcap": C(((1, 150), (9, 97), (4, 64), (6, 200), (3, 20)), group=4, head_dim=128,
                              dtype="bfloat16", ring_rows=72, window=60, softcap=2.0, gaps=3),
+    # a ring chunk over two 64-row tiles, in a ring just wide enough, and a sequence that has just filled it
+    "ring-chunk-tiles": C(((20, 300), (1, 59), (2, 133)), group=4, head_dim=64, dtype="bfloat16", num_kv_heads=1,
+                          ring_rows=59, window=40),
+    # a window wider than two key blocks: masked, whole and masked blocks in one tile; the 4-row chunk's first
+    # and last rows see from either side of a key-block boundary (382, 385)
+    "window-long-flat": C(((1, 700), (4, 685), (1, 200)), group=4, head_dim=64, dtype="bfloat16", window=300),
     # a ring wider than a key block, group 8, pages of 32
     "ring-g8-p32": C(((1, 1000), (1, 150), (2, 450)), group=8, page_size=32, head_dim=64, dtype="bfloat16",
                      num_kv_heads=1, ring_rows=200, window=190),
@@ -170,17 +176,25 @@ def test_num_tiles_covers_every_layout():
 
 
 def test_supports_and_refusals():
-    ok = dict(dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, head_dim=128, page_size=16, block_kv=64)
+    ok = dict(dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, head_dim=128, page_size=16, block_kv=64, ring_rows=None,
+              window=0)
     assert dm.supports(**ok)
     assert dm.supports(**{**ok, "dtype": jnp.float16, "kv_dtype": jnp.float16, "head_dim": 64, "page_size": 256})
     for bad in ({"kv_dtype": jnp.float8_e4m3fn}, {"dtype": jnp.float32, "kv_dtype": jnp.float32}, {"head_dim": 256},
-                {"head_dim": 80}, {"page_size": 8}, {"page_size": 48}, {"block_kv": 32}):
+                {"head_dim": 80}, {"page_size": 8}, {"page_size": 48}, {"block_kv": 32},
+                {"ring_rows": 96},  # a ring without a window: a row would stand for several keys
+                {"ring_rows": 96, "window": 97}):  # a window wider than its ring, likewise
         assert not dm.supports(**{**ok, **bad}), bad
+    assert dm.supports(**{**ok, "ring_rows": 96, "window": 96}) and dm.supports(**{**ok, "window": 5000})
     args = _inputs(CASES["g4-p256"])
     with pytest.raises(ValueError, match="backend='mosaic_decode' needs.*block_sizes=BlockSizes"):
         varlen_attention(**args, scale=0.1, backend="mosaic_decode", block_sizes=BlockSizes(16, 16), interpret=True)
     with pytest.raises(ValueError, match=r"ring_rows=4096 must be None or in \[1, 1024\]"):
         dm.decode_attention_mgpu(**args, scale=0.1, ring_rows=4096, interpret=True)
+    with pytest.raises(ValueError, match="a ring a window in .*ring_rows=64, window=0"):
+        dm.decode_attention_mgpu(**args, scale=0.1, ring_rows=64, interpret=True)
+    with pytest.raises(ValueError, match="backend='mosaic_decode' needs.*ring_rows=64, window=65"):
+        varlen_attention(**args, scale=0.1, backend="mosaic_decode", ring_rows=64, window=65, interpret=True)
     with pytest.raises(ValueError, match="backend='mosaic_decode' needs a Hopper GPU"):
         varlen_attention(**args, scale=0.1, backend="mosaic_decode")  # compiled, on a CPU machine
     with pytest.raises(ValueError, match="num_stages=0"):
@@ -199,8 +213,8 @@ def test_auto_dispatch(monkeypatch):
     pages = jnp.zeros((4, 16, 8, 128), jnp.bfloat16)
 
     def use(num_segments=8, backend="auto", **kw):
-        args = dict(q=q, k_pages=pages, seq_info=jnp.zeros((num_segments, 4), jnp.int32), block_sizes=None,
-                    interpret=False)
+        args = dict(q=q, k_pages=pages, seq_info=jnp.zeros((num_segments, 4), jnp.int32), ring_rows=None, window=0,
+                    block_sizes=None, interpret=False)
         return va._use_mosaic_decode(backend, **{**args, **kw})
 
     assert use()  # 8 rows in 8 segments: a decode step
@@ -209,6 +223,7 @@ def test_auto_dispatch(monkeypatch):
     assert not use(block_sizes=va.BlockSizes())
     assert not use(k_pages=pages.astype(jnp.float8_e4m3fn))
     assert not use(q=q.astype(jnp.float32))  # pools of another dtype
+    assert use(ring_rows=40, window=33) and not use(ring_rows=40, window=0)
     assert not use(interpret=True)
     monkeypatch.setattr(varlen_attention_mgpu, "is_hopper", lambda: False)
     assert not use()
