@@ -162,6 +162,19 @@ def _kernel(
             return rows, rows < rows_end
         return rows + (last_lap - jnp.where(rows > last_row, 1, 0)) * ring_rows, rows < rows_end
 
+    if ring_rows is None:
+        def holds_unseen(block):  # whether `block` holds a row of a key before lo or past kv_end
+            return (block * block_kv < lo) | ((block + 1) * block_kv > rows_end)
+    else:
+        # The ring's keys before lo, [kv_end - rows_end, lo), sit in rows [stale_start, stale_end) mod ring_rows.
+        stale_start = lax.rem(kv_end - rows_end, jnp.int32(ring_rows))
+        stale_end = stale_start + jnp.maximum(lo - (kv_end - rows_end), 0)
+
+        def holds_unseen(block):  # whether `block` holds such a row, or one past rows_end
+            start, stop = block * block_kv, (block + 1) * block_kv
+            return ((stop > rows_end) | (start < stale_end - ring_rows)
+                    | ((stale_end > stale_start) & (start < jnp.minimum(stale_end, ring_rows)) & (stale_start < stop)))
+
     def load(block, slot):
         varlen_attention_mgpu.copy_kv_block(page_table_ref, seq_slot, block, (k_ref, v_ref), kv_head,
                                             (k_smem, v_smem), slot, (k_barriers, v_barriers), page_size=page_size)
@@ -225,16 +238,14 @@ def _kernel(
             plgpu.barrier_wait(v_barriers.at[slot])
             if masked:
                 # V rows of keys no row of the tile sees may hold anything (NaN * 0 is NaN): zero them.
+                # (Keys past hi are some later row's: they hold real values.)
                 def zero_unseen():
                     v_tile = v_smem.at[slot]
                     keys, stored = block_keys(block, v_tile.shape, 0)
                     v_tile[...] = jnp.where(stored & (keys >= lo), v_tile[...], 0).astype(dtype)
                     plgpu.commit_smem()
 
-                if ring_rows is None:
-                    pl.when((block * block_kv < lo) | ((block + 1) * block_kv > rows_end))(zero_unseen)
-                else:
-                    zero_unseen()
+                pl.when(holds_unseen(block))(zero_unseen)
 
             if p_smem is None:  # P from registers, accumulated in place (compiled only)
                 def pv_dot(acc_ref):

@@ -55,9 +55,10 @@ CASES = {
     # a window wider than two key blocks: masked, whole and masked blocks in one tile; the 4-row chunk's first
     # and last rows see from either side of a key-block boundary (382, 385)
     "window-long-flat": C(((1, 700), (4, 685), (1, 200)), group=4, head_dim=64, dtype="bfloat16", window=300),
-    # a ring wider than a key block, group 8, pages of 32
-    "ring-g8-p32": C(((1, 1000), (1, 150), (2, 450)), group=8, page_size=32, head_dim=64, dtype="bfloat16",
-                     num_kv_heads=1, ring_rows=200, window=190),
+    # a ring wider than a key block, group 8, pages of 32; at kv_end 595 the rows older than the window wrap from
+    # the last block (195-199) into the first (0-4)
+    "ring-g8-p32": C(((1, 1000), (1, 150), (2, 450), (1, 595)), group=8, page_size=32, head_dim=64,
+                     dtype="bfloat16", num_kv_heads=1, ring_rows=200, window=190),
     # more query rows than keys: the first tile's rows sit before key 0 and see nothing (zero rows out)
     "underflow-tiles": C(((40, 10), (1, 30)), group=4, head_dim=64, dtype="bfloat16", num_kv_heads=1, window=8),
     # non-causal with a window and a soft-cap, f16
