@@ -9,10 +9,10 @@ warpgroup reads the page table and issues TMA copies of each block's page chunks
 Any layout of segments is correct (a long segment takes several tiles), but the kernel is built for
 rows of few tokens: the Triton and Mosaic prefill kernels serve prefill steps.
 
-Scope: flat and ring layers (a ring with a window that fits it), sliding windows and soft-caps; bf16/f16 pools of q's dtype (no fp8), head_dim 64 or
-128, page sizes a multiple of 16 that divide or are divided by `block_kv` (a multiple of 64). A ring layer's
-blocks walk its rows in storage order, each row standing for the latest key it holds; a windowed flat layer's
-start at the block of the tile's first visible key.
+Scope: flat and ring layers (a ring with a window that fits it), sliding windows and soft-caps; bf16/f16 pools
+of q's dtype (no fp8), head_dim 64 or 128, page sizes a multiple of 16 that divide or are divided by `block_kv`
+(a multiple of 64). A ring layer's blocks walk its rows in storage order, each row standing for the latest key it
+holds; a windowed flat layer's start at the block of the tile's first visible key.
 
 Each CTA writes its tile's rows (normalized; float32 with their log2-sum-exp when the keys are split) to
 padded outputs; the merge over splits gathers each query row back to the packed [T, Hq, D] layout. With one
@@ -166,9 +166,10 @@ def _kernel(
         def holds_unseen(block):  # whether `block` holds a row of a key before lo or past kv_end
             return (block * block_kv < lo) | ((block + 1) * block_kv > rows_end)
     else:
-        # The ring's keys before lo, [kv_end - rows_end, lo), sit in rows [stale_start, stale_end) mod ring_rows.
-        stale_start = lax.rem(kv_end - rows_end, jnp.int32(ring_rows))
-        stale_end = stale_start + jnp.maximum(lo - (kv_end - rows_end), 0)
+        # The ring's keys before lo, [oldest, lo), sit in rows [stale_start, stale_end) mod ring_rows.
+        oldest = kv_end - rows_end  # the oldest key the ring holds
+        stale_start = lax.rem(oldest, jnp.int32(ring_rows))
+        stale_end = stale_start + jnp.maximum(lo - oldest, 0)
 
         def holds_unseen(block):  # whether `block` holds such a row, or one past rows_end
             start, stop = block * block_kv, (block + 1) * block_kv

@@ -67,8 +67,8 @@ MOSAIC_PREFILL = dict(block_q=64, block_kv=128, num_stages=2)
 # 2026-12-04 (sixteenth session, tools/gpu_decode_mgpu.py, GQA 32/8, D 128, bf16, page 16, chained, docs/perf.md):
 # P in registers ran 1.01-1.22x P through shared memory from batch 8 up (three runs; 0.88-1.16x at batch 1), so it
 # is the default. Chained against Triton: 1.01-1.03x at 4k+ keys from batch 64, 0.98x at 256 x 640, 0.68-1.21x at
-# batch 1 and 8; against cuDNN 0.87-0.97x from batch 64, 0.70-1.02x at batch 1 and 8. Not ahead of Triton where the engine spends its decode
-# time (batch 1 with short contexts, 256 x 640), so Triton stays the default.
+# batch 1 and 8; against cuDNN 0.87-0.97x from batch 64, 0.70-1.02x at batch 1 and 8. Not ahead of Triton where
+# the engine spends its decode time (batch 1 with short contexts, 256 x 640), so Triton stays the default.
 DECODE_BACKEND = "triton"
 MOSAIC_DECODE = dict(block_kv=128, num_stages=2, p_in_registers=True)
 MOSAIC_DECODE_CTAS = 132
