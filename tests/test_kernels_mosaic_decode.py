@@ -65,7 +65,11 @@ CASES = {
     "window-noncausal-softcap-f16": C(((20, 90), (1, 65), (16, 120)), group=2, head_dim=64, dtype="float16",
                                       window=24, causal=False, softcap=1.5),
 }
-_LAYER = ("ring_rows", "window", "causal", "softcap")  # a case's layer arguments
+
+
+def _layer(case):
+    """The case's layer arguments, for the kernel and the reference alike."""
+    return {k: getattr(case, k) for k in ("ring_rows", "window", "causal", "softcap")}
 
 
 def _inputs(case, seed=0, shift=0):
@@ -93,7 +97,7 @@ def test_interpreted_kernel_matches_reference(name):
     gaps (NaN) must not show."""
     case = CASES[name]
     args = _inputs(case)
-    layer = {k: getattr(case, k) for k in _LAYER}
+    layer = _layer(case)
     want = varlen_attention_reference(**args, scale=case.scale, **layer)
     got = varlen_attention(**args, scale=case.scale, **layer, backend="mosaic_decode", interpret=True)
     _check(got, want, args["seq_info"], case.dtype)
@@ -108,7 +112,7 @@ def test_splits_and_tiles(name, num_splits, block_kv, num_stages):
     (each block loaded after the last was read) and wider blocks than a page; windows and rings split too."""
     case = CASES[name]
     args = _inputs(case, seed=1)
-    layer = {k: getattr(case, k) for k in _LAYER}
+    layer = _layer(case)
     want = varlen_attention_reference(**args, scale=case.scale, **layer)
     got = dm.decode_attention_mgpu(**args, scale=case.scale, **layer, num_splits=num_splits, block_kv=block_kv,
                                    num_stages=num_stages, interpret=True)
@@ -299,7 +303,7 @@ def test_random_layouts_match_reference(layout):
     """Random steps interpreted against the reference (GLINT_FUZZ_EXAMPLES sets how many; 10 in the suite)."""
     case, tile, seed = layout
     args = _inputs(case, seed=seed)
-    layer = {k: getattr(case, k) for k in _LAYER}
+    layer = _layer(case)
     want = varlen_attention_reference(**args, scale=case.scale, **layer)
     got = dm.decode_attention_mgpu(**args, scale=case.scale, **layer, **tile, interpret=True)
     _check(got, want, args["seq_info"], case.dtype)
