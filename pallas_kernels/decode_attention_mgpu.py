@@ -25,16 +25,15 @@ ring) can hold anything: their logits are masked and their V rows zeroed in shar
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from glint.pallas_kernels import segments, tuning, varlen_attention_mgpu
+from glint.pallas_kernels.reference import layer_error
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-_LOG2E = math.log2(math.e)
 _BLOCK_M = 64  # packed rows per tile: one wgmma tile of one warpgroup
 # TMA row offsets into the tiled query view are multiples of this: the prefill kernel's, whose tile counting
 # (padded_rows, max_tiles) this kernel shares over packed rows.
@@ -122,59 +121,17 @@ def _kernel(
     lo_row = jnp.maximum(first, 0)  # the tile's rows of this segment: [lo_row, hi_row)
     hi_row = jnp.minimum(first + _BLOCK_M, row_len)
 
-    def pos(row):  # position of packed row `row` of the segment
-        return offset + lax.div(row, jnp.int32(group))
-
-    # Keys the tile's rows see: [lo, hi) in all; [lo_full, hi_full) by every row.
-    lo = jnp.maximum(pos(lo_row) - window + 1, 0) if window else jnp.int32(0)
-    hi = jnp.minimum(pos(hi_row - 1) + 1, kv_end) if causal else kv_end
-    lo_full = jnp.maximum(pos(hi_row - 1) - window + 1, 0) if window else jnp.int32(0)
-    hi_full = jnp.minimum(pos(lo_row) + 1, kv_end) if causal else kv_end
     has_rows = (segment >= 0) & (hi_row > lo_row)  # rows to write, zero if they see no key
-    if ring_rows is None:
-        # Blocks walk the keys in order (key j at row j), from the block holding lo.
-        rows_end = kv_end
-        blk_lo = lax.div(lo, jnp.int32(block_kv))
-        num_blocks = lax.div(hi + block_kv - 1, jnp.int32(block_kv)) - blk_lo
-    else:
-        # Blocks walk the ring's rows [0, rows_end) in storage order (the softmax does not care): row r holds the
-        # latest key below kv_end that is r mod ring_rows, wrapped keys being those of rows past kv_end's own.
-        rows_end = jnp.minimum(kv_end, ring_rows)
-        last_lap, last_row = lax.div(kv_end - 1, jnp.int32(ring_rows)), lax.rem(kv_end - 1, jnp.int32(ring_rows))
-        blk_lo = jnp.int32(0)
-        num_blocks = lax.div(rows_end + block_kv - 1, jnp.int32(block_kv))
-    num_blocks = jnp.where(has_rows & (hi > lo), num_blocks, 0)
+    # Keys the tile's rows see: [lo, hi) in all; [lo_full, hi_full) by every row.
+    lo, hi, lo_full, hi_full = varlen_attention_mgpu.seen_keys(offset, lo_row, hi_row, kv_end, window=window,
+                                                               causal=causal, group=group)
+    walk = varlen_attention_mgpu.KeyWalk(kv_end, lo, block_kv, ring_rows)
+    blk_lo, blk_hi = walk.blocks(lo, hi)
+    num_blocks = jnp.where(has_rows, blk_hi - blk_lo, 0)
     per_split = lax.div(num_blocks + num_splits - 1, jnp.int32(num_splits))
     begin = blk_lo + jnp.minimum(split * per_split, num_blocks)
     end = blk_lo + jnp.minimum(split * per_split + per_split, num_blocks)
-    # Blocks every row of the tile sees whole need no mask (ring blocks are always masked).
-    if ring_rows is None:
-        full_begin = jnp.clip(lax.div(lo_full + block_kv - 1, jnp.int32(block_kv)), begin, end)
-        full_end = jnp.clip(lax.div(jnp.maximum(hi_full, 0), jnp.int32(block_kv)), full_begin, end)
-    else:
-        full_begin = full_end = begin
-
-    def block_keys(block, shape, dim):
-        """The key each row of `block` holds, as an iota along `dim` of `shape`, and whether that row holds a key
-        below rows_end (its storage row)."""
-        rows = plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA) + block * block_kv
-        if ring_rows is None:
-            return rows, rows < rows_end
-        return rows + (last_lap - jnp.where(rows > last_row, 1, 0)) * ring_rows, rows < rows_end
-
-    if ring_rows is None:
-        def holds_unseen(block):  # whether `block` holds a row of a key before lo or past kv_end
-            return (block * block_kv < lo) | ((block + 1) * block_kv > rows_end)
-    else:
-        # The ring's keys before lo, [oldest, lo), sit in rows [stale_start, stale_end) mod ring_rows.
-        oldest = kv_end - rows_end  # the oldest key the ring holds
-        stale_start = lax.rem(oldest, jnp.int32(ring_rows))
-        stale_end = stale_start + jnp.maximum(lo - oldest, 0)
-
-        def holds_unseen(block):  # whether `block` holds such a row, or one past rows_end
-            start, stop = block * block_kv, (block + 1) * block_kv
-            return ((stop > rows_end) | (start < stale_end - ring_rows)
-                    | ((stale_end > stale_start) & (start < jnp.minimum(stale_end, ring_rows)) & (stale_start < stop)))
+    full_begin, full_end = walk.full_blocks(lo_full, hi_full, begin, end)
 
     def load(block, slot):
         varlen_attention_mgpu.copy_kv_block(page_table_ref, seq_slot, block, (k_ref, v_ref), kv_head,
@@ -204,7 +161,6 @@ def _kernel(
                        _BLOCK_M)
         plgpu.copy_gmem_to_smem(q_ref.at[kv_head, q_rows], q_smem, q_barrier.at[0])
         plgpu.barrier_wait(q_barrier.at[0])
-        c = 1.0 if softcap else scale * _LOG2E
 
         def body(block, carry, *, masked: bool):
             acc, m_i, l_i = carry
@@ -217,13 +173,12 @@ def _kernel(
                 return acc_ref[...]
 
             qk = pl.run_scoped(qk_dot, plgpu.ACC((_BLOCK_M, block_kv), jnp.float32))
-            if softcap:  # logits in log2 units, capped: c folded in
-                qk = (softcap * _LOG2E) * jnp.tanh(qk * (scale / softcap))
+            qk, c = varlen_attention_mgpu.log2_logits(qk, scale=scale, softcap=softcap)
             if masked:
                 rows = plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA) + first
-                keys, visible = block_keys(block, qk.shape, 1)
+                keys, visible = walk.keys(block, qk.shape, 1)
                 # Tile rows outside the segment are never written out: any mask serves them.
-                row_pos = pos(jnp.maximum(rows, 0))
+                row_pos = offset + lax.div(jnp.maximum(rows, 0), jnp.int32(group))
                 if causal:
                     visible = visible & (keys <= row_pos)
                 if window:
@@ -238,15 +193,7 @@ def _kernel(
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(v_barriers.at[slot])
             if masked:
-                # V rows of keys no row of the tile sees may hold anything (NaN * 0 is NaN): zero them.
-                # (Keys past hi are some later row's: they hold real values.)
-                def zero_unseen():
-                    v_tile = v_smem.at[slot]
-                    keys, stored = block_keys(block, v_tile.shape, 0)
-                    v_tile[...] = jnp.where(stored & (keys >= lo), v_tile[...], 0).astype(dtype)
-                    plgpu.commit_smem()
-
-                pl.when(holds_unseen(block))(zero_unseen)
+                walk.zero_unseen(v_smem.at[slot], block, dtype)
 
             if p_smem is None:  # P from registers, accumulated in place (compiled only)
                 def pv_dot(acc_ref):
@@ -313,10 +260,8 @@ def decode_attention_mgpu(
     if num_stages < 1 or num_splits < 1 or num_rows < 1:
         raise ValueError(f"decode_attention_mgpu: num_stages={num_stages}, num_splits={num_splits} and the query rows "
                          f"({num_rows}) must be >= 1")
-    if not (ring_rows is None or 0 < ring_rows <= page_table.shape[1] * page_size) or window < 0 or softcap < 0:
-        raise ValueError(f"decode_attention_mgpu: ring_rows={ring_rows} must be None or in [1, "
-                         f"{page_table.shape[1] * page_size}] (the table's rows), window={window} and "
-                         f"softcap={softcap} >= 0")
+    if error := layer_error(page_table.shape[1] * page_size, ring_rows=ring_rows, window=window, softcap=softcap):
+        raise ValueError(f"decode_attention_mgpu: {error}")
     p_in_registers = p_in_registers and not interpret
     if not supports(dtype=q.dtype, kv_dtype=k_pages.dtype, head_dim=head_dim, page_size=page_size, block_kv=block_kv,
                     ring_rows=ring_rows, window=window):

@@ -79,6 +79,16 @@ def scales_error(k_pages, k_scale, v_scale) -> str | None:
     return None
 
 
+def layer_error(table_rows: int, *, ring_rows, window: int, softcap: float) -> str | None:
+    """What is wrong with a layer's ring, window and soft-cap (None: nothing), given the page table's rows per
+    sequence: the attention kernels' argument check."""
+    if ring_rows is not None and not 0 < ring_rows <= table_rows:
+        return f"ring_rows={ring_rows} must be in [1, {table_rows}] (the page table's rows, P * page_size)"
+    if window < 0 or softcap < 0:
+        return f"window={window} and softcap={softcap} must be >= 0"
+    return None
+
+
 @jax.jit
 def ring_write_reference(k_pages, v_pages, k_new, v_new, slots, k_scale=None, v_scale=None):
     """Writes `k_new[t], v_new[t]` ([T, Hkv, D]) to flat pool row `slots[t]`.

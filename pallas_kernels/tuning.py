@@ -60,6 +60,9 @@ QKV_WRITE_NUM_WARPS = 4
 # keys per block, shared-memory stages).
 PREFILL_BACKEND = "mosaic"
 MOSAIC_PREFILL = dict(block_q=64, block_kv=128, num_stages=2)
+# Ring layers, sliding windows and soft-caps stay on Triton under "auto" while this is set: the Mosaic prefill
+# kernel covers them (2026-12-04, seventeenth session) but has so far run them only in the GPU interpreter.
+MOSAIC_PREFILL_PLAIN_ONLY = True
 # Decode steps on Hopper: "mosaic" runs decode_attention_mgpu (a kv head's query group packed into one wgmma tile,
 # TMA page copies, split-K) where it covers the call, "triton" keeps the Triton kernel. MOSAIC_DECODE: its keys
 # per block, shared-memory stages and P @ V from registers; split-K aims at MOSAIC_DECODE_CTAS CTAs (one wave, each

@@ -22,7 +22,7 @@ import math
 import jax
 import jax.numpy as jnp
 from glint.pallas_kernels import decode_attention_mgpu, segments, tuning, varlen_attention_mgpu
-from glint.pallas_kernels.reference import scales_error, varlen_attention_reference
+from glint.pallas_kernels.reference import layer_error, scales_error, varlen_attention_reference
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -332,7 +332,8 @@ def default_num_splits(
 
 
 def _use_mosaic(backend, *, q, k_pages, seq_info, ring_rows, window, softcap, num_splits, block_sizes, interpret):
-    """Whether this call runs the Mosaic GPU prefill kernel (varlen_attention_mgpu.py)."""
+    """Whether this call runs the Mosaic GPU prefill kernel (varlen_attention_mgpu.py); with backend "mosaic" and
+    interpret, Pallas' GPU interpreter runs it (CPU tests)."""
     num_rows, _, head_dim = q.shape
     runnable = (
         varlen_attention_mgpu.supports(
@@ -342,26 +343,24 @@ def _use_mosaic(backend, *, q, k_pages, seq_info, ring_rows, window, softcap, nu
             block_kv=tuning.MOSAIC_PREFILL["block_kv"],
             ring_rows=ring_rows,
             window=window,
-            softcap=softcap,
         )
         and k_pages.dtype == q.dtype
         and num_splits in (None, 1)
         and block_sizes is None
-        and not interpret
-        and varlen_attention_mgpu.is_hopper()
     )
     if backend == "mosaic":
-        if not runnable:
+        if not (runnable and (interpret or varlen_attention_mgpu.is_hopper())):
             raise ValueError(
-                f"varlen_attention: backend='mosaic' needs a Hopper GPU, bf16/f16 (pools too), head_dim % 64 == 0, "
-                f"page_size % 16 == 0, no ring/window/softcap, num_splits and block_sizes unset (q {q.shape} "
-                f"{q.dtype}, pools {k_pages.dtype}, page_size "
-                f"{k_pages.shape[1]}, ring_rows={ring_rows}, window={window}, softcap={softcap}, "
-                f"num_splits={num_splits}, interpret={interpret})"
+                f"varlen_attention: backend='mosaic' needs a Hopper GPU (or interpret), bf16/f16 pools of q's dtype, "
+                f"head_dim % 64 == 0, page_size % 16 == 0, a ring a window in [1, ring_rows], num_splits and "
+                f"block_sizes unset (q {q.shape} {q.dtype}, pools {k_pages.dtype}, page_size {k_pages.shape[1]}, "
+                f"ring_rows={ring_rows}, window={window}, num_splits={num_splits}, interpret={interpret})"
             )
         return True
     prefill = num_rows > tuning.DECODE_ROWS_PER_SEGMENT * seq_info.shape[0]
-    return backend == "auto" and tuning.PREFILL_BACKEND == "mosaic" and prefill and runnable
+    plain = ring_rows is None and not window and not softcap
+    return (backend == "auto" and tuning.PREFILL_BACKEND == "mosaic" and prefill and runnable
+            and (plain or not tuning.MOSAIC_PREFILL_PLAIN_ONLY) and not interpret and varlen_attention_mgpu.is_hopper())
 
 
 def _use_mosaic_decode(backend, *, q, k_pages, seq_info, ring_rows, window, block_sizes, interpret):
@@ -426,12 +425,8 @@ def _check_args(q, k_pages, v_pages, page_table, seq_info, k_scale, v_scale, rin
         fail("seq_info must be i32[S, 4]")
     if seq_info.shape[0] < 1 or q.shape[0] < 1:
         fail("need at least one segment and one query row")
-    if ring_rows is not None and not 0 < ring_rows <= page_table.shape[1] * page_size:
-        fail(f"ring_rows={ring_rows} must be in [1, P * page_size]")
-    if window < 0:
-        fail(f"window={window} must be >= 0")
-    if softcap < 0:
-        fail(f"softcap={softcap} must be >= 0")
+    if error := layer_error(page_table.shape[1] * page_size, ring_rows=ring_rows, window=window, softcap=softcap):
+        fail(error)
     if num_splits is not None and num_splits < 1:
         fail(f"num_splits={num_splits} must be >= 1")
     if backend not in ("auto", "triton", "mosaic", "mosaic_decode"):
@@ -489,10 +484,12 @@ def varlen_attention(
         (the Hopper decode kernel, for the calls decode_attention_mgpu.supports;
         decode steps take it under "auto" when tuning.DECODE_BACKEND = "mosaic") or "auto": on
         Hopper, for prefill steps Mosaic covers (and tuning.PREFILL_BACKEND =
-        "mosaic"), each segment runs on the kernel that costs it less (long
+        "mosaic"; rings, windows and soft-caps only without
+        tuning.MOSAIC_PREFILL_PLAIN_ONLY), each segment runs on the kernel that costs it less (long
         segments on Mosaic, decode rows and short chunks on Triton, see
         _mosaic_segments; each row's output is its own kernel's); Triton otherwise.
-      interpret: run the Pallas interpreter (CPU tests).
+      interpret: run the Pallas interpreter (CPU tests); with "mosaic" and
+        "mosaic_decode", Pallas' GPU interpreter.
     Returns:
       [T, Hq, D] in q's dtype; rows outside every segment and rows that see no
       key are zero.
@@ -535,7 +532,8 @@ def varlen_attention(
 
     def run_mosaic(info):
         return varlen_attention_mgpu.varlen_attention_mgpu(
-            q, k_pages, v_pages, page_table, info, causal=causal, scale=float(scale), **tuning.MOSAIC_PREFILL
+            q, k_pages, v_pages, page_table, info, ring_rows=ring_rows, window=window, causal=causal,
+            softcap=softcap, scale=float(scale), interpret=interpret, **tuning.MOSAIC_PREFILL
         )
 
     if backend == "mosaic":

@@ -8,26 +8,33 @@ of `num_stages` shared-memory slots with TMA, one copy per page chunk, reading
 the page table on the device. The compute warpgroups take turns on the tensor
 cores (a schedule barrier) so one's softmax overlaps the other's matmuls.
 
-Scope: flat (non-ring) layers without sliding window or soft-cap, bf16/f16,
-head_dim a multiple of 64, page sizes a multiple of 16 that divide or are
-divided by `block_kv` (16, 64 and 256 were checked on the H200). Everything else runs on the Triton kernel
-(varlen_attention.py), which `varlen_attention` picks by itself.
+Scope: flat and ring layers (a ring with a window that fits it), sliding windows and soft-caps; bf16/f16 pools
+of q's dtype (no fp8), head_dim a multiple of 64 up to 256, page sizes a multiple of 16 that divide or are divided
+by `block_kv` (16, 64 and 256 were checked on the H200, flat layers without window or soft-cap; the rest has run
+only in Pallas' GPU interpreter, so `varlen_attention`'s "auto" leaves it to the Triton kernel while
+tuning.MOSAIC_PREFILL_PLAIN_ONLY is set).
+
+The memory warpgroup streams the blocks any row of the tile sees (KeyWalk: a flat layer's in key order from the
+window's start, a ring's in storage order); each compute warpgroup computes on its own rows' blocks and releases
+the others in step with the other warpgroup, masking the blocks that hold keys some of its rows do not see.
 
 Output rows are written per tile into a padded buffer and gathered back to
 the packed query layout afterwards, so a tile's rows past its segment never
-touch another segment's output. Pool rows past kv_end can hold anything: the
-block that crosses kv_end has those V rows zeroed in shared memory before
-P @ V, and their logits are masked.
+touch another segment's output. Pool rows of keys no row of the tile sees (past kv_end, before a window, never
+written in a ring) can hold anything: their logits are masked and their V rows zeroed in shared memory before
+P @ V.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from glint.pallas_kernels import segments
+from glint.pallas_kernels.reference import layer_error
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -42,18 +49,18 @@ def block_kv_for(head_dim: int, block_kv: int) -> int:
     return block_kv if head_dim <= 128 else min(block_kv, 64)
 
 
-def supports(*, dtype, head_dim: int, page_size: int, block_kv: int, ring_rows, window: int, softcap: float) -> bool:
-    """Whether the Mosaic kernel covers this call (else the Triton kernel does)."""
+def supports(*, dtype, head_dim: int, page_size: int, block_kv: int, ring_rows, window: int) -> bool:
+    """Whether the Mosaic kernel covers this call (else the Triton kernel does). A ring needs a window that fits
+    it: each ring row stands for one key, so a query row must see at most ring_rows keys (the engine's rings hold
+    a step's writes beside the window: ring_rows >= window + q_len - 1, which the kernel cannot check)."""
     block_kv = block_kv_for(head_dim, block_kv)
     return (
-        jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        (ring_rows is None or 0 < window <= ring_rows)
+        and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         and head_dim % 64 == 0
         and head_dim <= 256
         and page_size % 16 == 0
         and (block_kv % page_size == 0 or page_size % block_kv == 0)
-        and ring_rows is None
-        and window == 0
-        and softcap == 0
     )
 
 
@@ -113,6 +120,94 @@ def copy_kv_block(page_table_ref, seq_slot, block, pools, kv_head, bufs, slot, b
             plgpu.copy_gmem_to_smem(ref.at[src, kv_head], buf.at[slot, pl.ds(i * chunk, chunk)], barrier.at[slot])
 
 
+def seen_keys(offset, row_lo, row_hi, kv_end, *, window: int, causal: bool, group: int = 1):
+    """Keys that a segment's rows [row_lo, row_hi) see (rows packed `group` to a position; row 0 at position
+    `offset`): [lo, hi) in all, empty (hi <= lo) without rows, and [lo_full, hi_full) by every row."""
+    def pos(row):
+        return offset + lax.div(row, jnp.int32(group))
+
+    lo = jnp.maximum(pos(row_lo) - window + 1, 0) if window else jnp.int32(0)
+    hi = jnp.minimum(pos(row_hi - 1) + 1, kv_end) if causal else kv_end
+    lo_full = jnp.maximum(pos(row_hi - 1) - window + 1, 0) if window else jnp.int32(0)
+    hi_full = jnp.minimum(pos(row_lo) + 1, kv_end) if causal else kv_end
+    return lo, jnp.where(row_hi > row_lo, hi, lo), lo_full, hi_full
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyWalk:
+    """How a tile's key blocks of `block_kv` pool rows walk a sequence's keys below kv_end, `lo` the first any row
+    of the tile sees. A flat layer's block b holds keys [b * block_kv, ...) in order. A ring layer's blocks walk
+    its rows [0, rows_end) in storage order (the softmax does not care): row r holds the latest key below kv_end
+    that is r mod ring_rows, wrapped keys being those of rows past kv_end's own."""
+
+    kv_end: jax.Array
+    lo: jax.Array
+    block_kv: int
+    ring_rows: int | None
+
+    @property
+    def rows_end(self):
+        return self.kv_end if self.ring_rows is None else jnp.minimum(self.kv_end, self.ring_rows)
+
+    def blocks(self, lo, hi):
+        """[begin, end): the blocks that hold keys [lo, hi) (none if hi <= lo); a ring's every block."""
+        if self.ring_rows is None:
+            begin = lax.div(lo, jnp.int32(self.block_kv))
+            end = lax.div(hi + self.block_kv - 1, jnp.int32(self.block_kv))
+        else:
+            begin, end = jnp.int32(0), lax.div(self.rows_end + self.block_kv - 1, jnp.int32(self.block_kv))
+        return begin, jnp.where(hi > lo, end, begin)
+
+    def full_blocks(self, lo_full, hi_full, begin, end):
+        """[full_begin, full_end) within [begin, end): blocks of keys in [lo_full, hi_full) only, which rows that
+        all see those keys need not mask (a ring's blocks are always masked)."""
+        if self.ring_rows is not None:
+            return begin, begin
+        full_begin = jnp.clip(lax.div(lo_full + self.block_kv - 1, jnp.int32(self.block_kv)), begin, end)
+        full_end = jnp.clip(lax.div(jnp.maximum(hi_full, 0), jnp.int32(self.block_kv)), full_begin, end)
+        return full_begin, full_end
+
+    def keys(self, block, shape, dim: int):
+        """The key each row of `block` holds, as an iota along `dim` of `shape` (WGMMA layout), and whether that
+        row holds a key below kv_end (its storage row below rows_end)."""
+        rows = plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA) + block * self.block_kv
+        if self.ring_rows is None:
+            return rows, rows < self.kv_end
+        ring = jnp.int32(self.ring_rows)
+        last_lap, last_row = lax.div(self.kv_end - 1, ring), lax.rem(self.kv_end - 1, ring)
+        return rows + (last_lap - jnp.where(rows > last_row, 1, 0)) * ring, rows < self.rows_end
+
+    def holds_unseen(self, block):
+        """Whether `block` holds a row of a key before lo or a row past rows_end."""
+        start, stop = block * self.block_kv, (block + 1) * self.block_kv
+        if self.ring_rows is None:
+            return (start < self.lo) | (stop > self.rows_end)
+        # The ring's keys before lo, [oldest, lo), sit in rows [stale_start, stale_end) mod ring_rows.
+        ring = jnp.int32(self.ring_rows)
+        oldest = self.kv_end - self.rows_end
+        stale_start = lax.rem(oldest, ring)
+        stale_end = stale_start + jnp.maximum(self.lo - oldest, 0)
+        return ((stop > self.rows_end) | (start < stale_end - ring)
+                | ((stale_end > stale_start) & (start < jnp.minimum(stale_end, ring)) & (stale_start < stop)))
+
+    def zero_unseen(self, v_tile, block, dtype):
+        """Zeroes the V rows of `block` (in shared memory) whose keys no row of the tile sees: those rows may hold
+        anything (NaN * 0 is NaN). Keys past a row's own are some later row's: they hold real values."""
+        @pl.when(self.holds_unseen(block))
+        def _():
+            keys, stored = self.keys(block, v_tile.shape, 0)
+            v_tile[...] = jnp.where(stored & (keys >= self.lo), v_tile[...], 0).astype(dtype)
+            plgpu.commit_smem()
+
+
+def log2_logits(qk, *, scale: float, softcap: float):
+    """(x, c): the logits in log2 units are x * c, from q . k. Soft-capped (softcap * tanh(q . k * scale /
+    softcap)) they are x itself (c = 1); otherwise c = scale * log2(e), left for the exp2's multiply-add."""
+    if softcap:
+        return (softcap * _LOG2E) * jnp.tanh(qk * (scale / softcap)), 1.0
+    return qk, scale * _LOG2E
+
+
 def _kernel(
     tiles_ref,
     seq_info_ref,
@@ -131,9 +226,12 @@ def _kernel(
     causal: bool,
     scale: float,
     num_tiles: int,
+    ring_rows: int | None,
+    window: int,
+    softcap: float,
 ):
     smem, kv_barriers, consumed_barriers, schedule_barrier = scoped
-    qo_smem2, k_smem, v_smem = smem
+    qo_smem2, k_smem, v_smem, p_smem2 = smem
     k_barriers, v_barriers, q_barriers = kv_barriers
     k_consumed, v_consumed = consumed_barriers
     head = lax.axis_index("heads")
@@ -154,17 +252,23 @@ def _kernel(
     first = q_tile * tile_rows - lax.rem(q_start, jnp.int32(_ALIGN))  # tile's first row, within the segment
     offset = kv_end - q_len  # position of the segment's query row 0
 
-    def kv_blocks(rows_begin, rows_end):
-        """Blocks that rows [rows_begin, rows_end) of the segment see (0 if no rows)."""
-        rows_end = jnp.minimum(rows_end, q_len)
-        hi = jnp.minimum(offset + rows_end, kv_end) if causal else kv_end
-        return jnp.where(rows_end > jnp.maximum(rows_begin, 0), lax.div(jnp.maximum(hi, 0) + block_kv - 1, block_kv), 0)
+    def rows_keys(row_begin, num_rows: int):
+        """seen_keys of the segment's rows among [row_begin, row_begin + num_rows)."""
+        return seen_keys(offset, jnp.maximum(row_begin, 0), jnp.minimum(row_begin + num_rows, q_len), kv_end,
+                         window=window, causal=causal)
 
-    tile_steps = kv_blocks(first, first + tile_rows)
+    # The memory warpgroup streams the blocks any row of the tile sees; each compute warpgroup computes on its
+    # own rows' blocks among them and releases the others in step with the other warpgroup.
+    tile_lo, tile_hi, _, _ = rows_keys(first, tile_rows)
+    walk = KeyWalk(kv_end, tile_lo, block_kv, ring_rows)
+    tile_begin, tile_end = walk.blocks(tile_lo, tile_hi)
 
     def schedule_barrier_sync():
         plgpu.barrier_arrive(schedule_barrier)
         plgpu.barrier_wait(schedule_barrier)
+
+    def slot_of(block):
+        return lax.rem(block - tile_begin, jnp.int32(num_stages))
 
     # Padding tiles (segment -1) do nothing: their rows of out_pad are never gathered.
     @pl.when((wg < _COMPUTE_WGS) & (segment >= 0))
@@ -172,10 +276,12 @@ def _kernel(
         plgpu.set_max_registers(232, action="increase")
         qo_smem = qo_smem2.at[wg]
         row0 = first + wg * block_q
-        kv_steps = kv_blocks(row0, row0 + block_q)
-        # Blocks every row of this warpgroup sees whole: no mask needed.
-        full_end = jnp.minimum(offset + row0 + 1, kv_end) if causal else kv_end
-        full_steps = jnp.clip(lax.div(jnp.maximum(full_end, 0), jnp.int32(block_kv)), 0, kv_steps)
+        lo, hi, lo_full, hi_full = rows_keys(row0, block_q)
+        begin, end = walk.blocks(lo, hi)
+        begin, end = jnp.clip(begin, tile_begin, tile_end), jnp.clip(end, tile_begin, tile_end)
+        begin = jnp.where(end > begin, begin, tile_end)  # no blocks: release them all after the other's
+        end = jnp.maximum(end, begin)
+        full_begin, full_end = walk.full_blocks(lo_full, hi_full, begin, end)
 
         q_rows = pl.ds(pl.multiple_of(q_start + row0, _ALIGN), block_q)
         plgpu.copy_gmem_to_smem(q_ref.at[q_rows, head], qo_smem, q_barriers.at[wg])
@@ -185,16 +291,11 @@ def _kernel(
         l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-        @pl.when(kv_steps > 0)
-        def _():
-            plgpu.barrier_wait(k_barriers.at[0])
-
         pl.when(wg == 1)(schedule_barrier_sync)
-        c = scale * _LOG2E
 
-        def kv_loop(step, carry, *, masked: bool):
+        def kv_loop(block, carry, *, masked: bool):
             acc, m_i, l_i = carry
-            slot = lax.rem(step, jnp.int32(num_stages))
+            slot = slot_of(block)
 
             def compute_qk(acc_ref):
                 plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
@@ -203,13 +304,15 @@ def _kernel(
 
             qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_consumed.at[slot])
+            qk, c = log2_logits(qk, scale=scale, softcap=softcap)
             if masked:
-                rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
-                keys = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
-                keys = keys + step * block_kv
-                visible = keys < kv_end
+                rows = plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA) + row0
+                keys, visible = walk.keys(block, qk.shape, 1)
+                row_pos = rows + offset  # rows outside the segment are never written out: any mask serves them
                 if causal:
-                    visible = visible & (keys <= rows + (offset + row0))
+                    visible = visible & (keys <= row_pos)
+                if window:
+                    visible = visible & (keys > row_pos - window)
                 qk = jnp.where(visible, qk, -jnp.inf)
             m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
             if masked:  # a row that has seen nothing keeps m = -inf; exp2 needs a finite base
@@ -227,38 +330,53 @@ def _kernel(
             plgpu.barrier_wait(v_barriers.at[slot])
             plgpu.barrier_wait(schedule_barrier)
             if masked:
-                # V rows past kv_end come from whatever the pool holds there (NaN * 0 is NaN): zero them.
-                @pl.when((step + 1) * block_kv > kv_end)
-                def _():
-                    v_tile = v_smem.at[slot]
-                    vrows = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0, layout=plgpu.Layout.WGMMA)
-                    v_tile[...] = jnp.where(vrows + step * block_kv < kv_end, v_tile[...], 0).astype(dtype)
-                    plgpu.commit_smem()
+                walk.zero_unseen(v_smem.at[slot], block, dtype)
+
+            next_slot = slot_of(block + 1)  # outside run_state: a ring's tile_begin is a constant it cannot return
 
             def compute_pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                nxt = step + 1
+                plgpu.wgmma(acc_ref, p16 if p_smem2 is None else p_smem2.at[wg], v_smem.at[slot])
 
-                @pl.when(nxt < kv_steps)
+                @pl.when(block + 1 < end)
                 def _():
-                    plgpu.barrier_wait(k_barriers.at[lax.rem(nxt, jnp.int32(num_stages))])
+                    plgpu.barrier_wait(k_barriers.at[next_slot])
 
-            acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+            if p_smem2 is None:  # P from registers into the running accumulator
+                acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+            else:
+                # Interpreted: P through shared memory into a fresh accumulator (the GPU interpreter takes wgmma
+                # operands from refs only and does not run pl.run_state).
+                p_smem2.at[wg][...] = p16
+                plgpu.commit_smem()
+
+                def fresh_pv(acc_ref):
+                    compute_pv(acc_ref)
+                    return acc_ref[...]
+
+                acc = acc + pl.run_scoped(fresh_pv, plgpu.ACC((block_q, head_dim), jnp.float32))
             plgpu.barrier_arrive(v_consumed.at[slot])
             return acc, m_ij, l_i
 
-        def drain(step, _):
-            # Blocks the other warpgroup still needs: release them in step with it.
-            slot = lax.rem(step, jnp.int32(num_stages))
+        def release(block, _):
+            # A block the other warpgroup needs and this one does not: released in step with the other.
+            slot = slot_of(block)
+            plgpu.barrier_wait(k_barriers.at[slot])  # every warpgroup observes every phase of each barrier
+            plgpu.barrier_wait(v_barriers.at[slot])
             plgpu.barrier_arrive(k_consumed.at[slot])
             plgpu.barrier_arrive(v_consumed.at[slot])
             schedule_barrier_sync()
             schedule_barrier_sync()
 
-        carry = (acc, m_i, l_i)
-        carry = lax.fori_loop(0, full_steps, functools.partial(kv_loop, masked=False), carry)
-        acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps, functools.partial(kv_loop, masked=True), carry)
-        lax.fori_loop(kv_steps, tile_steps, drain, None)
+        lax.fori_loop(tile_begin, begin, release, None)
+
+        @pl.when(end > begin)
+        def _():
+            plgpu.barrier_wait(k_barriers.at[slot_of(begin)])
+
+        carry = lax.fori_loop(begin, full_begin, functools.partial(kv_loop, masked=True), (acc, m_i, l_i))
+        carry = lax.fori_loop(full_begin, full_end, functools.partial(kv_loop, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(full_end, end, functools.partial(kv_loop, masked=True), carry)
+        lax.fori_loop(end, tile_end, release, None)
         pl.when(wg == 0)(schedule_barrier_sync)
 
         acc /= lax.broadcast_in_dim(jnp.where(l_i > 0, l_i, 1.0), (block_q, head_dim), [0])
@@ -271,37 +389,52 @@ def _kernel(
     def _memory_wg():
         plgpu.set_max_registers(40, action="decrease")
 
-        def load(step, slot):
-            copy_kv_block(page_table_ref, seq_slot, step, (k_ref, v_ref), kv_head, (k_smem, v_smem), slot,
+        @pl.loop(tile_begin, tile_end)
+        def _(block):
+            slot = slot_of(block)
+
+            @pl.when(block - tile_begin >= num_stages)
+            def _():
+                plgpu.barrier_wait(k_consumed.at[slot])
+                plgpu.barrier_wait(v_consumed.at[slot])
+
+            copy_kv_block(page_table_ref, seq_slot, block, (k_ref, v_ref), kv_head, (k_smem, v_smem), slot,
                           (k_barriers, v_barriers), page_size=page_size)
 
-        @pl.loop(0, jnp.minimum(tile_steps, num_stages))
-        def _prologue(step):
-            load(step, step)
-
-        @pl.loop(num_stages, jnp.maximum(tile_steps, num_stages))
-        def _steady(step):
-            slot = lax.rem(step, jnp.int32(num_stages))
-            plgpu.barrier_wait(k_consumed.at[slot])
-            plgpu.barrier_wait(v_consumed.at[slot])
-            load(step, slot)
+        @pl.loop(jnp.maximum(tile_end - num_stages, tile_begin), tile_end)
+        def _drain(block):  # observe the last releases too, so every barrier ends each phase it began
+            plgpu.barrier_wait(k_consumed.at[slot_of(block)])
+            plgpu.barrier_wait(v_consumed.at[slot_of(block)])
 
 
 @functools.partial(
-    jax.jit, static_argnames=("causal", "scale", "block_q", "block_kv", "num_stages")
+    jax.jit, static_argnames=("ring_rows", "window", "causal", "softcap", "scale", "block_q", "block_kv",
+                              "num_stages", "interpret")
 )
 def varlen_attention_mgpu(
-    q, k_pages, v_pages, page_table, seq_info, *, causal=True, scale, block_q=64, block_kv=128, num_stages=2
+    q, k_pages, v_pages, page_table, seq_info, *, ring_rows=None, window=0, causal=True, softcap=0.0, scale,
+    block_q=64, block_kv=128, num_stages=2, interpret=False,
 ):
-    """Same contract as `varlen_attention` (no ring, window or soft-cap); see supports().
+    """Same contract as `varlen_attention` (unscaled pools of q's dtype; see supports()).
 
     A tile is 2 * block_q query rows of one segment and one query head; block_kv keys per pipeline
-    step (halved for head_dim 256); num_stages K/V shared-memory slots."""
+    step (halved for head_dim 256); num_stages K/V shared-memory slots. interpret: run Pallas' GPU interpreter
+    (CPU tests), P @ V then taking P through shared memory."""
     if num_stages < 2:
         # The memory warpgroup refills a slot only after both its K and V were consumed.
         raise ValueError(f"varlen_attention_mgpu: num_stages={num_stages} must be >= 2")
     num_rows, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    if error := layer_error(page_table.shape[1] * page_size, ring_rows=ring_rows, window=window, softcap=softcap):
+        raise ValueError(f"varlen_attention_mgpu: {error}")
+    if k_pages.dtype != q.dtype or not supports(dtype=q.dtype, head_dim=head_dim, page_size=page_size,
+                                                block_kv=block_kv, ring_rows=ring_rows, window=window):
+        raise ValueError(
+            f"varlen_attention_mgpu: needs bf16/f16 pools of q's dtype, head_dim a multiple of 64 up to 256, "
+            f"page_size a multiple of 16 that divides or is divided by block_kv, and a ring a window in [1, "
+            f"ring_rows] (q {q.shape} {q.dtype}, pools {k_pages.shape} {k_pages.dtype}, block_kv={block_kv}, "
+            f"ring_rows={ring_rows}, window={window})"
+        )
     block_kv = block_kv_for(head_dim, block_kv)
     tile_rows = _COMPUTE_WGS * block_q
     num_segments = seq_info.shape[0]
@@ -316,6 +449,7 @@ def varlen_attention_mgpu(
             plgpu.SMEM((_COMPUTE_WGS, block_q, head_dim), dtype, transforms=transforms),
             plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
             plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
+            plgpu.SMEM((_COMPUTE_WGS, block_q, block_kv), dtype, transforms=transforms) if interpret else None,
         )
         copies = block_kv // min(page_size, block_kv)
         pl.run_scoped(
@@ -323,6 +457,7 @@ def varlen_attention_mgpu(
                 tiles_ref, seq_info_ref, page_table_ref, q_ref, k_ref, v_ref, out_ref, scoped,
                 block_q=block_q, block_kv=block_kv, num_stages=num_stages, page_size=page_size,
                 group=num_q_heads // num_kv_heads, causal=causal, scale=scale, num_tiles=num_tiles,
+                ring_rows=ring_rows, window=window, softcap=softcap,
             ),
             smem,
             (
@@ -345,5 +480,6 @@ def varlen_attention_mgpu(
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(tiles, seq_info, page_table, q, k_pages.reshape(flat), v_pages.reshape(flat))
     return _gather_rows(out_pad, seq_info, first_tile, tile_rows, num_rows)

@@ -344,7 +344,7 @@ def _valid_args():
             dict(seq_info=jnp.zeros((2, 4), jnp.int64) if jax.config.x64_enabled else jnp.zeros((2, 4), jnp.int16)),
             r"seq_info must be i32",
         ),
-        (dict(ring_rows=65), r"ring_rows=65 must be in \[1, P \* page_size\]"),
+        (dict(ring_rows=65), r"ring_rows=65 must be in \[1, 64\] \(the page table's rows, P \* page_size\)"),
         (dict(window=-1), r"window=-1"),
         (dict(softcap=-1.0), r"softcap=-1.0"),
         (dict(num_splits=0), r"num_splits=0"),

@@ -1,19 +1,46 @@
 """The Mosaic GPU prefill kernel (varlen_attention_mgpu.py) on a CPU machine.
 
-Its values are checked on the H200 (tools/gpu_kernels.py sweep, variant "mosaic"): Pallas' GPU
-interpreter runs wgmma only from shared-memory operands and does not run pl.run_state, which this
-kernel's P @ V uses (tests/test_kernels_mosaic_decode.py runs the decode kernel there). Here: the
+Pallas' GPU interpreter runs the kernel itself here (three warpgroups, TMA copies, barriers, wgmma; P @ V takes
+P through shared memory, as the interpreter needs) against the jnp reference, on flat and ring layers, windows
+and soft-caps; the H200 runs the sweep's cases compiled (tools/gpu_kernels.py, variant "mosaic"). Also: the
 host-side tile map and row gather against NumPy, the dispatch rules, and that the kernel lowers to a
 Mosaic GPU custom call for CUDA (layout inference, TMA tiling and shared-memory checks run at
 lowering) across the shapes it claims.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from glint.pallas_kernels import segments, varlen_attention
+from glint.pallas_kernels import BlockSizes, segments, tuning, varlen_attention
 from glint.pallas_kernels import varlen_attention_mgpu as mg
+from glint.pallas_kernels.reference import varlen_attention_reference
+from glint.pallas_kernels.testing import AttentionCase as C
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mosaic_cases import CASES, check_rows, device_inputs, layer_args
+
+PREFILL_CASES = {
+    # prefill chunks over several 128-row tiles among decode rows and short chunks, gaps and padding segments
+    "prefill-g4-d128": C(((300, 300), (1, 700), (7, 40), (130, 500), (1, 90)), group=4, num_kv_heads=2,
+                         head_dim=128, dtype="bfloat16", gaps=4, num_padding_segments=2),
+    # a window narrower than a tile: the second warpgroup's rows start a block later than the first's, and the
+    # first's end a block earlier (each releases the other's blocks); keys before the window are poisoned
+    "window-warpgroups": C(((256, 700), (200, 200), (3, 90)), group=2, num_kv_heads=1, head_dim=64,
+                           dtype="bfloat16", window=100),
+    # ring layers sized as the engine sizes them (window + chunk - 1 rows and some), chunks that wrap, soft-cap
+    "ring-prefill-softcap": C(((128, 500), (100, 100), (64, 1000), (1, 300)), group=2, num_kv_heads=1,
+                              head_dim=128, dtype="bfloat16", ring_rows=80 + 128 - 1 + 9, window=80, softcap=2.0,
+                              gaps=2),
+    # head_dim 256 (64-key blocks), pages of 64, non-causal f16
+    "d256-p64-noncausal-f16": C(((150, 150), (40, 300)), group=2, num_kv_heads=1, head_dim=256, page_size=64,
+                                dtype="float16", causal=False),
+}
+# The decode kernel's cases with windows and rings: decode rows and short chunks, which take one tile each.
+SHARED_CASES = ("window-flat-g4", "ring-chunks-softcap", "ring-g8-p32", "underflow-tiles",
+                "window-noncausal-softcap-f16", "mixed-g4")
 
 
 def test_tiles_and_gather_put_every_row_back():
@@ -75,18 +102,75 @@ def test_max_tiles_covers_every_layout():
         assert needed <= mg.max_tiles(row, num_segments, tile_rows), (num_segments, row, needed)
 
 
+@pytest.mark.parametrize("name", [*PREFILL_CASES, *SHARED_CASES])
+def test_interpreted_kernel_matches_reference(name):
+    """Through varlen_attention's "mosaic" backend, against the reference; poisoned pools and query gaps (NaN)
+    must not show."""
+    case = PREFILL_CASES.get(name) or CASES[name]
+    args = device_inputs(case)
+    layer = layer_args(case)
+    want = varlen_attention_reference(**args, scale=case.scale, **layer)
+    got = varlen_attention(**args, scale=case.scale, **layer, backend="mosaic", interpret=True)
+    check_rows(got, want, args["seq_info"], case.dtype)
+
+
+@pytest.mark.parametrize("name,block_kv,num_stages,shift", [
+    ("window-warpgroups", 64, 3, 0), ("ring-prefill-softcap", 64, 2, 0), ("prefill-g4-d128", 128, 3, 7),
+])
+def test_tiles_and_unaligned_starts(name, block_kv, num_stages, shift):
+    """Other key blocks and stage counts (more blocks than stages, so slots are refilled while in use
+    elsewhere), and every segment shifted `shift` rows (a tile then starts before its segment)."""
+    case = PREFILL_CASES[name]
+    args = device_inputs(case, seed=1, shift=shift)
+    layer = layer_args(case)
+    want = varlen_attention_reference(**args, scale=case.scale, **layer)
+    got = mg.varlen_attention_mgpu(**args, scale=case.scale, **layer, block_kv=block_kv, num_stages=num_stages,
+                                   interpret=True)
+    check_rows(got, want, args["seq_info"], case.dtype)
+
+
+@st.composite
+def _layouts(draw):
+    """A random prefill step: up to three segments of 0-300 query rows (some with fewer keys than rows), any
+    group, flat or ring layers, with or without window, soft-cap and causality, and the kernel's tile."""
+    window = draw(st.sampled_from([0, 0, 30, 100, 200]))
+    ring = window > 0 and draw(st.booleans())
+    lengths = draw(st.lists(st.integers(0, 300), min_size=1, max_size=3))
+    if ring:  # the engine's ring holds a step's writes beside the window (kvcache.config.group_ring_rows)
+        ring_rows = window + max(lengths) - 1 + draw(st.integers(0, 40))
+    segs = tuple((q_len, draw(st.integers(max(q_len - 40, 0), 600))) for q_len in lengths)
+    case = C(segs, group=draw(st.sampled_from([1, 2, 3])), page_size=draw(st.sampled_from([16, 64])),
+             head_dim=64, dtype="bfloat16", num_kv_heads=1, ring_rows=ring_rows if ring else None, window=window,
+             causal=draw(st.booleans()), softcap=draw(st.sampled_from([0.0, 2.0])), gaps=draw(st.integers(0, 9)))
+    tile = dict(block_kv=draw(st.sampled_from([64, 128])), num_stages=draw(st.sampled_from([2, 3])))
+    return case, tile, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=int(os.environ.get("GLINT_FUZZ_EXAMPLES", "6")), deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(_layouts())
+def test_random_layouts_match_reference(layout):
+    """Random steps interpreted against the reference (GLINT_FUZZ_EXAMPLES sets how many; 6 in the suite)."""
+    case, tile, seed = layout
+    args = device_inputs(case, seed=seed)
+    layer = layer_args(case)
+    want = varlen_attention_reference(**args, scale=case.scale, **layer)
+    got = mg.varlen_attention_mgpu(**args, scale=case.scale, **layer, **tile, interpret=True)
+    check_rows(got, want, args["seq_info"], case.dtype)
+
+
 def test_supports():
-    ok = dict(dtype=jnp.bfloat16, head_dim=128, page_size=16, block_kv=128, ring_rows=None, window=0, softcap=0.0)
+    ok = dict(dtype=jnp.bfloat16, head_dim=128, page_size=16, block_kv=128, ring_rows=None, window=0)
     assert mg.supports(**ok)
     assert mg.supports(**{**ok, "page_size": 256, "dtype": jnp.float16, "head_dim": 256})
+    assert mg.supports(**{**ok, "window": 64}) and mg.supports(**{**ok, "ring_rows": 96, "window": 96})
     for bad in (
         {"dtype": jnp.float32},
         {"head_dim": 80},
         {"page_size": 12},
         {"page_size": 8},  # allowed by TMA, not checked on the GPU
-        {"ring_rows": 96},
-        {"window": 64},
-        {"softcap": 30.0},
+        {"ring_rows": 96},  # a ring without a window: a row would stand for several keys
+        {"ring_rows": 96, "window": 97},  # a window wider than its ring, likewise
     ):
         assert not mg.supports(**{**ok, **bad}), bad
 
@@ -98,10 +182,21 @@ def test_mosaic_backend_refuses_what_it_cannot_run():
     v_pages = jax.random.normal(keys[2], (4, 16, 1, 128), jnp.bfloat16)
     page_table = jnp.array([[2, 1, 3, 0]], jnp.int32)
     args = (q, k_pages, v_pages, page_table, jnp.array([[0, 32, 0, 32]], jnp.int32))
+    with pytest.raises(ValueError, match="backend='mosaic' needs a Hopper GPU"):
+        varlen_attention(*args, scale=0.1, backend="mosaic")  # compiled, on a CPU machine
+    with pytest.raises(ValueError, match="backend='mosaic' needs.*ring_rows=32, window=0"):
+        varlen_attention(*args, scale=0.1, backend="mosaic", ring_rows=32, interpret=True)
+    with pytest.raises(ValueError, match="backend='mosaic' needs.*num_splits=2"):
+        varlen_attention(*args, scale=0.1, backend="mosaic", num_splits=2, interpret=True)
+    with pytest.raises(ValueError, match="backend='mosaic' needs.*pools float8_e4m3fn"):
+        varlen_attention(q, k_pages.astype(jnp.float8_e4m3fn), v_pages.astype(jnp.float8_e4m3fn), *args[3:],
+                         scale=0.1, backend="mosaic", interpret=True)
     with pytest.raises(ValueError, match="backend='mosaic' needs"):
-        varlen_attention(*args, scale=0.1, backend="mosaic", interpret=True)
-    with pytest.raises(ValueError, match="window=8"):
-        varlen_attention(*args, scale=0.1, backend="mosaic", window=8)
+        varlen_attention(*args, scale=0.1, backend="mosaic", block_sizes=BlockSizes(), interpret=True)
+    with pytest.raises(ValueError, match=r"varlen_attention_mgpu: ring_rows=100 must be in \[1, 64\]"):
+        mg.varlen_attention_mgpu(*args, scale=0.1, ring_rows=100, window=8)
+    with pytest.raises(ValueError, match="a ring a window in .*ring_rows=32, window=40"):
+        mg.varlen_attention_mgpu(*args, scale=0.1, ring_rows=32, window=40)
     with pytest.raises(ValueError, match="backend='cudnn'"):
         varlen_attention(*args, scale=0.1, backend="cudnn")
     # On a CPU machine "auto" never picks Mosaic: it is the Triton kernel (interpreted), exactly.
@@ -112,16 +207,19 @@ def test_mosaic_backend_refuses_what_it_cannot_run():
 
 
 @pytest.mark.parametrize(
-    "num_rows,hq,hkv,d,page_size,dtype,causal",
+    "num_rows,hq,hkv,d,page_size,dtype,causal,layer",
     [
-        (461, 8, 2, 128, 16, jnp.bfloat16, True),
-        (10, 4, 1, 64, 16, jnp.bfloat16, True),
-        (197, 16, 2, 256, 32, jnp.bfloat16, True),
-        (300, 8, 2, 128, 64, jnp.float16, False),
-        (256, 2, 2, 64, 256, jnp.bfloat16, True),
+        (461, 8, 2, 128, 16, jnp.bfloat16, True, {}),
+        (10, 4, 1, 64, 16, jnp.bfloat16, True, {}),
+        (197, 16, 2, 256, 32, jnp.bfloat16, True, {}),
+        (300, 8, 2, 128, 64, jnp.float16, False, {}),
+        (256, 2, 2, 64, 256, jnp.bfloat16, True, {}),
+        (512, 8, 4, 256, 16, jnp.bfloat16, True, dict(ring_rows=240, window=200, softcap=50.0)),  # gemma-like
+        (300, 8, 2, 128, 16, jnp.bfloat16, True, dict(window=128)),
+        (300, 8, 2, 128, 16, jnp.float16, False, dict(window=64, softcap=30.0)),
     ],
 )
-def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, dtype, causal):
+def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, dtype, causal, layer):
     num_pages, pages_per_seq = 64, 16
     args = (
         jax.ShapeDtypeStruct((num_rows, hq, d), dtype),
@@ -130,7 +228,7 @@ def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, dtype, causal):
         jax.ShapeDtypeStruct((5, pages_per_seq), jnp.int32),
         jax.ShapeDtypeStruct((3, 4), jnp.int32),
     )
-    fn = jax.jit(lambda *a: mg.varlen_attention_mgpu(*a, causal=causal, scale=d**-0.5))
+    fn = jax.jit(lambda *a: mg.varlen_attention_mgpu(*a, causal=causal, scale=d**-0.5, **layer))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -141,6 +239,33 @@ def test_one_stage_is_refused():
     table, info = jax.ShapeDtypeStruct((2, 4), jnp.int32), jax.ShapeDtypeStruct((1, 4), jnp.int32)
     with pytest.raises(ValueError, match="num_stages=1 must be >= 2"):
         jax.eval_shape(lambda *a: mg.varlen_attention_mgpu(*a, scale=0.1, num_stages=1), q, pages, pages, table, info)
+
+
+def test_auto_dispatch(monkeypatch):
+    """On a Hopper GPU (stubbed), "auto" takes the kernel for prefill steps it covers; rings, windows and soft-caps
+    only without tuning.MOSAIC_PREFILL_PLAIN_ONLY."""
+    import importlib
+
+    va = importlib.import_module("glint.pallas_kernels.varlen_attention")
+    monkeypatch.setattr(mg, "is_hopper", lambda: True)
+    q = jnp.zeros((512, 8, 128), jnp.bfloat16)
+
+    def use(num_segments=2, **kw):
+        args = dict(q=q, k_pages=jnp.zeros((4, 16, 2, 128), jnp.bfloat16),
+                    seq_info=jnp.zeros((num_segments, 4), jnp.int32), ring_rows=None, window=0, softcap=0.0,
+                    num_splits=None, block_sizes=None, interpret=False)
+        return va._use_mosaic("auto", **{**args, **kw})
+
+    layers = (dict(window=128), dict(softcap=30.0), dict(ring_rows=200, window=128))
+    monkeypatch.setattr(tuning, "MOSAIC_PREFILL_PLAIN_ONLY", True)
+    assert use() and not any(use(**layer) for layer in layers)
+    monkeypatch.setattr(tuning, "MOSAIC_PREFILL_PLAIN_ONLY", False)
+    assert all(use(**layer) for layer in layers)
+    assert not use(ring_rows=200)  # a ring without a window
+    assert not use(num_segments=512)  # a decode step
+    assert not use(interpret=True)
+    monkeypatch.setattr(mg, "is_hopper", lambda: False)
+    assert not use()
 
 
 def test_auto_splits_segments_between_the_kernels(monkeypatch):
