@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 import traceback
@@ -62,7 +63,7 @@ def sweep_cases():
         (
             "decode-g8-p32-softcap",
             C(dec, group=8, page_size=32, dtype="bfloat16", num_kv_heads=2, softcap=30.0),
-            DECODE_VARIANTS + MOSAIC_DECODE,
+            DECODE_VARIANTS + MOSAIC + MOSAIC_DECODE,
         ),
         (
             "prefill-g4-p16",
@@ -92,16 +93,16 @@ def sweep_cases():
         ),
         ("mixed-g6-d80", C(mixed, group=6, dtype="bfloat16", num_kv_heads=1, head_dim=80), PREFILL_VARIANTS),
         ("mixed-f32-window", C(mixed, group=4, dtype="float32", window=128, head_dim=128), PREFILL_VARIANTS),
-        ("mixed-window-g4", C(mixed, group=4, dtype="bfloat16", window=100, head_dim=128), MOSAIC_DECODE),
+        ("mixed-window-g4", C(mixed, group=4, dtype="bfloat16", window=100, head_dim=128), MOSAIC + MOSAIC_DECODE),
         (
             "ring-window-g4-p16",
             C(ring, group=4, dtype="bfloat16", ring_rows=192, window=128, head_dim=128),
-            PREFILL_VARIANTS + SMALL + MOSAIC_DECODE,
+            PREFILL_VARIANTS + SMALL + MOSAIC + MOSAIC_DECODE,
         ),
         (
             "ring-window-noncausal-softcap",
             C(ring, group=2, dtype="bfloat16", ring_rows=256, window=200, causal=False, softcap=50.0, page_size=32),
-            PREFILL_VARIANTS + SMALL + MOSAIC_DECODE,
+            PREFILL_VARIANTS + SMALL + MOSAIC + MOSAIC_DECODE,
         ),
         ("underflow", C(((9, 4), (1, 50)), group=4, dtype="bfloat16"), PREFILL_VARIANTS + MOSAIC + MOSAIC_DECODE),
     ]
@@ -343,6 +344,10 @@ def main():
     parser.add_argument("--quick", action="store_true", help="tiny timing shapes")
     parser.add_argument("--tables", default="decode,prefill", help="timing tables to run")
     flags = parser.parse_args()
+    if flags.interpret:
+        # The GPU interpreter's warpgroup threads need more of the CPU client's pool than 2 cores give it
+        # (tests/conftest.py); read when jax.devices() below starts the client.
+        os.environ.setdefault("PJRT_NPROC", str(max(4, os.cpu_count() or 1)))
     print(jax.__version__, jax.devices())
     t0 = time.time()
     if not flags.skip_sweep:
