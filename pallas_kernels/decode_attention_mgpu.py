@@ -28,16 +28,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from glint.pallas_kernels import segments, tuning, varlen_attention_mgpu
+from glint.pallas_kernels import mosaic_keys, segments, tuning, varlen_attention_mgpu
 from glint.pallas_kernels.reference import layer_error
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 _BLOCK_M = 64  # packed rows per tile: one wgmma tile of one warpgroup
-# TMA row offsets into the tiled query view are multiples of this: the prefill kernel's, whose tile counting
+# TMA row offsets into the tiled query view are multiples of this, as in the prefill kernel, whose tile counting
 # (padded_rows, max_tiles) this kernel shares over packed rows.
-_ALIGN = varlen_attention_mgpu._ALIGN
+_ALIGN = mosaic_keys.ALIGN
 
 
 def supports(*, dtype, kv_dtype, head_dim: int, page_size: int, block_kv: int, ring_rows, window: int) -> bool:
@@ -123,9 +123,9 @@ def _kernel(
 
     has_rows = (segment >= 0) & (hi_row > lo_row)  # rows to write, zero if they see no key
     # Keys the tile's rows see: [lo, hi) in all; [lo_full, hi_full) by every row.
-    lo, hi, lo_full, hi_full = varlen_attention_mgpu.seen_keys(offset, lo_row, hi_row, kv_end, window=window,
-                                                               causal=causal, group=group)
-    walk = varlen_attention_mgpu.KeyWalk(kv_end, lo, block_kv, ring_rows)
+    lo, hi, lo_full, hi_full = mosaic_keys.seen_keys(offset, lo_row, hi_row, kv_end, window=window, causal=causal,
+                                                     group=group)
+    walk = mosaic_keys.KeyWalk(kv_end, lo, block_kv, ring_rows)
     blk_lo, blk_hi = walk.blocks(lo, hi)
     num_blocks = jnp.where(has_rows, blk_hi - blk_lo, 0)
     per_split = lax.div(num_blocks + num_splits - 1, jnp.int32(num_splits))
@@ -134,7 +134,7 @@ def _kernel(
     full_begin, full_end = walk.full_blocks(lo_full, hi_full, begin, end)
 
     def load(block, slot):
-        varlen_attention_mgpu.copy_kv_block(page_table_ref, seq_slot, block, (k_ref, v_ref), kv_head,
+        mosaic_keys.copy_kv_block(page_table_ref, seq_slot, block, (k_ref, v_ref), kv_head,
                                             (k_smem, v_smem), slot, (k_barriers, v_barriers), page_size=page_size)
 
     @pl.when(has_rows & (wg == 1))
@@ -173,7 +173,7 @@ def _kernel(
                 return acc_ref[...]
 
             qk = pl.run_scoped(qk_dot, plgpu.ACC((_BLOCK_M, block_kv), jnp.float32))
-            qk, c = varlen_attention_mgpu.log2_logits(qk, scale=scale, softcap=softcap)
+            qk, c = mosaic_keys.log2_logits(qk, scale=scale, softcap=softcap)
             if masked:
                 rows = plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA) + first
                 keys, visible = walk.keys(block, qk.shape, 1)

@@ -10,15 +10,15 @@ INTERPRET = not ON_GPU
 PALLAS = "pallas" if ON_GPU else "interpret"
 if not ON_GPU:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # Pallas' GPU interpreter runs each warpgroup of a CTA on a thread whose program the CPU client runs on its
+    # thread pool, sized by the cores: on a 2-core machine the Mosaic prefill kernel's three warpgroups starve it
+    # (one never runs while the others wait for it at a barrier), so the pool gets at least four threads.
+    os.environ.setdefault("PJRT_NPROC", str(max(4, os.cpu_count() or 1)))
     # Four CPU devices, for the tensor-parallel tests (tests/test_tp.py); everything else runs on the first.
     TP_DEVICES = 4
     # The suite's programs are tiny and compiled once or twice each: compiling is most of its time, so LLVM's
     # optimisation passes are skipped (XLA's own HLO passes, which decide what is computed, still run; on the
     # 2-core CI machine this takes about a quarter off the suite).
-    # Pallas' GPU interpreter runs each warpgroup of a CTA on a thread whose program the CPU client runs on its
-    # thread pool, sized by the cores: on a 2-core machine the Mosaic prefill kernel's three warpgroups starve it
-    # (one never runs while the others wait for it at a barrier), so the pool gets at least four threads.
-    os.environ.setdefault("PJRT_NPROC", str(max(4, os.cpu_count() or 1)))
     for flag in (f"--xla_force_host_platform_device_count={TP_DEVICES}", "--xla_backend_optimization_level=0",
                  "--xla_llvm_disable_expensive_passes=true"):
         if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):

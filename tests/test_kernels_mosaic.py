@@ -40,7 +40,7 @@ PREFILL_CASES = {
 }
 # The decode kernel's cases with windows and rings: decode rows and short chunks, which take one tile each.
 SHARED_CASES = ("window-flat-g4", "ring-chunks-softcap", "ring-g8-p32", "underflow-tiles",
-                "window-noncausal-softcap-f16", "mixed-g4")
+                "window-noncausal-softcap-f16")
 
 
 def test_tiles_and_gather_put_every_row_back():
@@ -115,7 +115,7 @@ def test_interpreted_kernel_matches_reference(name):
 
 
 @pytest.mark.parametrize("name,block_kv,num_stages,shift", [
-    ("window-warpgroups", 64, 3, 0), ("ring-prefill-softcap", 64, 2, 0), ("prefill-g4-d128", 128, 3, 7),
+    ("window-warpgroups", 64, 3, 0), ("ring-prefill-softcap", 64, 2, 0), ("window-warpgroups", 128, 3, 7),
 ])
 def test_tiles_and_unaligned_starts(name, block_kv, num_stages, shift):
     """Other key blocks and stage counts (more blocks than stages, so slots are refilled while in use

@@ -278,6 +278,12 @@ print('$alloc', {k: s.get(k) for k in ('bytes_limit', 'bytes_in_use')}, 'free_de
       > "$out/mosaic_sweep.log" 2>&1
     echo "== sweep rc=$?"; grep -E "^(PASS|FAIL|ERROR|sweep)" "$out/mosaic_sweep.log"
     ;;
+  prefill-layers)  # the Mosaic prefill kernel against Triton on ring, window and soft-cap layers (~3 min;
+                   # PREFILL_LAYERS_ARGS: "--iters N")
+    timeout ${PREFILL_LAYERS_TIMEOUT:-300} python3 tools/gpu_prefill_layers.py ${PREFILL_LAYERS_ARGS:-} \
+      > "$out/prefill_layers.log" 2>&1
+    echo "== prefill_layers rc=$?"; cat "$out/prefill_layers.log"
+    ;;
   decode-e2e)  # quant-e2e (bf16) with decode attention on each of DECODE_ARMS (default "triton mosaic":
                # tuning.DECODE_BACKEND), one process each of at most E2E_TIMEOUT s (default 270, so two arms fit one
                # 600 s call); E2E_ARGS adds bench args

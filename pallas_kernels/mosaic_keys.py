@@ -1,0 +1,122 @@
+"""What the Mosaic GPU attention kernels (varlen_attention_mgpu.py, decode_attention_mgpu.py) share about a
+sequence's keys: which key blocks a tile of query rows walks and which of their keys it sees (flat layers in key
+order, ring layers in storage order, windows), their logits, and the TMA copies of a block's pages."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_LOG2E = math.log2(math.e)
+ALIGN = 8  # TMA row offsets into the tiled query / K / V views are multiples of this
+
+
+def copy_kv_block(page_table_ref, seq_slot, block, pools, kv_head, bufs, slot, barriers, *, page_size: int):
+    """Starts the TMA copies of key block `block` of sequence `seq_slot` (its rows of kv head `kv_head` in the flat
+    pools (k, v)) into slot `slot` of the shared-memory buffers (k, v), one copy per page chunk, K first (needed
+    first), each arriving at its buffer's barrier for the slot. A block past the table's last page reads that page."""
+    block_kv = bufs[0].shape[1]
+    chunk = min(page_size, block_kv)
+    last_page = page_table_ref.shape[1] - 1
+    rows = []
+    for i in range(block_kv // chunk):
+        key = block * block_kv + i * chunk
+        page = page_table_ref[seq_slot, jnp.minimum(lax.div(key, jnp.int32(page_size)), last_page)]
+        rows.append(pl.ds(pl.multiple_of(page * page_size + lax.rem(key, jnp.int32(page_size)), ALIGN), chunk))
+    for ref, buf, barrier in zip(pools, bufs, barriers):
+        for i, src in enumerate(rows):
+            plgpu.copy_gmem_to_smem(ref.at[src, kv_head], buf.at[slot, pl.ds(i * chunk, chunk)], barrier.at[slot])
+
+
+def seen_keys(offset, row_lo, row_hi, kv_end, *, window: int, causal: bool, group: int = 1):
+    """Keys that a segment's rows [row_lo, row_hi) see (rows packed `group` to a position; row 0 at position
+    `offset`): [lo, hi) in all, empty (hi <= lo) without rows, and [lo_full, hi_full) by every row."""
+    def pos(row):
+        return offset + lax.div(row, jnp.int32(group))
+
+    lo = jnp.maximum(pos(row_lo) - window + 1, 0) if window else jnp.int32(0)
+    hi = jnp.minimum(pos(row_hi - 1) + 1, kv_end) if causal else kv_end
+    lo_full = jnp.maximum(pos(row_hi - 1) - window + 1, 0) if window else jnp.int32(0)
+    hi_full = jnp.minimum(pos(row_lo) + 1, kv_end) if causal else kv_end
+    return lo, jnp.where(row_hi > row_lo, hi, lo), lo_full, hi_full
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyWalk:
+    """How a tile's key blocks of `block_kv` pool rows walk a sequence's keys below kv_end, `lo` the first any row
+    of the tile sees. A flat layer's block b holds keys [b * block_kv, ...) in order. A ring layer's blocks walk
+    its rows [0, rows_end) in storage order (the softmax does not care): row r holds the latest key below kv_end
+    that is r mod ring_rows, wrapped keys being those of rows past kv_end's own."""
+
+    kv_end: jax.Array
+    lo: jax.Array
+    block_kv: int
+    ring_rows: int | None
+
+    @property
+    def rows_end(self):
+        return self.kv_end if self.ring_rows is None else jnp.minimum(self.kv_end, self.ring_rows)
+
+    def blocks(self, lo, hi):
+        """[begin, end): the blocks that hold keys [lo, hi) (none if hi <= lo); a ring's every block."""
+        if self.ring_rows is None:
+            begin = lax.div(lo, jnp.int32(self.block_kv))
+            end = lax.div(hi + self.block_kv - 1, jnp.int32(self.block_kv))
+        else:
+            begin, end = jnp.int32(0), lax.div(self.rows_end + self.block_kv - 1, jnp.int32(self.block_kv))
+        return begin, jnp.where(hi > lo, end, begin)
+
+    def full_blocks(self, lo_full, hi_full, begin, end):
+        """[full_begin, full_end) within [begin, end): blocks of keys in [lo_full, hi_full) only, which rows that
+        all see those keys need not mask (a ring's blocks are always masked)."""
+        if self.ring_rows is not None:
+            return begin, begin
+        full_begin = jnp.clip(lax.div(lo_full + self.block_kv - 1, jnp.int32(self.block_kv)), begin, end)
+        full_end = jnp.clip(lax.div(jnp.maximum(hi_full, 0), jnp.int32(self.block_kv)), full_begin, end)
+        return full_begin, full_end
+
+    def keys(self, block, shape, dim: int):
+        """The key each row of `block` holds, as an iota along `dim` of `shape` (WGMMA layout), and whether that
+        row holds a key below kv_end (its storage row below rows_end)."""
+        rows = plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA) + block * self.block_kv
+        if self.ring_rows is None:
+            return rows, rows < self.kv_end
+        ring = jnp.int32(self.ring_rows)
+        last_lap, last_row = lax.div(self.kv_end - 1, ring), lax.rem(self.kv_end - 1, ring)
+        return rows + (last_lap - jnp.where(rows > last_row, 1, 0)) * ring, rows < self.rows_end
+
+    def holds_unseen(self, block):
+        """Whether `block` holds a row of a key before lo or a row past rows_end."""
+        start, stop = block * self.block_kv, (block + 1) * self.block_kv
+        if self.ring_rows is None:
+            return (start < self.lo) | (stop > self.rows_end)
+        # The ring's keys before lo, [oldest, lo), sit in rows [stale_start, stale_end) mod ring_rows.
+        ring = jnp.int32(self.ring_rows)
+        oldest = self.kv_end - self.rows_end
+        stale_start = lax.rem(oldest, ring)
+        stale_end = stale_start + jnp.maximum(self.lo - oldest, 0)
+        return ((stop > self.rows_end) | (start < stale_end - ring)
+                | ((stale_end > stale_start) & (start < jnp.minimum(stale_end, ring)) & (stale_start < stop)))
+
+    def zero_unseen(self, v_tile, block, dtype):
+        """Zeroes the V rows of `block` (in shared memory) whose keys no row of the tile sees: those rows may hold
+        anything (NaN * 0 is NaN). Keys past a row's own are some later row's: they hold real values."""
+        @pl.when(self.holds_unseen(block))
+        def _():
+            keys, stored = self.keys(block, v_tile.shape, 0)
+            v_tile[...] = jnp.where(stored & (keys >= self.lo), v_tile[...], 0).astype(dtype)
+            plgpu.commit_smem()
+
+
+def log2_logits(qk, *, scale: float, softcap: float):
+    """(x, c): the logits in log2 units are x * c, from q . k. Soft-capped (softcap * tanh(q . k * scale /
+    softcap)) they are x itself (c = 1); otherwise c = scale * log2(e), left for the exp2's multiply-add."""
+    if softcap:
+        return (softcap * _LOG2E) * jnp.tanh(qk * (scale / softcap)), 1.0
+    return qk, scale * _LOG2E
