@@ -18,7 +18,10 @@ case "$device" in
   *) echo "test-gpu: no GPU visible to jax (got '${device:-nothing}')"; exit 2 ;;
 esac
 tests=${GPU_TESTS:-tests/test_kernels_attention.py tests/test_kernels_ring_write.py tests/test_kernels_qkv_write.py \
-  tests/test_paged_model.py tests/test_model_parity.py tests/test_engine.py tests/test_quant.py}
+  tests/test_kernels_mosaic.py tests/test_kernels_mosaic_decode.py tests/test_paged_model.py \
+  tests/test_model_parity.py tests/test_engine.py tests/test_quant.py}
+# The Mosaic kernels on random steps, where hypothesis is installed (the lent machines may lack it).
+$py -c "import hypothesis" 2>/dev/null && tests="$tests tests/test_kernels_mosaic_fuzz.py"
 # The sweep (one process, ~6 min on the H200) runs beside the tests; all of them share the GPU, each taking
 # memory as it needs it instead of 75 % of it up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
