@@ -11,8 +11,9 @@ rows of few tokens: the Triton and Mosaic prefill kernels serve prefill steps.
 
 Scope: flat and ring layers (a ring with a window that fits it), sliding windows and soft-caps; bf16/f16 pools
 of q's dtype (no fp8), head_dim 64 or 128, page sizes a multiple of 16 that divide or are divided by `block_kv`
-(a multiple of 64). A ring layer's blocks walk its rows in storage order, each row standing for the latest key it
-holds; a windowed flat layer's start at the block of the tile's first visible key.
+(a multiple of 64). A windowed flat layer's blocks start at the block of the tile's first visible key; a ring
+layer's walk its storage blocks from the one holding that key's row, wrapping past the last, each row standing
+for the latest key it holds (mosaic_keys.KeyWalk).
 
 Each CTA writes its tile's rows (normalized; float32 with their log2-sum-exp when the keys are split) to
 padded outputs; the merge over splits gathers each query row back to the packed [T, Hq, D] layout. With one
@@ -134,8 +135,8 @@ def _kernel(
     full_begin, full_end = walk.full_blocks(lo_full, hi_full, begin, end)
 
     def load(block, slot):
-        mosaic_keys.copy_kv_block(page_table_ref, seq_slot, block, (k_ref, v_ref), kv_head,
-                                            (k_smem, v_smem), slot, (k_barriers, v_barriers), page_size=page_size)
+        mosaic_keys.copy_kv_block(page_table_ref, seq_slot, walk.storage(block), (k_ref, v_ref), kv_head,
+                                  (k_smem, v_smem), slot, (k_barriers, v_barriers), page_size=page_size)
 
     @pl.when(has_rows & (wg == 1))
     def _memory_wg():

@@ -50,9 +50,11 @@ def seen_keys(offset, row_lo, row_hi, kv_end, *, window: int, causal: bool, grou
 @dataclasses.dataclass(frozen=True)
 class KeyWalk:
     """How a tile's key blocks of `block_kv` pool rows walk a sequence's keys below kv_end, `lo` the first any row
-    of the tile sees. A flat layer's block b holds keys [b * block_kv, ...) in order. A ring layer's blocks walk
-    its rows [0, rows_end) in storage order (the softmax does not care): row r holds the latest key below kv_end
-    that is r mod ring_rows, wrapped keys being those of rows past kv_end's own."""
+    of the tile sees. A flat layer's block b holds keys [b * block_kv, ...) in order. A ring layer's storage rows
+    [0, ring_rows) are split into blocks the same way; row r holds the latest key below kv_end that is r mod
+    ring_rows (wrapped keys being those of rows past kv_end's own). A ring's walk counts its blocks on past the
+    last one, block b standing for storage block b mod (blocks in the ring), so that it can start at the block
+    holding its first key and wrap (`storage`)."""
 
     kv_end: jax.Array
     lo: jax.Array
@@ -63,13 +65,28 @@ class KeyWalk:
     def rows_end(self):
         return self.kv_end if self.ring_rows is None else jnp.minimum(self.kv_end, self.ring_rows)
 
+    @property
+    def ring_blocks(self) -> int:
+        return -(-self.ring_rows // self.block_kv)
+
+    def storage(self, block):
+        """The storage block that walk block `block` copies."""
+        return block if self.ring_rows is None else lax.rem(block, jnp.int32(self.ring_blocks))
+
     def blocks(self, lo, hi):
-        """[begin, end): the blocks that hold keys [lo, hi) (none if hi <= lo); a ring's every block."""
+        """[begin, end): the walk's blocks that hold keys [lo, hi) (none if hi <= lo). A ring's start at the
+        block holding lo's row and wrap past its last block, every block at most once (hi - lo <= ring_rows: a
+        ring's tile sees at most a window and its rows)."""
+        bk = jnp.int32(self.block_kv)
         if self.ring_rows is None:
-            begin = lax.div(lo, jnp.int32(self.block_kv))
-            end = lax.div(hi + self.block_kv - 1, jnp.int32(self.block_kv))
+            begin, end = lax.div(lo, bk), lax.div(hi + self.block_kv - 1, bk)
         else:
-            begin, end = jnp.int32(0), lax.div(self.rows_end + self.block_kv - 1, jnp.int32(self.block_kv))
+            ring = jnp.int32(self.ring_rows)
+            first_row, last_row = lax.rem(lo, ring), lax.rem(jnp.maximum(hi - 1, lo), ring)
+            begin, last = lax.div(first_row, bk), lax.div(last_row, bk)
+            wraps = first_row + (hi - lo) > self.ring_rows
+            count = jnp.where(wraps, self.ring_blocks - begin + last + 1, last - begin + 1)
+            end = begin + jnp.minimum(count, self.ring_blocks)
         return begin, jnp.where(hi > lo, end, begin)
 
     def full_blocks(self, lo_full, hi_full, begin, end):
@@ -82,9 +99,10 @@ class KeyWalk:
         return full_begin, full_end
 
     def keys(self, block, shape, dim: int):
-        """The key each row of `block` holds, as an iota along `dim` of `shape` (WGMMA layout), and whether that
-        row holds a key below kv_end (its storage row below rows_end)."""
-        rows = plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA) + block * self.block_kv
+        """The key each row of walk block `block` holds, as an iota along `dim` of `shape` (WGMMA layout), and
+        whether that row holds a key below kv_end (its storage row below rows_end)."""
+        rows = (plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+                + self.storage(block) * self.block_kv)
         if self.ring_rows is None:
             return rows, rows < self.kv_end
         ring = jnp.int32(self.ring_rows)
@@ -92,8 +110,9 @@ class KeyWalk:
         return rows + (last_lap - jnp.where(rows > last_row, 1, 0)) * ring, rows < self.rows_end
 
     def holds_unseen(self, block):
-        """Whether `block` holds a row of a key before lo or a row past rows_end."""
-        start, stop = block * self.block_kv, (block + 1) * self.block_kv
+        """Whether walk block `block` holds a row of a key before lo or a row past rows_end."""
+        start = self.storage(block) * self.block_kv
+        stop = start + self.block_kv
         if self.ring_rows is None:
             return (start < self.lo) | (stop > self.rows_end)
         # The ring's keys before lo, [oldest, lo), sit in rows [stale_start, stale_end) mod ring_rows.
@@ -105,7 +124,7 @@ class KeyWalk:
                 | ((stale_end > stale_start) & (start < jnp.minimum(stale_end, ring)) & (stale_start < stop)))
 
     def zero_unseen(self, v_tile, block, dtype):
-        """Zeroes the V rows of `block` (in shared memory) whose keys no row of the tile sees: those rows may hold
+        """Zeroes the V rows of walk block `block` (in shared memory) whose keys no row of the tile sees: those rows may hold
         anything (NaN * 0 is NaN). Keys past a row's own are some later row's: they hold real values."""
         @pl.when(self.holds_unseen(block))
         def _():

@@ -14,9 +14,10 @@ by `block_kv` (16, 64 and 256 were checked on the H200, flat layers without wind
 only in Pallas' GPU interpreter, so `varlen_attention`'s "auto" leaves it to the Triton kernel while
 tuning.MOSAIC_PREFILL_PLAIN_ONLY is set).
 
-The memory warpgroup streams the blocks any row of the tile sees (KeyWalk: a flat layer's in key order from the
-window's start, a ring's in storage order); each compute warpgroup computes on its own rows' blocks and releases
-the others in step with the other warpgroup, masking the blocks that hold keys some of its rows do not see.
+The memory warpgroup streams the blocks any row of the tile sees (mosaic_keys.KeyWalk: a flat layer's in key
+order from the window's start, a ring's storage blocks from the one holding the tile's first key, wrapping). Each
+compute warpgroup computes on its own rows' blocks (a ring's: all of the tile's) and releases the others in step
+with the other warpgroup, masking the blocks that hold keys some of its rows do not see.
 
 Output rows are written per tile into a padded buffer and gathered back to
 the packed query layout afterwards, so a tile's rows past its segment never
@@ -170,7 +171,10 @@ def _kernel(
         qo_smem = qo_smem2.at[wg]
         row0 = first + wg * block_q
         lo, hi, lo_full, hi_full = rows_keys(row0, block_q)
-        begin, end = walk.blocks(lo, hi)
+        if ring_rows is None:
+            begin, end = walk.blocks(lo, hi)
+        else:  # a ring tile's walk is a window and a tile of rows: each warpgroup with rows takes all of it
+            begin, end = tile_begin, jnp.where(hi > lo, tile_end, tile_begin)
         begin, end = jnp.clip(begin, tile_begin, tile_end), jnp.clip(end, tile_begin, tile_end)
         begin = jnp.where(end > begin, begin, tile_end)  # no blocks: release them all after the other's
         end = jnp.maximum(end, begin)
@@ -296,8 +300,8 @@ def _kernel(
                 plgpu.barrier_wait(k_consumed.at[slot])
                 plgpu.barrier_wait(v_consumed.at[slot])
 
-            copy_kv_block(page_table_ref, seq_slot, block, (k_ref, v_ref), kv_head, (k_smem, v_smem), slot,
-                          (k_barriers, v_barriers), page_size=page_size)
+            copy_kv_block(page_table_ref, seq_slot, walk.storage(block), (k_ref, v_ref), kv_head, (k_smem, v_smem),
+                          slot, (k_barriers, v_barriers), page_size=page_size)
 
         @pl.loop(jnp.maximum(tile_end - num_stages, tile_begin), tile_end)
         def _drain(block):  # observe the last releases too, so every barrier ends each phase it began

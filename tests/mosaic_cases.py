@@ -43,6 +43,10 @@ CASES = {
     # the last block (195-199) into the first (0-4)
     "ring-g8-p32": C(((1, 1000), (1, 150), (2, 450), (1, 595)), group=8, page_size=32, head_dim=64,
                      dtype="bfloat16", num_kv_heads=1, ring_rows=200, window=190),
+    # a ring much wider than its window: a tile walks only the blocks holding its keys, from mid-ring, wrapping
+    # past the last (partial) block to the first; and one sequence that has not filled the ring
+    "ring-wide-wraps": C(((1, 990), (1, 1020), (4, 2003), (20, 1513), (1, 40)), group=4, head_dim=64,
+                         dtype="bfloat16", num_kv_heads=1, ring_rows=500, window=60, gaps=2),
     # more query rows than keys: the first tile's rows sit before key 0 and see nothing (zero rows out)
     "underflow-tiles": C(((40, 10), (1, 30)), group=4, head_dim=64, dtype="bfloat16", num_kv_heads=1, window=8),
     # non-causal with a window and a soft-cap, f16

@@ -37,7 +37,7 @@ PREFILL_CASES = {
                                 dtype="float16", causal=False),
 }
 # The decode kernel's cases with windows and rings: decode rows and short chunks, which take one tile each.
-SHARED_CASES = ("window-flat-g4", "ring-chunks-softcap", "ring-g8-p32", "underflow-tiles",
+SHARED_CASES = ("window-flat-g4", "ring-chunks-softcap", "ring-g8-p32", "ring-wide-wraps", "underflow-tiles",
                 "window-noncausal-softcap-f16")
 
 

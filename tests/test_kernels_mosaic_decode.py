@@ -38,6 +38,7 @@ def test_kernel_matches_reference(name):
 @pytest.mark.parametrize("name,num_splits,block_kv,num_stages", [
     ("mixed-g4", 1, 64, 1), ("mixed-g4", 3, 128, 2), ("mixed-g4", 8, 64, 3),
     ("window-flat-g4", 3, 64, 2), ("ring-chunks-softcap", 2, 64, 2), ("ring-g8-p32", 3, 64, 2),
+    ("ring-wide-wraps", 2, 64, 2),
 ])
 def test_splits_and_tiles(name, num_splits, block_kv, num_stages):
     """Split-K with more splits than some segments have key blocks (empty splits merge as nothing), one stage
