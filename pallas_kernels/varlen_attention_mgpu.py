@@ -176,7 +176,7 @@ def _kernel(
         else:  # a ring tile's walk is a window and a tile of rows: each warpgroup with rows takes all of it
             begin, end = tile_begin, jnp.where(hi > lo, tile_end, tile_begin)
         begin, end = jnp.clip(begin, tile_begin, tile_end), jnp.clip(end, tile_begin, tile_end)
-        begin = jnp.where(end > begin, begin, tile_end)  # no blocks: release them all after the other's
+        begin = jnp.where(end > begin, begin, tile_end)  # no blocks: release them all
         end = jnp.maximum(end, begin)
         full_begin, full_end = walk.full_blocks(lo_full, hi_full, begin, end)
 
