@@ -192,6 +192,16 @@ def bench(fn, args, *, iters=10, repeats=5):
     return statistics.median(times)
 
 
+def report_errors(errors, limit: float, against: str):
+    """Prints how many of `errors` (relative errors; NaN counts as bad) are within `limit` of `against`; exits 1
+    unless all are."""
+    bad = sum(not e <= limit for e in errors)
+    print(f"values: {len(errors) - bad} of {len(errors)} Mosaic outputs within {limit:g} of {against}"
+          + ("" if not bad else f"; {bad} NOT"))
+    if bad:
+        raise SystemExit(1)
+
+
 def rel_err(got, want):
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))

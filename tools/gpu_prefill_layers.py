@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gpu_kernels import bench, paged_setup, rel_err  # noqa: E402
+from gpu_kernels import bench, paged_setup, rel_err, report_errors  # noqa: E402
 from gpu_quant_kernels import timed  # noqa: E402
 
 from glint.pallas_kernels import varlen_attention  # noqa: E402
@@ -81,11 +81,7 @@ def main():
             line += f" ERROR {type(e).__name__}: {str(e)[:600]}"
             errors.append(float("nan"))
         print(line, flush=True)
-    bad = sum(not e <= ERR_LIMIT for e in errors)  # NaN counts as bad
-    print(f"values: {len(errors) - bad} of {len(errors)} Mosaic outputs within {ERR_LIMIT:g} of Triton's"
-          + ("" if not bad else f"; {bad} NOT"))
-    if bad:
-        raise SystemExit(1)
+    report_errors(errors, ERR_LIMIT, "Triton's")
 
 
 if __name__ == "__main__":
