@@ -42,11 +42,9 @@ _ALIGN = mosaic_keys.ALIGN
 
 
 def supports(*, dtype, kv_dtype, head_dim: int, page_size: int, block_kv: int, ring_rows, window: int) -> bool:
-    """Whether this kernel covers the call (else the Triton kernel does). A ring needs a window that fits it: each
-    ring row stands for one key, so a query row must see at most ring_rows keys (the engine's rings hold a
-    step's writes beside the window: ring_rows >= window + q_len - 1, which the kernel cannot check)."""
+    """Whether this kernel covers the call (else the Triton kernel does); a ring as mosaic_keys.covers_ring."""
     return (
-        (ring_rows is None or 0 < window <= ring_rows)
+        mosaic_keys.covers_ring(ring_rows, window)
         and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         and jnp.dtype(kv_dtype) == jnp.dtype(dtype)
         and head_dim in (64, 128)  # 256 would overflow shared memory with the float32 output tile
@@ -177,14 +175,9 @@ def _kernel(
             qk, c = mosaic_keys.log2_logits(qk, scale=scale, softcap=softcap)
             if masked:
                 rows = plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA) + first
-                keys, visible = walk.keys(block, qk.shape, 1)
                 # Tile rows outside the segment are never written out: any mask serves them.
                 row_pos = offset + lax.div(jnp.maximum(rows, 0), jnp.int32(group))
-                if causal:
-                    visible = visible & (keys <= row_pos)
-                if window:
-                    visible = visible & (keys > row_pos - window)
-                qk = jnp.where(visible, qk, -jnp.inf)
+                qk = jnp.where(walk.visible(block, row_pos, qk.shape, window=window, causal=causal), qk, -jnp.inf)
             m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
             # A row that has seen nothing keeps m = -inf; exp2 needs a finite base.
             base = jnp.where(m_ij == -jnp.inf, 0.0, m_ij) if masked else m_ij

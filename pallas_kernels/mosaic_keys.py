@@ -34,6 +34,13 @@ def copy_kv_block(page_table_ref, seq_slot, block, pools, kv_head, bufs, slot, b
             plgpu.copy_gmem_to_smem(ref.at[src, kv_head], buf.at[slot, pl.ds(i * chunk, chunk)], barrier.at[slot])
 
 
+def covers_ring(ring_rows, window: int) -> bool:
+    """Whether a layer's ring (if any) suits the kernels: each ring row stands for one key, so a query row must see
+    at most ring_rows keys, a window that fits the ring (the engine's rings hold a step's writes beside the window:
+    ring_rows >= window + q_len - 1, which the kernels cannot check)."""
+    return ring_rows is None or 0 < window <= ring_rows
+
+
 def seen_keys(offset, row_lo, row_hi, kv_end, *, window: int, causal: bool, group: int = 1):
     """Keys that a segment's rows [row_lo, row_hi) see (rows packed `group` to a position; row 0 at position
     `offset`): [lo, hi) in all, empty (hi <= lo) without rows, and [lo_full, hi_full) by every row."""
@@ -109,6 +116,16 @@ class KeyWalk:
         last_lap, last_row = lax.div(self.kv_end - 1, ring), lax.rem(self.kv_end - 1, ring)
         return rows + (last_lap - jnp.where(rows > last_row, 1, 0)) * ring, rows < self.rows_end
 
+    def visible(self, block, row_pos, shape, *, window: int, causal: bool):
+        """bool[shape]: whether the query at position `row_pos` (along rows; broadcast to `shape`) sees the key each
+        column of walk block `block` holds."""
+        keys, visible = self.keys(block, shape, 1)
+        if causal:
+            visible = visible & (keys <= row_pos)
+        if window:
+            visible = visible & (keys > row_pos - window)
+        return visible
+
     def holds_unseen(self, block):
         """Whether walk block `block` holds a row of a key before lo or a row past rows_end."""
         start = self.storage(block) * self.block_kv
@@ -124,8 +141,8 @@ class KeyWalk:
                 | ((stale_end > stale_start) & (start < jnp.minimum(stale_end, ring)) & (stale_start < stop)))
 
     def zero_unseen(self, v_tile, block, dtype):
-        """Zeroes the V rows of walk block `block` (in shared memory) whose keys no row of the tile sees: those rows may hold
-        anything (NaN * 0 is NaN). Keys past a row's own are some later row's: they hold real values."""
+        """Zeroes the V rows of walk block `block` (in shared memory) whose keys no row of the tile sees: those rows
+        may hold anything (NaN * 0 is NaN). Keys past a row's own are some later row's: they hold real values."""
         @pl.when(self.holds_unseen(block))
         def _():
             keys, stored = self.keys(block, v_tile.shape, 0)

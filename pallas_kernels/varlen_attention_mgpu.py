@@ -33,7 +33,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from glint.pallas_kernels import mosaic_keys, segments
-from glint.pallas_kernels.mosaic_keys import KeyWalk, copy_kv_block, log2_logits, seen_keys
 from glint.pallas_kernels.reference import layer_error
 from jax import lax
 from jax.experimental import pallas as pl
@@ -49,12 +48,11 @@ def block_kv_for(head_dim: int, block_kv: int) -> int:
 
 
 def supports(*, dtype, head_dim: int, page_size: int, block_kv: int, ring_rows, window: int) -> bool:
-    """Whether the Mosaic kernel covers this call (else the Triton kernel does). A ring needs a window that fits
-    it: each ring row stands for one key, so a query row must see at most ring_rows keys (the engine's rings hold
-    a step's writes beside the window: ring_rows >= window + q_len - 1, which the kernel cannot check)."""
+    """Whether the Mosaic kernel covers this call (else the Triton kernel does); a ring as
+    mosaic_keys.covers_ring."""
     block_kv = block_kv_for(head_dim, block_kv)
     return (
-        (ring_rows is None or 0 < window <= ring_rows)
+        mosaic_keys.covers_ring(ring_rows, window)
         and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         and head_dim % 64 == 0
         and head_dim <= 256
@@ -148,13 +146,13 @@ def _kernel(
 
     def rows_keys(row_begin, num_rows: int):
         """seen_keys of the segment's rows among [row_begin, row_begin + num_rows)."""
-        return seen_keys(offset, jnp.maximum(row_begin, 0), jnp.minimum(row_begin + num_rows, q_len), kv_end,
-                         window=window, causal=causal)
+        return mosaic_keys.seen_keys(offset, jnp.maximum(row_begin, 0), jnp.minimum(row_begin + num_rows, q_len),
+                                     kv_end, window=window, causal=causal)
 
     # The memory warpgroup streams the blocks any row of the tile sees; each compute warpgroup computes on its
     # own rows' blocks among them and releases the others in step with the other warpgroup.
     tile_lo, tile_hi, _, _ = rows_keys(first, tile_rows)
-    walk = KeyWalk(kv_end, tile_lo, block_kv, ring_rows)
+    walk = mosaic_keys.KeyWalk(kv_end, tile_lo, block_kv, ring_rows)
     tile_begin, tile_end = walk.blocks(tile_lo, tile_hi)
 
     def schedule_barrier_sync():
@@ -201,16 +199,11 @@ def _kernel(
 
             qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_consumed.at[slot])
-            qk, c = log2_logits(qk, scale=scale, softcap=softcap)
+            qk, c = mosaic_keys.log2_logits(qk, scale=scale, softcap=softcap)
             if masked:
                 rows = plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA) + row0
-                keys, visible = walk.keys(block, qk.shape, 1)
                 row_pos = rows + offset  # rows outside the segment are never written out: any mask serves them
-                if causal:
-                    visible = visible & (keys <= row_pos)
-                if window:
-                    visible = visible & (keys > row_pos - window)
-                qk = jnp.where(visible, qk, -jnp.inf)
+                qk = jnp.where(walk.visible(block, row_pos, qk.shape, window=window, causal=causal), qk, -jnp.inf)
             m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
             if masked:  # a row that has seen nothing keeps m = -inf; exp2 needs a finite base
                 m_ij_base = jnp.where(m_ij == -jnp.inf, 0.0, m_ij)
@@ -300,8 +293,8 @@ def _kernel(
                 plgpu.barrier_wait(k_consumed.at[slot])
                 plgpu.barrier_wait(v_consumed.at[slot])
 
-            copy_kv_block(page_table_ref, seq_slot, walk.storage(block), (k_ref, v_ref), kv_head, (k_smem, v_smem),
-                          slot, (k_barriers, v_barriers), page_size=page_size)
+            mosaic_keys.copy_kv_block(page_table_ref, seq_slot, walk.storage(block), (k_ref, v_ref), kv_head,
+                                      (k_smem, v_smem), slot, (k_barriers, v_barriers), page_size=page_size)
 
         @pl.loop(jnp.maximum(tile_end - num_stages, tile_begin), tile_end)
         def _drain(block):  # observe the last releases too, so every barrier ends each phase it began
