@@ -3,6 +3,7 @@ decode rows, speculative chunks and prefill chunks over flat and ring layers, wi
 
 import jax.numpy as jnp
 import numpy as np
+from glint.pallas_kernels.reference import varlen_attention_reference
 from glint.pallas_kernels.testing import AttentionCase as C
 from glint.pallas_kernels.testing import make_attention_inputs
 
@@ -78,3 +79,13 @@ def check_rows(got, want, seq_info, dtype):
     assert not got[~covered].any()  # rows of no segment are zero
     tol = TOL[dtype]
     np.testing.assert_array_less(np.abs(got - want), tol + tol * np.abs(want))
+
+
+def check_kernel(case, kernel, *, seed=0, shift=0):
+    """`kernel(**inputs, scale=..., **layer_args(case))` on the case's device inputs against the reference on the
+    same inputs (check_rows); returns the inputs."""
+    args = device_inputs(case, seed=seed, shift=shift)
+    layer = layer_args(case)
+    want = varlen_attention_reference(**args, scale=case.scale, **layer)
+    check_rows(kernel(**args, scale=case.scale, **layer), want, args["seq_info"], case.dtype)
+    return args

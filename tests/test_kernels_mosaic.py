@@ -9,6 +9,8 @@ Mosaic GPU custom call for CUDA (layout inference, TMA tiling and shared-memory 
 lowering) across the shapes it claims.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,9 +18,8 @@ import pytest
 from conftest import INTERPRET, ON_GPU
 from glint.pallas_kernels import BlockSizes, segments, tuning, varlen_attention
 from glint.pallas_kernels import varlen_attention_mgpu as mg
-from glint.pallas_kernels.reference import varlen_attention_reference
 from glint.pallas_kernels.testing import AttentionCase as C
-from mosaic_cases import CASES, check_rows, device_inputs, layer_args
+from mosaic_cases import CASES, check_kernel
 
 PREFILL_CASES = {
     # prefill chunks over several 128-row tiles among decode rows and short chunks, gaps and padding segments
@@ -104,12 +105,8 @@ def test_max_tiles_covers_every_layout():
 def test_kernel_matches_reference(name):
     """Through varlen_attention's "mosaic" backend, against the reference; poisoned pools and query gaps (NaN)
     must not show."""
-    case = PREFILL_CASES.get(name) or CASES[name]
-    args = device_inputs(case)
-    layer = layer_args(case)
-    want = varlen_attention_reference(**args, scale=case.scale, **layer)
-    got = varlen_attention(**args, scale=case.scale, **layer, backend="mosaic", interpret=INTERPRET)
-    check_rows(got, want, args["seq_info"], case.dtype)
+    check_kernel(PREFILL_CASES.get(name) or CASES[name],
+                 functools.partial(varlen_attention, backend="mosaic", interpret=INTERPRET))
 
 
 @pytest.mark.parametrize("name,block_kv,num_stages,shift", [
@@ -118,13 +115,9 @@ def test_kernel_matches_reference(name):
 def test_tiles_and_unaligned_starts(name, block_kv, num_stages, shift):
     """Other key blocks and stage counts (more blocks than stages, so slots are refilled while in use
     elsewhere), and every segment shifted `shift` rows (a tile then starts before its segment)."""
-    case = PREFILL_CASES[name]
-    args = device_inputs(case, seed=1, shift=shift)
-    layer = layer_args(case)
-    want = varlen_attention_reference(**args, scale=case.scale, **layer)
-    got = mg.varlen_attention_mgpu(**args, scale=case.scale, **layer, block_kv=block_kv, num_stages=num_stages,
-                                   interpret=INTERPRET)
-    check_rows(got, want, args["seq_info"], case.dtype)
+    kernel = functools.partial(mg.varlen_attention_mgpu, block_kv=block_kv, num_stages=num_stages,
+                               interpret=INTERPRET)
+    check_kernel(PREFILL_CASES[name], kernel, seed=1, shift=shift)
 
 
 def test_supports():

@@ -17,22 +17,16 @@ import pytest
 from conftest import INTERPRET, ON_GPU
 from glint.pallas_kernels import BlockSizes, tuning, varlen_attention, varlen_attention_mgpu
 from glint.pallas_kernels import decode_attention_mgpu as dm
-from glint.pallas_kernels.reference import varlen_attention_reference
 from glint.pallas_kernels.testing import AttentionCase as C
 from glint.pallas_kernels.testing import make_attention_inputs
-from mosaic_cases import CASES, check_rows, device_inputs, layer_args
+from mosaic_cases import CASES, check_kernel, device_inputs
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_kernel_matches_reference(name):
     """Through varlen_attention with the split count it picks, against the reference; poisoned pools and query
     gaps (NaN) must not show."""
-    case = CASES[name]
-    args = device_inputs(case)
-    layer = layer_args(case)
-    want = varlen_attention_reference(**args, scale=case.scale, **layer)
-    got = varlen_attention(**args, scale=case.scale, **layer, backend="mosaic_decode", interpret=INTERPRET)
-    check_rows(got, want, args["seq_info"], case.dtype)
+    check_kernel(CASES[name], functools.partial(varlen_attention, backend="mosaic_decode", interpret=INTERPRET))
 
 
 @pytest.mark.parametrize("name,num_splits,block_kv,num_stages", [
@@ -43,13 +37,9 @@ def test_kernel_matches_reference(name):
 def test_splits_and_tiles(name, num_splits, block_kv, num_stages):
     """Split-K with more splits than some segments have key blocks (empty splits merge as nothing), one stage
     (each block loaded after the last was read) and wider blocks than a page; windows and rings split too."""
-    case = CASES[name]
-    args = device_inputs(case, seed=1)
-    layer = layer_args(case)
-    want = varlen_attention_reference(**args, scale=case.scale, **layer)
-    got = dm.decode_attention_mgpu(**args, scale=case.scale, **layer, num_splits=num_splits, block_kv=block_kv,
-                                   num_stages=num_stages, interpret=INTERPRET)
-    check_rows(got, want, args["seq_info"], case.dtype)
+    kernel = functools.partial(dm.decode_attention_mgpu, num_splits=num_splits, block_kv=block_kv,
+                               num_stages=num_stages, interpret=INTERPRET)
+    check_kernel(CASES[name], kernel, seed=1)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
@@ -59,11 +49,9 @@ def test_unaligned_start_over_several_tiles(num_splits):
     case = C(((130, 200), (1, 90)), group=1, head_dim=64, dtype="bfloat16", num_kv_heads=2)
     [start] = [q_start for q_start, q_len, _, _ in make_attention_inputs(case, np.random.default_rng(0))["seq_info"]
                if q_len == 130]
-    args = device_inputs(case, shift=(7 - start) % 8)
-    assert [int(i[0]) % 8 for i in args["seq_info"] if i[1] == 130] == [7]
-    want = varlen_attention_reference(**args, scale=case.scale)
-    got = dm.decode_attention_mgpu(**args, scale=case.scale, num_splits=num_splits, interpret=INTERPRET)
-    check_rows(got, want, args["seq_info"], case.dtype)
+    kernel = functools.partial(dm.decode_attention_mgpu, num_splits=num_splits, interpret=INTERPRET)
+    args = check_kernel(case, kernel, shift=(7 - start) % 8)
+    assert [int(i[0]) % 8 for i in args["seq_info"] if i[1] == 130] == [7]  # the layout the docstring says
 
 
 @functools.cache

@@ -2,16 +2,16 @@
 decode_attention_mgpu, prefill steps on varlen_attention_mgpu. Interpreted on a CPU machine (GLINT_FUZZ_EXAMPLES
 sets how many of each; 10 and 6 in the suite); compiled under `make test-gpu` where hypothesis is installed."""
 
+import functools
 import os
 
 from conftest import INTERPRET
 from glint.pallas_kernels import decode_attention_mgpu as dm
 from glint.pallas_kernels import varlen_attention_mgpu as mg
-from glint.pallas_kernels.reference import varlen_attention_reference
 from glint.pallas_kernels.testing import AttentionCase as C
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mosaic_cases import check_rows, device_inputs, layer_args
+from mosaic_cases import check_kernel
 
 
 @st.composite
@@ -39,11 +39,7 @@ def _decode_steps(draw):
 def test_decode_kernel_on_random_steps(layout):
     """Random decode-heavy steps against the reference."""
     case, tile, seed = layout
-    args = device_inputs(case, seed=seed)
-    layer = layer_args(case)
-    want = varlen_attention_reference(**args, scale=case.scale, **layer)
-    got = dm.decode_attention_mgpu(**args, scale=case.scale, **layer, **tile, interpret=INTERPRET)
-    check_rows(got, want, args["seq_info"], case.dtype)
+    check_kernel(case, functools.partial(dm.decode_attention_mgpu, **tile, interpret=INTERPRET), seed=seed)
 
 
 @st.composite
@@ -69,8 +65,4 @@ def _prefill_steps(draw):
 def test_prefill_kernel_on_random_steps(layout):
     """Random prefill steps against the reference."""
     case, tile, seed = layout
-    args = device_inputs(case, seed=seed)
-    layer = layer_args(case)
-    want = varlen_attention_reference(**args, scale=case.scale, **layer)
-    got = mg.varlen_attention_mgpu(**args, scale=case.scale, **layer, **tile, interpret=INTERPRET)
-    check_rows(got, want, args["seq_info"], case.dtype)
+    check_kernel(case, functools.partial(mg.varlen_attention_mgpu, **tile, interpret=INTERPRET), seed=seed)
