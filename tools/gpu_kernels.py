@@ -192,6 +192,12 @@ def bench(fn, args, *, iters=10, repeats=5):
     return statistics.median(times)
 
 
+def give_interpreter_threads():
+    """Before the CPU client starts: Pallas' GPU interpreter runs each warpgroup on a thread of the client's pool,
+    which on 2 cores is too small for a three-warpgroup kernel (tests/conftest.py); at least four threads."""
+    os.environ.setdefault("PJRT_NPROC", str(max(4, os.cpu_count() or 1)))
+
+
 def report_errors(errors, limit: float, against: str):
     """Prints how many of `errors` (relative errors; NaN counts as bad) are within `limit` of `against`; exits 1
     unless all are."""
@@ -355,9 +361,7 @@ def main():
     parser.add_argument("--tables", default="decode,prefill", help="timing tables to run")
     flags = parser.parse_args()
     if flags.interpret:
-        # The GPU interpreter's warpgroup threads need more of the CPU client's pool than 2 cores give it
-        # (tests/conftest.py); read when jax.devices() below starts the client.
-        os.environ.setdefault("PJRT_NPROC", str(max(4, os.cpu_count() or 1)))
+        give_interpreter_threads()
     print(jax.__version__, jax.devices())
     t0 = time.time()
     if not flags.skip_sweep:

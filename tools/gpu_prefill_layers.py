@@ -11,7 +11,6 @@ On a CPU machine: a dry run on tiny shapes (Pallas' GPU interpreters, no timing 
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import jax
@@ -19,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gpu_kernels import bench, paged_setup, rel_err, report_errors  # noqa: E402
+from gpu_kernels import bench, give_interpreter_threads, paged_setup, rel_err, report_errors  # noqa: E402
 from gpu_quant_kernels import timed  # noqa: E402
 
 from glint.pallas_kernels import varlen_attention  # noqa: E402
@@ -36,7 +35,8 @@ SHAPES = [
     ("glimmer-local ring", 8, 512, 4096, 32, 8, 128, 2048, 2048 + 512 - 1, 0.0),
     ("ring chunk 512 softcap", 16, 512, 2560, 16, 8, 128, 1024, 1024 + 512 - 1, 30.0),
 ]
-CPU_SHAPES = [("cpu window+softcap", 2, 70, 150, 2, 1, 64, 40, None, 5.0), ("cpu ring", 2, 40, 300, 2, 1, 64, 50, 89, 0.0)]
+CPU_SHAPES = [("cpu window+softcap", 2, 70, 150, 2, 1, 64, 40, None, 5.0),
+              ("cpu ring", 2, 40, 300, 2, 1, 64, 50, 89, 0.0)]
 
 
 def pairs(q_len: int, kv_end: int, window: int) -> int:
@@ -85,7 +85,5 @@ def main():
 
 
 if __name__ == "__main__":
-    # On a CPU machine, the GPU interpreter's warpgroup threads need more of the CPU client's pool than 2 cores give
-    # it (tests/conftest.py); read when the client starts, below. A GPU machine's cores are enough already.
-    os.environ.setdefault("PJRT_NPROC", str(max(4, os.cpu_count() or 1)))
+    give_interpreter_threads()  # a CPU dry run interprets the kernel; a GPU machine's cores are enough already
     main()
