@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glint.kvcache.config import CacheConfig
+from glint.pallas_kernels.reference import scale_pool_shape
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +28,9 @@ POOL_GRANULE_BYTES = 1 << 30
 @dataclasses.dataclass(frozen=True)
 class KVState:
     """Per-layer page pools, k[l] and v[l]: [num_pages, page_size, kv_heads, head_dim]; in a scaled cache
-    (`CacheConfig.scaled`: float8_e4m3fn pools) also k_scale[l], v_scale[l]: f32[num_pages, page_size,
-    kv_heads], the scale of each row and head (pallas_kernels/reference.py, `quantize_rows`); else empty.
+    (`CacheConfig.scaled`: float8_e4m3fn pools) also k_scale[l], v_scale[l]: f32[num_pages, kv_heads,
+    page_size], the scale of each row and head (pallas_kernels/reference.py, `quantize_rows`,
+    `scale_pool_shape`); else empty.
 
     Passed into the jitted step and returned (donated), so XLA updates it in
     place. Page 0 is the scratch page that padding rows write to.
@@ -47,7 +49,8 @@ class KVState:
             return jnp.zeros((cfg.num_pages, cfg.page_size, cfg.kv_heads[layer], cfg.head_dim[layer]), cfg.dtype)
 
         def scales(layer: int) -> jax.Array:
-            return jnp.zeros((cfg.num_pages, cfg.page_size, cfg.kv_heads[layer]), jnp.float32)
+            return jnp.zeros(scale_pool_shape(cfg.num_pages, cfg.page_size, cfg.kv_heads[layer]), jnp.float32)
+
 
         layers = range(cfg.num_layers)
         return cls.from_layers([(pool(l), pool(l), *((scales(l), scales(l)) if cfg.scaled else ())) for l in layers])

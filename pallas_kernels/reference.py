@@ -7,8 +7,9 @@ segment's query rows in blocks of `block_q`.
 
 Layout (shared with the kernels):
   k_pages, v_pages: [num_pages, page_size, Hkv, D]; page 0 is scratch.
-  k_scale, v_scale: f32[num_pages, page_size, Hkv] beside float8_e4m3fn pools (a scaled fp8 cache): row r of
-                    head h holds x / scale[r, h], so x = pool * scale (`quantize_rows`).
+  k_scale, v_scale: f32[num_pages, Hkv, page_size] beside float8_e4m3fn pools (a scaled fp8 cache): offset o
+                    of page n, head h holds x / scale[n, h, o], so x = pool * scale (`quantize_rows`). A
+                    page's scales of one head lie together (`scale_pool_shape`).
   q:                [T, Hq, D], query head h reads kv head h // (Hq // Hkv).
   seq_info:         i32[S, 4] = (q_start, q_len, seq_slot, kv_end).
   page_table:       i32[R, P]; row seq_slot lists the pages of that sequence.
@@ -25,7 +26,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["qkv_write_reference", "quantize_rows", "ring_write_reference", "varlen_attention_reference"]
+__all__ = ["qkv_write_reference", "quantize_rows", "ring_write_reference", "row_scales", "scale_pool",
+           "scale_pool_shape",
+           "varlen_attention_reference"]
 
 
 FP8_MAX = 448.0
@@ -51,15 +54,37 @@ def quantize_rows(x):
     return to_pool_dtype(x32 / scale[..., None], FP8), scale
 
 
+def scale_pool_shape(num_pages: int, page_size: int, num_kv_heads: int) -> tuple[int, int, int]:
+    """A scaled cache's scale pool beside pools [num_pages, page_size, Hkv, D]: f32[num_pages, Hkv, page_size],
+    head-major within a page, so that one head's scales of a page are one contiguous run (a TMA copy of
+    page_size * 4 bytes, whatever Hkv) and a page stays the first axis, as in the pools."""
+    return num_pages, num_kv_heads, page_size
+
+
+def row_scales(scale_pool):
+    """A scale pool [num_pages, Hkv, page_size] as [num_pages, page_size, Hkv]: the pool's rows and heads."""
+    return jnp.swapaxes(scale_pool, 1, 2)
+
+
+def scale_pool(row_scales):
+    """Scales [num_pages, page_size, Hkv] (a row and head each, as `quantize_rows` gives them for whole pages) as a
+    scale pool [num_pages, Hkv, page_size]."""
+    return jnp.swapaxes(row_scales, 1, 2)
+
+
+
 def quantize_into(k_new, v_new, slots, k_scale, v_scale):
     """A scaled cache's share of a ring write: (k_new and v_new quantized by `quantize_rows`, (k_scale, v_scale)
-    f32[num_pages, page_size, Hkv] with each row's scales at its slot; out-of-range slots dropped, as the ring
+    f32[num_pages, Hkv, page_size] with each row's scales at its slot; out-of-range slots dropped, as the ring
     write drops them)."""
     (k_new, ks), (v_new, vs) = quantize_rows(k_new), quantize_rows(v_new)
+    num_pages, num_kv_heads, page_size = k_scale.shape
+    # A slot outside [0, num_pages * page_size) gets an out-of-range page (negative ones too): dropped.
+    page = jnp.where((slots >= 0) & (slots < num_pages * page_size), slots // page_size, num_pages)[:, None]
+    heads, offset = jnp.arange(num_kv_heads)[None, :], (slots % page_size)[:, None]
 
-    def write(pages, scale):
-        flat = pages.reshape(-1, pages.shape[-1])
-        return flat.at[slots].set(scale, mode="drop", wrap_negative_indices=False).reshape(pages.shape)
+    def write(pool, scale):
+        return pool.at[page, heads, offset].set(scale, mode="drop")
 
     return k_new, v_new, (write(k_scale, ks), write(v_scale, vs))
 
@@ -73,9 +98,10 @@ def scales_error(k_pages, k_scale, v_scale) -> str | None:
         return None
     if k_pages.dtype != FP8:
         return "k_scale and v_scale go with float8_e4m3fn pools"
-    if {k_scale.shape, v_scale.shape} != {k_pages.shape[:3]} or {k_scale.dtype, v_scale.dtype} != {F32}:
+    want = scale_pool_shape(*k_pages.shape[:3])
+    if {k_scale.shape, v_scale.shape} != {want} or {k_scale.dtype, v_scale.dtype} != {F32}:
         return (f"k_scale {k_scale.shape} {k_scale.dtype} and v_scale {v_scale.shape} {v_scale.dtype} must be "
-                f"f32[num_pages, page_size, Hkv] = f32{list(k_pages.shape[:3])}")
+                f"f32[num_pages, Hkv, page_size] = f32{list(want)}")
     return None
 
 
@@ -94,7 +120,7 @@ def ring_write_reference(k_pages, v_pages, k_new, v_new, slots, k_scale=None, v_
     """Writes `k_new[t], v_new[t]` ([T, Hkv, D]) to flat pool row `slots[t]`.
 
     `slots` is i32[T], `page * page_size + offset` (outside the pool: dropped). Returns the updated pools,
-    and with scale pools (k_scale, v_scale f32[num_pages, page_size, Hkv], beside
+    and with scale pools (k_scale, v_scale f32[num_pages, Hkv, page_size], beside
     float8_e4m3fn pools) the rows are quantized by `quantize_rows` and the
     updated scale pools follow: (k, v, k_scale, v_scale). Rows sharing a slot
     (padding rows aimed at the scratch page) leave one of their values there,
@@ -172,7 +198,7 @@ def varlen_attention_reference(
     Args:
       q: [T, Hq, D] packed queries.
       k_pages, v_pages: [num_pages, page_size, Hkv, D] page pools.
-      k_scale, v_scale: f32[num_pages, page_size, Hkv], the scales of a scaled fp8 cache (both or neither).
+      k_scale, v_scale: f32[num_pages, Hkv, page_size], the scales of a scaled fp8 cache (both or neither).
       page_table: i32[R, P].
       seq_info: i32[S, 4] = (q_start, q_len, seq_slot, kv_end).
       ring_rows: ring length in rows (None: flat storage).
@@ -204,8 +230,8 @@ def varlen_attention_reference(
         k_seq = k_seq.astype(jnp.float32)  # [R, Hkv, D]
         v_seq = v_seq.astype(jnp.float32)
         if k_scale is not None:
-            k_seq = k_seq * k_scale[pages].reshape(-1, num_kv_heads)[:num_phys_rows, :, None]
-            v_seq = v_seq * v_scale[pages].reshape(-1, num_kv_heads)[:num_phys_rows, :, None]
+            k_seq = k_seq * row_scales(k_scale[pages]).reshape(-1, num_kv_heads)[:num_phys_rows, :, None]
+            v_seq = v_seq * row_scales(v_scale[pages]).reshape(-1, num_kv_heads)[:num_phys_rows, :, None]
 
         def chunk(c, out):
             local = c * block_q + jnp.arange(block_q, dtype=jnp.int32)  # [B]

@@ -74,7 +74,7 @@ def _attention_kernel(
     q_ref,  # [T, Hq, D]
     k_ref,  # [num_pages * page_size, Hkv, D]
     v_ref,  # [num_pages * page_size, Hkv, D]
-    *refs,  # scaled: k_scale, v_scale f32[num_pages * page_size, Hkv]; then the outputs (below)
+    *refs,  # scaled: k_scale, v_scale f32[num_pages * Hkv * page_size] (flat scale pools); then the outputs
     block_q: int,
     group: int,
     group_pad: int,
@@ -155,6 +155,8 @@ def _attention_kernel(
                 r = j % num_phys_rows
                 page = page_table_ref[slot, r // page_size]  # i32[bk], always in range
                 kv_row = page * page_size + r % page_size
+                # Scale pools are [num_pages, Hkv, page_size], flattened.
+                scale_row = (page * k_ref.shape[1] + kv_head) * page_size + r % page_size if scaled else None
                 # Rows outside [lo, hi) are never read: they may hold anything (NaN).
                 kv_mask = key_ok[:, None] & d_ok if masked else d_ok
                 kv_mask = None if kv_mask is True else kv_mask
@@ -164,7 +166,7 @@ def _attention_kernel(
                 s = plgpu.dot(q_dot, k, trans_b=True, allow_tf32=False) * logit_scale
                 if scaled:  # q . (k * ks) = (q . k) * ks: one scale per key column
                     key_mask = key_ok if masked else None
-                    s = s * plgpu.load(ks_ref.at[kv_row, kv_head], mask=key_mask, other=0.0 if masked else None)
+                    s = s * plgpu.load(ks_ref.at[scale_row], mask=key_mask, other=0.0 if masked else None)
                 if softcap > 0:
                     s = (softcap * _LOG2E) * jnp.tanh(s / softcap)  # f32[M, bk]
                 if masked:
@@ -182,7 +184,7 @@ def _attention_kernel(
                 l = l * alpha + jnp.sum(p, axis=1)
                 v = plgpu.load(v_ref.at[kv_row[:, None], kv_head, d[None, :]], mask=kv_mask, other=kv_other)  # [bk, Dp]
                 if scaled:
-                    vs = plgpu.load(vs_ref.at[kv_row, kv_head], mask=key_mask, other=0.0 if masked else None)
+                    vs = plgpu.load(vs_ref.at[scale_row], mask=key_mask, other=0.0 if masked else None)
                     if f16_dots:  # p @ (v * vs) = ((p * vs / v_max) @ v) * v_max
                         v_max = jnp.max(vs)
                         v_max = jnp.where(v_max > 0, v_max, 1.0)
@@ -236,7 +238,7 @@ def _varlen_attention_call(
     interpret: bool,
 ):
     """pallas_call for one BlockSizes; returns [T, Hq, D] in q's dtype. `scales`: (k_scale, v_scale)
-    f32[num_pages * page_size, Hkv] of a scaled fp8 cache, or ()."""
+    f32[num_pages * Hkv * page_size] (flat scale pools) of a scaled fp8 cache, or ()."""
     num_rows, num_q_heads, head_dim = q.shape
     num_kv_heads = k_flat.shape[1]
     num_segments = seq_info.shape[0]
@@ -465,8 +467,8 @@ def varlen_attention(
         h // (Hq // Hkv).
       k_pages, v_pages: [num_pages, page_size, Hkv, D], q's dtype or float8_e4m3fn (an fp8 KV cache, read
         at half the bytes and widened to q's dtype in the kernel; the Triton kernel serves it).
-      k_scale, v_scale: f32[num_pages, page_size, Hkv] with float8_e4m3fn pools: a scaled cache, key or value
-        row r of head h is pool[r, h] * scale[r, h] (reference.quantize_rows); None: unscaled.
+      k_scale, v_scale: f32[num_pages, Hkv, page_size] with float8_e4m3fn pools: a scaled cache, key or value
+        row o of page n, head h is pool[n, o, h] * scale[n, h, o] (reference.quantize_rows); None: unscaled.
       page_table: i32[R, P]; row seq_slot lists that sequence's pages.
       seq_info: i32[S, 4] = (q_start, q_len, seq_slot, kv_end) per segment; rows
         q_start .. q_start + q_len - 1 sit at positions kv_end - q_len + i.
@@ -574,7 +576,8 @@ def _triton_attention(
             max_kv_len = min(max_kv_len, window + blocks.block_m)
         num_splits = default_num_splits(num_rows, seq_info.shape[0], num_q_heads, num_kv_heads, max_kv_len, blocks)
     flat = (num_pages * page_size, num_kv_heads, head_dim)
-    scales = () if scales[0] is None else tuple(s.reshape(flat[:2]) for s in scales)
+    scales = () if scales[0] is None else tuple(s.reshape(-1) for s in scales)
+
     return _varlen_attention_call(
         q,
         k_pages.reshape(flat),

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glint.kvcache import CacheConfig, KVState, StepMetadata
+from glint.pallas_kernels.reference import scale_pool_shape
 from glint.runtime import executables
 
 COPY_ROWS = 64  # page copies per `copy` call; a step needing more runs it again
@@ -217,11 +218,12 @@ def step_changes(width: int, segments: int, page_size: int) -> int:
 
 def kv_sharding(cache: CacheConfig, mesh: jax.sharding.Mesh) -> tuple[jax.sharding.NamedSharding, ...]:
     """Per part of KVState.parts(), how its pools lie over a tensor-parallel mesh: split by KV head (k and v
-    [num_pages, page_size, kv_heads, head_dim]; a scaled cache's k_scale and v_scale [num_pages, page_size,
-    kv_heads])."""
+    [num_pages, page_size, kv_heads, head_dim]; a scaled cache's k_scale and v_scale [num_pages, kv_heads,
+    page_size])."""
     P = jax.sharding.PartitionSpec
     pools = jax.sharding.NamedSharding(mesh, P(None, None, mesh.axis_names[0], None))
-    scales = jax.sharding.NamedSharding(mesh, P(None, None, mesh.axis_names[0]))
+    scales = jax.sharding.NamedSharding(mesh, P(None, mesh.axis_names[0], None))
+
     return (pools, pools, scales, scales) if cache.scaled else (pools, pools)
 
 
@@ -256,7 +258,9 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
     kv = tuple(tuple(_spec((*shape, cache.head_dim[l]), cache.dtype, placed[part]) for l, shape in enumerate(pages))
                for part in range(2))
     if cache.scaled:
-        kv += tuple(tuple(_spec(shape, np.float32, placed[part]) for shape in pages) for part in (2, 3))
+        kv += tuple(tuple(_spec(scale_pool_shape(*shape), np.float32, placed[part]) for shape in pages)
+                    for part in (2, 3))
+
     sampler = (_spec((rows,), np.float32), i32(rows), _spec((rows,), np.float32), _spec((rows,), np.uint32), i32(rows))
     logits = _spec((rows, vocab_size), np.float32)
     if name == "sample":

@@ -17,6 +17,7 @@ from glint.pallas_kernels import (
     varlen_attention,
     varlen_attention_reference,
 )
+from glint.pallas_kernels.reference import scale_pool, scale_pool_shape
 from glint.pallas_kernels.testing import (
     AttentionCase,
     attention_numpy_loop,
@@ -179,8 +180,8 @@ def test_kernel_reads_scaled_fp8_pools(name, path, magnitude, dtype, f16_dots, r
     inputs["v_pages"] *= np.float32(magnitude)
     args = _to_jax(inputs, case.dtype)
     (k8, ks), (v8, vs) = (_numpy_row_quantized(np.asarray(args[n], np.float32)) for n in ("k_pages", "v_pages"))
-    scaled = dict(args, k_pages=jnp.asarray(k8), v_pages=jnp.asarray(v8), k_scale=jnp.asarray(ks),
-                  v_scale=jnp.asarray(vs))
+    scaled = dict(args, k_pages=jnp.asarray(k8), v_pages=jnp.asarray(v8), k_scale=scale_pool(jnp.asarray(ks)),
+                  v_scale=scale_pool(jnp.asarray(vs)))
     want = np.asarray(varlen_attention_reference(**scaled, **_options(case)), np.float32)
     got = varlen_attention(**scaled, **_options(case), num_splits=SPLITS[path], block_sizes=BlockSizes(16, 16),
                            interpret=INTERPRET)
@@ -213,15 +214,20 @@ def test_kernel_reads_scaled_fp8_pools(name, path, magnitude, dtype, f16_dots, r
 def test_scaled_fp8_pools_are_checked():
     case = CASES["decode-g4-p16-bf16"]
     args = _to_jax(make_attention_inputs(case, np.random.default_rng(0)), case.dtype)
-    scales = jnp.ones(args["k_pages"].shape[:3], jnp.float32)
+    scales = jnp.ones(scale_pool_shape(*args["k_pages"].shape[:3]), jnp.float32)
     with pytest.raises(ValueError, match=r"k_scale and v_scale go with float8_e4m3fn pools.*bfloat16"):
         varlen_attention(**args, k_scale=scales, v_scale=scales, scale=1.0, interpret=INTERPRET)
     fp8 = dict(args, k_pages=args["k_pages"].astype(jnp.float8_e4m3fn), v_pages=args["v_pages"].astype(
         jnp.float8_e4m3fn))
     with pytest.raises(ValueError, match=r"both k_scale and v_scale or neither"):
         varlen_attention(**fp8, k_scale=scales, scale=1.0, interpret=INTERPRET)
-    with pytest.raises(ValueError, match=r"v_scale \(3,\) float32 must be f32\[num_pages, page_size, Hkv\]"):
+    with pytest.raises(ValueError, match=r"v_scale \(3,\) float32 must be f32\[num_pages, Hkv, page_size\]"):
         varlen_attention(**fp8, k_scale=scales, v_scale=jnp.ones(3), scale=1.0, interpret=INTERPRET)
+    # the pools' rows-then-heads order is refused (unless page_size == Hkv, where the shapes cannot tell)
+    by_row = jnp.ones(args["k_pages"].shape[:3], jnp.float32)
+    assert by_row.shape[1] != by_row.shape[2]
+    with pytest.raises(ValueError, match=r"must be f32\[num_pages, Hkv, page_size\]"):
+        varlen_attention(**fp8, k_scale=by_row, v_scale=by_row, scale=1.0, interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("name", ["decode-g4-p16-bf16", "mixed-g4-p16-gaps-padding", "ring-window-p32-d128"])

@@ -201,7 +201,8 @@ def test_ring_write_into_scaled_fp8_pools_quantizes_each_row_and_head(request):
     page_size, num_kv_heads, head_dim, num_pages = 8, 3, 64, 6
     k_pages, v_pages = (p.astype(jnp.float8_e4m3fn) for p in _pools(rng, num_pages, page_size, num_kv_heads,
                                                                       head_dim, "float32"))
-    k_scale, v_scale = (jnp.asarray(rng.uniform(0.5, 2.0, (num_pages, page_size, num_kv_heads)), jnp.float32)
+    # scale pools [num_pages, Hkv, page_size]: slot s of head h at [s // page_size, h, s % page_size]
+    k_scale, v_scale = (jnp.asarray(rng.uniform(0.5, 2.0, (num_pages, num_kv_heads, page_size)), jnp.float32)
                         for _ in range(2))
     real = rng.choice(np.arange(page_size, num_pages * page_size), 9, replace=False)
     slots = np.concatenate([real, [-1, num_pages * page_size]]).astype(np.int32)  # two rows dropped
@@ -220,11 +221,12 @@ def test_ring_write_into_scaled_fp8_pools_quantizes_each_row_and_head(request):
     for pool, scales, new, old in ((got[0], got[2], k_new, before[0]), (got[1], got[3], v_new, before[1])):
         amax = np.abs(new[rows]).max(-1)
         want_scale = np.where(amax > 0, amax / np.float32(448), 1).astype(np.float32)
-        flat_scales = np.asarray(scales).reshape(-1, num_kv_heads)
-        np.testing.assert_allclose(flat_scales[real], want_scale, rtol=1e-6)
-        untouched = np.ones(len(flat_scales), bool)
-        untouched[real] = False
-        np.testing.assert_array_equal(flat_scales[untouched], old.reshape(-1, num_kv_heads)[untouched])
+        scales = np.asarray(scales)
+        np.testing.assert_allclose(scales[real // page_size, :, real % page_size], want_scale, rtol=1e-6)
+        untouched = np.ones(scales.shape, bool)
+        untouched[real // page_size, :, real % page_size] = False
+        np.testing.assert_array_equal(scales[untouched], old[untouched])
+
         stored = np.asarray(pool, np.float32).reshape(-1, num_kv_heads, head_dim)[real]
         by_definition = (new[rows] / want_scale[..., None]).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
         # a value on a rounding boundary may land one e4m3 step away (x / s computed as x * (1 / s))
@@ -237,9 +239,12 @@ def test_ring_write_into_scaled_fp8_pools_quantizes_each_row_and_head(request):
 def test_ring_write_checks_scale_pools():
     pages = jnp.zeros((4, 8, 2, 64), jnp.float8_e4m3fn)
     new, slots = jnp.ones((3, 2, 64), jnp.float32), jnp.arange(3, dtype=jnp.int32) + 8
-    scales = jnp.ones((4, 8, 2), jnp.float32)
-    with pytest.raises(ValueError, match=r"k_scale \(4, 8, 2\) bfloat16 and v_scale \(4, 8, 2\) float32 must be f32"):
+    scales = jnp.ones((4, 2, 8), jnp.float32)  # [num_pages, Hkv, page_size]
+    with pytest.raises(ValueError, match=r"k_scale \(4, 2, 8\) bfloat16 and v_scale \(4, 2, 8\) float32 must be f32"):
         ring_write(pages, pages, new, new, slots, scales.astype(jnp.bfloat16), scales, interpret=INTERPRET)
+    by_row = jnp.ones((4, 8, 2), jnp.float32)  # the pools' [num_pages, page_size, Hkv] order
+    with pytest.raises(ValueError, match=r"must be f32\[num_pages, Hkv, page_size\] = f32\[4, 2, 8\]"):
+        ring_write(pages, pages, new, new, slots, by_row, by_row, interpret=INTERPRET)
     with pytest.raises(ValueError, match=r"both k_scale and v_scale or neither"):
         ring_write(pages, pages, new, new, slots, scales, interpret=INTERPRET)
     with pytest.raises(ValueError, match=r"go with float8_e4m3fn pools.*float32"):

@@ -45,7 +45,7 @@ def test_create_shapes_and_pytree():
 
 
 def test_a_scaled_fp8_state_carries_a_float32_scale_per_row_and_head():
-    """float8_e4m3fn pools come with k_scale / v_scale [num_pages, page_size, kv_heads] in float32, counted in the
+    """float8_e4m3fn pools come with k_scale / v_scale [num_pages, kv_heads, page_size] in float32, counted in the
     page bytes (1 byte per element + 4 per row and head, K and V); parts / layers / from_layers round-trip."""
     cfg = make_config(dtype="float8_e4m3fn")
     state = KVState.create(cfg)
@@ -54,7 +54,7 @@ def test_a_scaled_fp8_state_carries_a_float32_scale_per_row_and_head():
     for layer in range(cfg.num_layers):
         assert state.k[layer].dtype == jnp.float8_e4m3fn
         for scale in (state.k_scale[layer], state.v_scale[layer]):
-            assert scale.shape == (12, 4, cfg.kv_heads[layer]) and scale.dtype == jnp.float32
+            assert scale.shape == (12, cfg.kv_heads[layer], 4) and scale.dtype == jnp.float32
         assert cfg.page_bytes(layer) == 2 * 4 * cfg.kv_heads[layer] * (cfg.head_dim[layer] + 4)
     layers = state.layers()
     assert [len(parts) for parts in layers] == [4] * cfg.num_layers

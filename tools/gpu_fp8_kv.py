@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 from glint.pallas_kernels import BlockSizes, varlen_attention, varlen_attention_reference
-from glint.pallas_kernels.reference import quantize_rows, to_pool_dtype
+from glint.pallas_kernels.reference import quantize_rows, scale_pool, to_pool_dtype
 
 PEAK, REPS, PAGE, HKV, GROUP, D = 4.3e12, 20, 16, 8, 4, 128
 SWEEP = [BlockSizes(16, k, w, st) for k in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4)]
@@ -66,7 +66,9 @@ def main(batch: int, context: int, sweep: bool = False) -> None:
     v = jax.random.normal(jax.random.key(2), shape, jnp.bfloat16)
     (k8, ks), (v8, vs) = (quantize_rows(x.reshape(-1, HKV, D)) for x in (k, v))
     pools = {"bf16": (k, v), "fp8": (to_pool_dtype(k, jnp.float8_e4m3fn), to_pool_dtype(v, jnp.float8_e4m3fn)),
-             "fp8-scaled": (k8.reshape(shape), v8.reshape(shape), ks.reshape(shape[:3]), vs.reshape(shape[:3]))}
+             "fp8-scaled": (k8.reshape(shape), v8.reshape(shape), scale_pool(ks.reshape(shape[:3])),
+                            scale_pool(vs.reshape(shape[:3])))}
+
     attend = attention(page_table, seq_info)
     rows = []
     for name, pool in pools.items():
