@@ -30,7 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from glint.pallas_kernels import mosaic_keys, segments, tuning, varlen_attention_mgpu
-from glint.pallas_kernels.reference import layer_error
+from glint.pallas_kernels.reference import layer_error, scales_error
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -39,14 +39,23 @@ _BLOCK_M = 64  # packed rows per tile: one wgmma tile of one warpgroup
 # TMA row offsets into the tiled query view are multiples of this, as in the prefill kernel, whose tile counting
 # (padded_rows, max_tiles) this kernel shares over packed rows.
 _ALIGN = mosaic_keys.ALIGN
+_FP8 = jnp.dtype(jnp.float8_e4m3fn)
+_SCALE_BYTES = 4  # a scale pool's float32
+_TMA_SMEM_ALIGN = 128  # bytes: where a TMA copy may land in shared memory
 
 
-def supports(*, dtype, kv_dtype, head_dim: int, page_size: int, block_kv: int, ring_rows, window: int) -> bool:
-    """Whether this kernel covers the call (else the Triton kernel does); a ring as mosaic_keys.covers_ring."""
+
+def supports(*, dtype, kv_dtype, head_dim: int, page_size: int, block_kv: int, ring_rows, window: int,
+             scaled: bool = False) -> bool:
+    """Whether this kernel covers the call (else the Triton kernel does); a ring as mosaic_keys.covers_ring. fp8
+    pools: a scaled cache's scales arrive by TMA a page chunk at a time, each into shared memory at a 128-byte
+    boundary (TMA's alignment), so its chunks (min(page_size, block_kv) keys) must be multiples of 32 keys."""
+    fp8 = jnp.dtype(kv_dtype) == _FP8
     return (
         mosaic_keys.covers_ring(ring_rows, window)
         and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-        and jnp.dtype(kv_dtype) == jnp.dtype(dtype)
+        and (jnp.dtype(kv_dtype) == jnp.dtype(dtype) or fp8)
+        and (not scaled or (fp8 and min(page_size, block_kv) * _SCALE_BYTES % _TMA_SMEM_ALIGN == 0))
         and head_dim in (64, 128)  # 256 would overflow shared memory with the float32 output tile
         and block_kv % 64 == 0  # whole wgmma row tiles when zeroing V rows past kv_end
         and page_size % 16 == 0
@@ -54,7 +63,30 @@ def supports(*, dtype, kv_dtype, head_dim: int, page_size: int, block_kv: int, r
     )
 
 
+def _widen(tile_ref, scale_ref, dtype, seen=None):
+    """An fp8 tile [block_kv, D] of shared memory in `dtype`, in registers (WGMMA layout): e4m3 to float16 (one
+    conversion per two values on Hopper; to bfloat16 it takes more), float32 times each row's scale from
+    `scale_ref` [block_kv] (a scaled cache; None: unscaled), then `dtype`. Rows where `seen` (bool, WGMMA layout)
+    is false become zero: their pool rows and scales may hold anything (NaN)."""
+    x = plgpu.layout_cast(plgpu.load(tile_ref, layout=plgpu.Layout.WGMMA_UPCAST_2X), plgpu.Layout.WGMMA)
+    x = x.astype(jnp.float16).astype(jnp.float32)
+    if scale_ref is not None:
+        x = x * lax.broadcast_in_dim(plgpu.load(scale_ref, layout=plgpu.Layout.WGMMA.reduce(1)), x.shape, [0])
+    if seen is not None:
+        x = jnp.where(seen, x, 0.0)
+    return x.astype(dtype)
+
+
+def _transforms(minor: int, dtype) -> tuple:
+    """Tiling + swizzle of a shared-memory tile whose rows hold `minor` elements of `dtype` (at most 128 bytes
+    swizzled)."""
+    size = jnp.dtype(dtype).itemsize
+    swizzle = min(128, minor * size)
+    return plgpu.TilingTransform((8, swizzle // size)), plgpu.SwizzleTransform(swizzle)
+
+
 def _packed_info(seq_info, group: int):
+
     """seq_info counted in a kv head's packed rows: each segment's q_start and q_len times the group."""
     return seq_info.at[:, :2].multiply(group)
 
@@ -86,8 +118,9 @@ def _kernel(
     tiles_ref,  # i32[num_tiles, 6]: (segment or -1, tile within it, q_start, q_len, seq_slot, kv_end)
     page_table_ref,  # i32[R, P]
     q_ref,  # [Hkv, T * group (padded to a multiple of _ALIGN), D]: each kv head's packed query rows
-    k_ref,  # [num_pages * page_size, Hkv, D]
+    k_ref,  # [num_pages * page_size, Hkv, D]: q's dtype, or float8_e4m3fn
     v_ref,
+    scale_refs,  # a scaled fp8 cache's (k, v) scale pools f32[num_pages * Hkv, page_size], or ()
     o_ref,  # [num_splits, num_tiles, Hkv, _BLOCK_M, D]: float32, or q's dtype with one split
     lse_ref,  # f32[num_splits, num_tiles, Hkv, _BLOCK_M], or None with one split
     scoped,
@@ -103,7 +136,8 @@ def _kernel(
     window: int,
     softcap: float,
 ):
-    (q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem), (k_barriers, v_barriers, q_barrier), consumed = scoped
+    smem, (k_barriers, v_barriers, q_barrier), consumed = scoped
+    q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, k_wide, v_wide, k_scales, v_scales = smem
     wg = lax.axis_index("wg")
     kv_head = lax.axis_index("kv_heads")
     tile = lax.axis_index("tiles")
@@ -134,7 +168,15 @@ def _kernel(
 
     def load(block, slot):
         mosaic_keys.copy_kv_block(page_table_ref, seq_slot, walk.storage(block), (k_ref, v_ref), kv_head,
-                                  (k_smem, v_smem), slot, (k_barriers, v_barriers), page_size=page_size)
+                                  (k_smem, v_smem), slot, (k_barriers, v_barriers), page_size=page_size,
+                                  scales=scale_refs, scale_bufs=(k_scales, v_scales) if scale_refs else ())
+
+    def widened(pool_smem, scale_smem, wide, slot, seen=None):
+        """Slot `slot` of an fp8 K or V buffer in q's dtype (a scaled cache: each row times its scale; rows where
+        `seen` is false zero), stored in `wide` for the dots."""
+        wide[...] = _widen(pool_smem.at[slot], None if scale_smem is None else scale_smem.at[slot], dtype, seen)
+        plgpu.commit_smem()
+        return wide
 
     @pl.when(has_rows & (wg == 1))
     def _memory_wg():
@@ -166,9 +208,10 @@ def _kernel(
             step = block - begin
             slot = lax.rem(step, jnp.int32(num_stages))
             plgpu.barrier_wait(k_barriers.at[slot])
+            k_tile = k_smem.at[slot] if k_wide is None else widened(k_smem, k_scales, k_wide, slot)
 
             def qk_dot(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
                 return acc_ref[...]
 
             qk = pl.run_scoped(qk_dot, plgpu.ACC((_BLOCK_M, block_kv), jnp.float32))
@@ -186,12 +229,18 @@ def _kernel(
             l_i = l_i * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(v_barriers.at[slot])
-            if masked:
-                walk.zero_unseen(v_smem.at[slot], block, dtype)
+            if v_wide is not None:  # V rows of keys no row sees are zeroed as they widen
+                keys, stored = walk.keys(block, v_wide.shape, 0) if masked else (None, None)
+                v_tile = widened(v_smem, v_scales, v_wide, slot, (stored & (keys >= walk.lo)) if masked else None)
+                plgpu.barrier_arrive(consumed.at[slot])  # the dots read the widened tiles: refill the slot now
+            else:
+                if masked:
+                    walk.zero_unseen(v_smem.at[slot], block, dtype)
+                v_tile = v_smem.at[slot]
 
             if p_smem is None:  # P from registers, accumulated in place (compiled only)
                 def pv_dot(acc_ref):
-                    plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+                    plgpu.wgmma(acc_ref, p.astype(dtype), v_tile)
 
                 acc = pl.run_state(pv_dot)(plgpu.ACC.init(acc))
             else:
@@ -201,11 +250,13 @@ def _kernel(
                 plgpu.commit_smem()
 
                 def pv_dot(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                    plgpu.wgmma(acc_ref, p_smem, v_tile)
                     return acc_ref[...]
 
                 acc = acc + pl.run_scoped(pv_dot, plgpu.ACC((_BLOCK_M, head_dim), jnp.float32))
-            plgpu.barrier_arrive(consumed.at[slot])  # both dots have read the slot: the memory warpgroup refills it
+            if v_wide is None:
+                plgpu.barrier_arrive(consumed.at[slot])  # both dots have read the slot: the memory warpgroup refills it
+
             return acc, m_ij, l_i
 
         acc = plgpu.layout_cast(jnp.full((_BLOCK_M, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
@@ -240,10 +291,11 @@ def _kernel(
                               "num_stages", "p_in_registers", "interpret")
 )
 def decode_attention_mgpu(
-    q, k_pages, v_pages, page_table, seq_info, *, ring_rows=None, window=0, causal=True, softcap=0.0, scale,
-    num_splits=1, block_kv=128, num_stages=2, p_in_registers=False, interpret=False,
+    q, k_pages, v_pages, page_table, seq_info, *, k_scale=None, v_scale=None, ring_rows=None, window=0, causal=True,
+    softcap=0.0, scale, num_splits=1, block_kv=128, num_stages=2, p_in_registers=False, interpret=False,
 ):
-    """Same contract as `varlen_attention` (unscaled pools; see supports()).
+    """Same contract as `varlen_attention` (see supports()). fp8 pools (scaled or not): each K and V block
+    arrives as fp8 and is widened to q's dtype in shared memory (`_widen`) before the dots.
 
     num_splits: key slices per tile, merged after the kernel; block_kv keys per pipeline step; num_stages
     K/V shared-memory slots. p_in_registers: P @ V takes P from registers into the running accumulator, as
@@ -256,13 +308,17 @@ def decode_attention_mgpu(
                          f"({num_rows}) must be >= 1")
     if error := layer_error(page_table.shape[1] * page_size, ring_rows=ring_rows, window=window, softcap=softcap):
         raise ValueError(f"decode_attention_mgpu: {error}")
+    if error := scales_error(k_pages, k_scale, v_scale):
+        raise ValueError(f"decode_attention_mgpu: {error}")
+    scaled = k_scale is not None
     p_in_registers = p_in_registers and not interpret
     if not supports(dtype=q.dtype, kv_dtype=k_pages.dtype, head_dim=head_dim, page_size=page_size, block_kv=block_kv,
-                    ring_rows=ring_rows, window=window):
+                    ring_rows=ring_rows, window=window, scaled=scaled):
         raise ValueError(
-            f"decode_attention_mgpu: needs bf16/f16 pools of q's dtype, head_dim 64 or 128, page_size a multiple of "
-            f"16 that divides or is divided by block_kv, block_kv a multiple of 64, and a ring a window in [1, "
-            f"ring_rows] (q {q.shape} {q.dtype}, pools {k_pages.shape} {k_pages.dtype}, block_kv={block_kv}, "
+            f"decode_attention_mgpu: needs bf16/f16 q with pools of its dtype or float8_e4m3fn (scaled: pages and "
+            f"key blocks of multiples of 32 keys), head_dim 64 or 128, page_size a multiple of 16 that divides or "
+            f"is divided by block_kv, block_kv a multiple of 64, and a ring a window in [1, ring_rows] (q {q.shape} "
+            f"{q.dtype}, pools {k_pages.shape} {k_pages.dtype}, scaled={scaled}, block_kv={block_kv}, "
             f"ring_rows={ring_rows}, window={window})"
         )
     group = num_q_heads // num_kv_heads
@@ -284,26 +340,36 @@ def decode_attention_mgpu(
 
     single = num_splits == 1  # no merge: the kernel writes final rows, and no float32 tile or lse
 
-    def entry(tiles_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref=None):
-        transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    kv_dtype = k_pages.dtype
+    wide = kv_dtype != dtype  # fp8 pools: widened into tiles of q's dtype
+
+    def entry(tiles_ref, page_table_ref, q_ref, k_ref, v_ref, *refs):
+        scale_refs, (o_ref, lse_ref) = refs[:2 * scaled], (*refs[2 * scaled:], None)[:2]
+        transforms = _transforms(head_dim, dtype)
         copies = block_kv // min(page_size, block_kv)
+        arrivals = copies * (2 if scaled else 1)  # a scaled cache's scales arrive with their K or V
         pl.run_scoped(
             lambda *scoped: _kernel(
-                tiles_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped,
+                tiles_ref, page_table_ref, q_ref, k_ref, v_ref, scale_refs, o_ref, lse_ref, scoped,
                 block_kv=block_kv, num_stages=num_stages, page_size=page_size, group=group, causal=causal,
                 scale=scale, num_splits=num_splits, ring_rows=ring_rows, window=window, softcap=softcap,
             ),
             (
                 plgpu.SMEM((_BLOCK_M, head_dim), dtype, transforms=transforms),
-                plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
-                plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
-                None if p_in_registers else plgpu.SMEM((_BLOCK_M, block_kv), dtype, transforms=transforms),
+                plgpu.SMEM((num_stages, block_kv, head_dim), kv_dtype, transforms=_transforms(head_dim, kv_dtype)),
+                plgpu.SMEM((num_stages, block_kv, head_dim), kv_dtype, transforms=_transforms(head_dim, kv_dtype)),
+                None if p_in_registers else plgpu.SMEM((_BLOCK_M, block_kv), dtype,
+                                                       transforms=_transforms(block_kv, dtype)),
                 None if single else plgpu.SMEM((_BLOCK_M, head_dim), jnp.float32),
                 None if single else plgpu.SMEM((_BLOCK_M,), jnp.float32),
+                plgpu.SMEM((block_kv, head_dim), dtype, transforms=transforms) if wide else None,
+                plgpu.SMEM((block_kv, head_dim), dtype, transforms=transforms) if wide else None,
+                plgpu.SMEM((num_stages, block_kv), jnp.float32) if scaled else None,
+                plgpu.SMEM((num_stages, block_kv), jnp.float32) if scaled else None,
             ),
             (
-                plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
-                plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+                plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
+                plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=1),
             ),
             plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),
@@ -322,7 +388,9 @@ def decode_attention_mgpu(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(tile_info, page_table, q_packed, k_pages.reshape(flat), v_pages.reshape(flat))
+    )(tile_info, page_table, q_packed, k_pages.reshape(flat), v_pages.reshape(flat),
+      *((k_scale.reshape(-1, page_size), v_scale.reshape(-1, page_size)) if scaled else ()))
+
     return _merge(o, lse[0] if lse else None, seq_info, first_tile, group, num_rows).astype(dtype)
 
 

@@ -17,21 +17,33 @@ _LOG2E = math.log2(math.e)
 ALIGN = 8  # TMA row offsets into the tiled query / K / V views are multiples of this
 
 
-def copy_kv_block(page_table_ref, seq_slot, block, pools, kv_head, bufs, slot, barriers, *, page_size: int):
+def copy_kv_block(page_table_ref, seq_slot, block, pools, kv_head, bufs, slot, barriers, *, page_size: int,
+                  scales=(), scale_bufs=()):
     """Starts the TMA copies of key block `block` of sequence `seq_slot` (its rows of kv head `kv_head` in the flat
     pools (k, v)) into slot `slot` of the shared-memory buffers (k, v), one copy per page chunk, K first (needed
-    first), each arriving at its buffer's barrier for the slot. A block past the table's last page reads that page."""
+    first), each arriving at its buffer's barrier for the slot. A block past the table's last page reads that page.
+    A scaled fp8 cache's scale pools (k, v), flat [num_pages * Hkv, page_size] (one row per page and head), go
+    into `scale_bufs` [stages, block_kv] the same way, a copy per chunk arriving at the same barrier as its pool's."""
     block_kv = bufs[0].shape[1]
     chunk = min(page_size, block_kv)
     last_page = page_table_ref.shape[1] - 1
-    rows = []
+    rows, scale_rows = [], []
     for i in range(block_kv // chunk):
         key = block * block_kv + i * chunk
         page = page_table_ref[seq_slot, jnp.minimum(lax.div(key, jnp.int32(page_size)), last_page)]
-        rows.append(pl.ds(pl.multiple_of(page * page_size + lax.rem(key, jnp.int32(page_size)), ALIGN), chunk))
-    for ref, buf, barrier in zip(pools, bufs, barriers):
+        offset = pl.multiple_of(lax.rem(key, jnp.int32(page_size)), ALIGN)
+        rows.append(pl.ds(pl.multiple_of(page * page_size + offset, ALIGN), chunk))
+        if scales:
+            num_kv_heads = scales[0].shape[0] // (pools[0].shape[0] // page_size)
+            scale_rows.append((page * num_kv_heads + kv_head, pl.ds(offset, chunk)))
+    for ref, buf, barrier, *scaled in zip(pools, bufs, barriers, *((scales, scale_bufs) if scales else ())):
         for i, src in enumerate(rows):
             plgpu.copy_gmem_to_smem(ref.at[src, kv_head], buf.at[slot, pl.ds(i * chunk, chunk)], barrier.at[slot])
+        if scaled:
+            scale_ref, scale_buf = scaled
+            for i, (row, cols) in enumerate(scale_rows):
+                plgpu.copy_gmem_to_smem(scale_ref.at[row, cols], scale_buf.at[slot, pl.ds(i * chunk, chunk)],
+                                        barrier.at[slot])
 
 
 def covers_ring(ring_rows, window: int) -> bool:

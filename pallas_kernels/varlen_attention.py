@@ -365,7 +365,7 @@ def _use_mosaic(backend, *, q, k_pages, seq_info, ring_rows, window, softcap, nu
             and (plain or not tuning.MOSAIC_PREFILL_PLAIN_ONLY) and not interpret and varlen_attention_mgpu.is_hopper())
 
 
-def _use_mosaic_decode(backend, *, q, k_pages, seq_info, ring_rows, window, block_sizes, interpret):
+def _use_mosaic_decode(backend, *, q, k_pages, scaled, seq_info, ring_rows, window, block_sizes, interpret):
     """Whether this call runs the Mosaic GPU decode kernel (decode_attention_mgpu.py); with backend
     "mosaic_decode" and interpret, Pallas' GPU interpreter runs it (CPU tests)."""
     num_rows, _, head_dim = q.shape
@@ -378,17 +378,19 @@ def _use_mosaic_decode(backend, *, q, k_pages, seq_info, ring_rows, window, bloc
             block_kv=tuning.MOSAIC_DECODE["block_kv"],
             ring_rows=ring_rows,
             window=window,
+            scaled=scaled,
         )
         and block_sizes is None
     )
     if backend == "mosaic_decode":
         if not (runnable and (interpret or varlen_attention_mgpu.is_hopper())):
             raise ValueError(
-                f"varlen_attention: backend='mosaic_decode' needs a Hopper GPU (or interpret), bf16/f16 pools of q's "
-                f"dtype, head_dim 64 or 128, page_size a multiple of 16 that divides or is divided by "
-                f"{tuning.MOSAIC_DECODE['block_kv']}, a ring a window in [1, ring_rows], block_sizes unset (q "
-                f"{q.shape} {q.dtype}, pools {k_pages.dtype}, page_size {k_pages.shape[1]}, ring_rows={ring_rows}, "
-                f"window={window}, block_sizes={block_sizes}, interpret={interpret})"
+                f"varlen_attention: backend='mosaic_decode' needs a Hopper GPU (or interpret), bf16/f16 q with pools "
+                f"of its dtype or float8_e4m3fn (scaled: pages of a multiple of 32 keys), head_dim 64 or 128, "
+                f"page_size a multiple of 16 that divides or is divided by {tuning.MOSAIC_DECODE['block_kv']}, a ring "
+                f"a window in [1, ring_rows], block_sizes unset (q {q.shape} {q.dtype}, pools {k_pages.dtype}, "
+                f"scaled={scaled}, page_size {k_pages.shape[1]}, ring_rows={ring_rows}, window={window}, "
+                f"block_sizes={block_sizes}, interpret={interpret})"
             )
         return True
     decode = num_rows <= tuning.DECODE_ROWS_PER_SEGMENT * seq_info.shape[0]
@@ -516,8 +518,8 @@ def varlen_attention(
         softcap=softcap, scale=scale, num_splits=num_splits, block_sizes=block_sizes, interpret=interpret,
     )
     if not mosaic:
-        if _use_mosaic_decode(backend, q=q, k_pages=k_pages, seq_info=seq_info, ring_rows=ring_rows, window=window,
-                              block_sizes=block_sizes, interpret=interpret):
+        if _use_mosaic_decode(backend, q=q, k_pages=k_pages, scaled=k_scale is not None, seq_info=seq_info,
+                              ring_rows=ring_rows, window=window, block_sizes=block_sizes, interpret=interpret):
             if num_splits is None:
                 # The most keys a tile walks: a ring's rows, a window and the step's rows, or the table's.
                 keys = ring_rows or page_table.shape[1] * k_pages.shape[1]
@@ -526,7 +528,9 @@ def varlen_attention(
                     q.shape[0], seq_info.shape[0], q.shape[1], k_pages.shape[2], keys,
                     tuning.MOSAIC_DECODE["block_kv"])
             return decode_attention_mgpu.decode_attention_mgpu(
-                q, k_pages, v_pages, page_table, seq_info, ring_rows=ring_rows, window=window, causal=causal,
+                q, k_pages, v_pages, page_table, seq_info, k_scale=k_scale, v_scale=v_scale, ring_rows=ring_rows,
+                window=window, causal=causal,
+
                 softcap=softcap, scale=float(scale), num_splits=num_splits, interpret=interpret,
                 **tuning.MOSAIC_DECODE,
             )

@@ -3,7 +3,7 @@ decode rows, speculative chunks and prefill chunks over flat and ring layers, wi
 
 import jax.numpy as jnp
 import numpy as np
-from glint.pallas_kernels.reference import varlen_attention_reference
+from glint.pallas_kernels.reference import quantize_rows, scale_pool, to_pool_dtype, varlen_attention_reference
 from glint.pallas_kernels.testing import AttentionCase as C
 from glint.pallas_kernels.testing import make_attention_inputs
 
@@ -81,10 +81,28 @@ def check_rows(got, want, seq_info, dtype):
     np.testing.assert_array_less(np.abs(got - want), tol + tol * np.abs(want))
 
 
-def check_kernel(case, kernel, *, seed=0, shift=0):
+def as_fp8(args, *, scaled: bool):
+    """The inputs with their pools as an fp8 cache: scaled (reference.quantize_rows, a float32 scale per row and
+    head in scale pools; poisoned rows keep a NaN scale, so a kernel that used one would show it) or plain e4m3
+    casts (clipped to +-448)."""
+    k, v = args["k_pages"], args["v_pages"]
+    if not scaled:
+        return dict(args, k_pages=to_pool_dtype(k, jnp.float8_e4m3fn), v_pages=to_pool_dtype(v, jnp.float8_e4m3fn))
+    out = dict(args)
+    for name, pages in (("k", k), ("v", v)):
+        rows, rows_scale = quantize_rows(pages.reshape(-1, *pages.shape[2:]))
+        rows_scale = jnp.where(jnp.isnan(pages.reshape(rows.shape).astype(jnp.float32)).any(-1), jnp.nan, rows_scale)
+        out[f"{name}_pages"] = rows.reshape(pages.shape)
+        out[f"{name}_scale"] = scale_pool(rows_scale.reshape(pages.shape[:3]))
+    return out
+
+
+def check_kernel(case, kernel, *, seed=0, shift=0, fp8=None):
     """`kernel(**inputs, scale=..., **layer_args(case))` on the case's device inputs against the reference on the
-    same inputs (check_rows); returns the inputs."""
+    same inputs (check_rows); returns the inputs. fp8: "scaled" or "plain" pools (as_fp8)."""
     args = device_inputs(case, seed=seed, shift=shift)
+    if fp8:
+        args = as_fp8(args, scaled=fp8 == "scaled")
     layer = layer_args(case)
     want = varlen_attention_reference(**args, scale=case.scale, **layer)
     check_rows(kernel(**args, scale=case.scale, **layer), want, args["seq_info"], case.dtype)

@@ -7,6 +7,7 @@ it. Also: the static tile count, the dispatch rules, and that the kernel
 lowers for CUDA at the engine's sizes.
 """
 
+import dataclasses
 import functools
 import importlib
 
@@ -17,6 +18,7 @@ import pytest
 from conftest import INTERPRET, ON_GPU
 from glint.pallas_kernels import BlockSizes, tuning, varlen_attention, varlen_attention_mgpu
 from glint.pallas_kernels import decode_attention_mgpu as dm
+from glint.pallas_kernels.reference import scale_pool_shape
 from glint.pallas_kernels.testing import AttentionCase as C
 from glint.pallas_kernels.testing import make_attention_inputs
 from mosaic_cases import CASES, check_kernel, device_inputs
@@ -52,6 +54,39 @@ def test_unaligned_start_over_several_tiles(num_splits):
     kernel = functools.partial(dm.decode_attention_mgpu, num_splits=num_splits, interpret=INTERPRET)
     args = check_kernel(case, kernel, shift=(7 - start) % 8)
     assert [int(i[0]) % 8 for i in args["seq_info"] if i[1] == 130] == [7]  # the layout the docstring says
+
+
+@pytest.mark.parametrize("name,fp8,page_size,num_splits", [
+    ("mixed-g4", "scaled", 32, 1), ("window-flat-g4", "scaled", 32, 3), ("ring-chunks-softcap", "scaled", 32, 2),
+    ("ring-g8-p32", "scaled", 32, 3), ("g4-p256", "scaled", 256, 2), ("decode-g4-d128", "plain", 16, 1),
+    ("ring-wide-wraps", "plain", 16, 2), ("window-noncausal-softcap-f16", "plain", 16, 1),
+])
+def test_fp8_pools(name, fp8, page_size, num_splits):
+    """fp8 pools, a scaled cache (a float32 scale per row and head; its pages a multiple of 32 keys, see supports())
+    or plain e4m3, against the reference over the same pools: each block widened to q's dtype in shared memory,
+    scales applied to its rows, V rows of unseen keys zeroed as they widen (poisoned rows and scales are NaN)."""
+    case = dataclasses.replace(CASES[name], page_size=page_size)
+    kernel = functools.partial(dm.decode_attention_mgpu, num_splits=num_splits, block_kv=64, interpret=INTERPRET)
+    check_kernel(case, kernel, seed=2, fp8=fp8)
+
+
+def test_fp8_through_varlen_attention():
+    """varlen_attention hands a scaled cache's scale pools to the kernel (backend "mosaic_decode")."""
+    case = dataclasses.replace(CASES["g6-d64"], page_size=32)
+    check_kernel(case, functools.partial(varlen_attention, backend="mosaic_decode", interpret=INTERPRET), fp8="scaled")
+
+
+def test_fp8_support_rules():
+    """A scaled cache's scales arrive by TMA a page chunk at a time at 128-byte boundaries: pages of 16 keys (64
+    bytes of scales) stay on Triton, pages of 32 or more go to Mosaic; plain fp8 pools at any supported page."""
+    rule = functools.partial(dm.supports, dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn, head_dim=128, block_kv=64,
+                             ring_rows=None, window=0)
+    assert not rule(page_size=16, scaled=True) and rule(page_size=32, scaled=True) and rule(page_size=128, scaled=True)
+    assert rule(page_size=16, scaled=False)
+    assert not dm.supports(dtype=jnp.float32, kv_dtype=jnp.float8_e4m3fn, head_dim=128, page_size=32, block_kv=64,
+                           ring_rows=None, window=0, scaled=True)
+    assert not dm.supports(dtype=jnp.bfloat16, kv_dtype=jnp.float16, head_dim=128, page_size=32, block_kv=64,
+                           ring_rows=None, window=0)
 
 
 @functools.cache
@@ -106,7 +141,7 @@ def test_supports_and_refusals():
               window=0)
     assert dm.supports(**ok)
     assert dm.supports(**{**ok, "dtype": jnp.float16, "kv_dtype": jnp.float16, "head_dim": 64, "page_size": 256})
-    for bad in ({"kv_dtype": jnp.float8_e4m3fn}, {"dtype": jnp.float32, "kv_dtype": jnp.float32}, {"head_dim": 256},
+    for bad in ({"kv_dtype": jnp.float16}, {"dtype": jnp.float32, "kv_dtype": jnp.float32}, {"head_dim": 256},
                 {"head_dim": 80}, {"page_size": 8}, {"page_size": 48}, {"block_kv": 32},
                 {"ring_rows": 96},  # a ring without a window: a row would stand for several keys
                 {"ring_rows": 96, "window": 97}):  # a window wider than its ring, likewise
@@ -140,15 +175,18 @@ def test_auto_dispatch(monkeypatch):
     pages = jnp.zeros((4, 16, 8, 128), jnp.bfloat16)
 
     def use(num_segments=8, backend="auto", **kw):
-        args = dict(q=q, k_pages=pages, seq_info=jnp.zeros((num_segments, 4), jnp.int32), ring_rows=None, window=0,
-                    block_sizes=None, interpret=False)
+        args = dict(q=q, k_pages=pages, scaled=False, seq_info=jnp.zeros((num_segments, 4), jnp.int32), ring_rows=None,
+                    window=0, block_sizes=None, interpret=False)
         return va._use_mosaic_decode(backend, **{**args, **kw})
 
     assert use()  # 8 rows in 8 segments: a decode step
     assert not use(num_segments=1)  # 8 rows in one segment: prefill
     assert not use(backend="triton")
     assert not use(block_sizes=va.BlockSizes())
-    assert not use(k_pages=pages.astype(jnp.float8_e4m3fn))
+    assert use(k_pages=pages.astype(jnp.float8_e4m3fn))  # plain fp8 pools
+    assert not use(k_pages=pages.astype(jnp.float8_e4m3fn), scaled=True)  # a scaled cache in pages of 16 keys
+    assert use(k_pages=jnp.zeros((4, 32, 8, 128), jnp.float8_e4m3fn), scaled=True)  # ... in pages of 32
+    assert not use(k_pages=pages.astype(jnp.float16))
     assert not use(q=q.astype(jnp.float32))  # pools of another dtype
     assert use(ring_rows=40, window=33) and not use(ring_rows=40, window=0)
     assert not use(interpret=True)
@@ -196,4 +234,32 @@ def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, num_splits, tile):
     )
     fn = jax.jit(lambda *a: dm.decode_attention_mgpu(*a, scale=d**-0.5, num_splits=num_splits,
                                                      **{**tuning.MOSAIC_DECODE, **tile}))
+    assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("num_rows,hkv,d,page_size,num_splits,scaled,tile", [
+    (64, 8, 128, 32, 1, True, dict(p_in_registers=True)),  # llama3-8b's heads, a scaled fp8 cache in pages of 32
+    (64, 8, 128, 32, 1, True, dict(p_in_registers=False)),
+    (1, 8, 128, 128, 16, True, {}),  # batch 1, split-K, a page per key block
+    (4, 8, 128, 64, 4, True, dict(ring_rows=1000, window=990)),  # a ring layer
+    (1, 8, 128, 32, 16, True, dict(window=512, softcap=50.0)),
+    (64, 8, 128, 16, 2, False, {}),  # unscaled fp8 in pages of 16
+    (16, 2, 64, 16, 1, False, dict(block_kv=64)),  # d64: 64-byte fp8 rows, 64-byte swizzle
+    (16, 2, 64, 32, 2, True, dict(block_kv=64)),
+])
+def test_fp8_lowers_for_cuda(num_rows, hkv, d, page_size, num_splits, scaled, tile):
+    """fp8 pools (scaled or not): the fp8 K/V tiles' layouts, their widening into q's dtype and the scale copies
+    lower for CUDA (layout inference and TMA checks run at lowering)."""
+    fp8, f32 = jnp.float8_e4m3fn, jnp.float32
+    args = (
+        jax.ShapeDtypeStruct((num_rows, 4 * hkv, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((512, page_size, hkv, d), fp8),
+        jax.ShapeDtypeStruct((512, page_size, hkv, d), fp8),
+        jax.ShapeDtypeStruct((num_rows + 2, 8192 // page_size), jnp.int32),
+        jax.ShapeDtypeStruct((num_rows, 4), jnp.int32),
+        *(jax.ShapeDtypeStruct(scale_pool_shape(512, page_size, hkv), f32) for _ in range(2 * scaled)),
+    )
+    fn = jax.jit(lambda q, k, v, table, info, *scales: dm.decode_attention_mgpu(
+        q, k, v, table, info, **dict(zip(("k_scale", "v_scale"), scales)), scale=d**-0.5, num_splits=num_splits,
+        **{**tuning.MOSAIC_DECODE, **tile}))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
