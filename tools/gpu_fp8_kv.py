@@ -3,8 +3,11 @@ fp8 cache) KV pools on the GPU: the Triton kernel checked against the jnp refere
 chained inside one jit and as separate calls, as % of 4.3 TB/s of the K/V bytes (and scales) it must read.
 llama3-8b's attention shape (32 query / 8 KV heads of 128, page 16).
 
-  python tools/gpu_fp8_kv.py [BATCH CONTEXT] [--sweep]   (--sweep: then the scaled fp8 pools and bf16's at each
-      decode tile in SWEEP, chained, each checked against the reference)
+  python tools/gpu_fp8_kv.py [BATCH CONTEXT] [--sweep] [--mosaic] [--page=N]
+      --sweep: then the scaled fp8 pools and bf16's at each decode tile in SWEEP, chained, each checked against the
+      reference. --mosaic: then the same pools through the Mosaic GPU decode kernel (backend "mosaic_decode", its
+      own split count), with its time against Triton's on the same pools from this call; a scaled cache there
+      needs pages of a multiple of 32 keys (--page=32). --page: the page size (16).
 """
 import dataclasses
 import statistics
@@ -33,10 +36,11 @@ def timed(fn, *args):
     return statistics.median(out)
 
 
-def attention(page_table, seq_info, blocks=None):
+def attention(page_table, seq_info, blocks=None, backend="triton"):
     """varlen_attention over (q, k, v[, k_scale, v_scale]) at this table, jitted (blocks: None, the defaults)."""
     return jax.jit(lambda q, k, v, *s: varlen_attention(q, k, v, page_table, seq_info, scale=D ** -0.5,
-                                                         block_sizes=blocks, **dict(zip(("k_scale", "v_scale"), s))))
+                                                         block_sizes=blocks, backend=backend,
+                                                         **dict(zip(("k_scale", "v_scale"), s))))
 
 
 def error(attend, q, pool, page_table, seq_info) -> float:
@@ -53,7 +57,7 @@ def chained_time(attend, q, pool) -> float:
     return timed(chained, q, *pool) / REPS
 
 
-def main(batch: int, context: int, sweep: bool = False) -> None:
+def main(batch: int, context: int, sweep: bool = False, mosaic: bool = False) -> None:
     rng = np.random.default_rng(0)
     pages_per_seq = context // PAGE
     num_pages = 1 + batch * pages_per_seq
@@ -91,6 +95,18 @@ def main(batch: int, context: int, sweep: bool = False) -> None:
                                                                                                  np.float32))
     print(f"scaled fp8 / bf16 time: chained {rows[0][2] / rows[2][2]:.2f}x faster, separate "
           f"{rows[0][3] / rows[2][3]:.2f}x; scaled fp8 output vs bf16 output max |diff| {scaled_vs_bf16.max():.4f}")
+    if mosaic:
+        print("Mosaic decode kernel | pools | max err vs reference | chained us | chained % | separate us | "
+              "separate % | Triton / Mosaic time, chained | separate")
+        attend_mosaic = attention(page_table, seq_info, backend="mosaic_decode")
+        for name, _, tc, ts, nbytes in rows:
+            err = error(attend_mosaic, q, pools[name], page_table, seq_info)
+            t_chain = chained_time(attend_mosaic, q, pools[name])
+            t_sep = timed(lambda q, *pool: [attend_mosaic(q, *pool) for _ in range(REPS)][-1], q,
+                          *pools[name]) / REPS
+            print(f"mosaic | {name} | {err:.2e} | {t_chain * 1e6:.1f} | {100 * nbytes / t_chain / PEAK:.0f} | "
+                  f"{t_sep * 1e6:.1f} | {100 * nbytes / t_sep / PEAK:.0f} | {tc / t_chain:.2f}x | {ts / t_sep:.2f}x",
+                  flush=True)
     if sweep:
         print("tile (block_m, block_k, warps, stages) | pools | max err vs reference | chained us | % of 4.3 TB/s")
     for blocks in SWEEP if sweep else ():
@@ -104,4 +120,5 @@ def main(batch: int, context: int, sweep: bool = False) -> None:
 
 if __name__ == "__main__":
     args = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [64, 4096]
-    main(*args, sweep="--sweep" in sys.argv)
+    PAGE = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--page=")), PAGE)
+    main(*args, sweep="--sweep" in sys.argv, mosaic="--mosaic" in sys.argv)

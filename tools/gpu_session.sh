@@ -178,6 +178,13 @@ print('$alloc', {k: s.get(k) for k in ('bytes_limit', 'bytes_in_use')}, 'free_de
     timeout 260 python3 tools/gpu_fp8_kv.py ${FP8_KV_ARGS:-64 4096} > "$out/fp8_kv.log" 2>&1
     grep -v cuda_timer "$out/fp8_kv.log" | grep -E "\||faster"
     ;;
+  fp8-kv-mosaic)  # the same pools through the Triton and the Mosaic decode kernels, pages of 32 (a scaled cache's
+                 # Mosaic path needs them), 64 x 4096 and 8 x 1024 (~2 min)
+    for shape in ${FP8_KV_SHAPES:-64x4096 8x1024}; do  # BATCHxCONTEXT
+      timeout 260 python3 tools/gpu_fp8_kv.py ${shape/x/ } --mosaic --page=32 > "$out/fp8_kv_mosaic_$shape.log" 2>&1
+      grep -v cuda_timer "$out/fp8_kv_mosaic_$shape.log" | grep -E "\||faster|Error"
+    done
+    ;;
   quant-kernels)  # quantized matmuls at llama3-8b's shapes, M = 1, 8, 64: Mosaic int8 and int4 configs, XLA int8 /
                  # int4 / fp8, bf16 (~6 min before the int4 configs; give QUANT_ARGS --ways or --rows to fit 560 s)
     timeout 560 python3 tools/gpu_quant_kernels.py ${QUANT_ARGS:-} > "$out/quant_kernels.log" 2>&1
