@@ -9,11 +9,12 @@ warpgroup reads the page table and issues TMA copies of each block's page chunks
 Any layout of segments is correct (a long segment takes several tiles), but the kernel is built for
 rows of few tokens: the Triton and Mosaic prefill kernels serve prefill steps.
 
-Scope: flat and ring layers (a ring with a window that fits it), sliding windows and soft-caps; bf16/f16 pools
-of q's dtype (no fp8), head_dim 64 or 128, page sizes a multiple of 16 that divide or are divided by `block_kv`
-(a multiple of 64). A windowed flat layer's blocks start at the block of the tile's first visible key; a ring
-layer's walk its storage blocks from the one holding that key's row, wrapping past the last, each row standing
-for the latest key it holds (mosaic_keys.KeyWalk).
+Scope: flat and ring layers (a ring with a window that fits it), sliding windows and soft-caps; bf16/f16 q with
+pools of its dtype or float8_e4m3fn (plain, or a scaled cache in pages of a multiple of 32 keys: `supports`), each
+fp8 block widened to q's dtype in shared memory before the dots (`_widen`), head_dim 64 or 128, page sizes a
+multiple of 16 that divide or are divided by `block_kv` (a multiple of 64). A windowed flat layer's blocks start
+at the block of the tile's first visible key; a ring layer's walk its storage blocks from the one holding that
+key's row, wrapping past the last, each row standing for the latest key it holds (mosaic_keys.KeyWalk).
 
 Each CTA writes its tile's rows (normalized; float32 with their log2-sum-exp when the keys are split) to
 padded outputs; the merge over splits gathers each query row back to the packed [T, Hq, D] layout. With one

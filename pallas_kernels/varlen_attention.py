@@ -468,7 +468,9 @@ def varlen_attention(
       q: [T, Hq, D] bfloat16, float16 or float32; query head h reads kv head
         h // (Hq // Hkv).
       k_pages, v_pages: [num_pages, page_size, Hkv, D], q's dtype or float8_e4m3fn (an fp8 KV cache, read
-        at half the bytes and widened to q's dtype in the kernel; the Triton kernel serves it).
+        at half the bytes and widened to q's dtype in the kernel: the Triton kernel, or the Mosaic decode kernel
+        where it is chosen and covers the pools).
+
       k_scale, v_scale: f32[num_pages, Hkv, page_size] with float8_e4m3fn pools: a scaled cache, key or value
         row o of page n, head h is pool[n, o, h] * scale[n, h, o] (reference.quantize_rows); None: unscaled.
       page_table: i32[R, P]; row seq_slot lists that sequence's pages.
