@@ -51,7 +51,6 @@ class KVState:
         def scales(layer: int) -> jax.Array:
             return jnp.zeros(scale_pool_shape(cfg.num_pages, cfg.page_size, cfg.kv_heads[layer]), jnp.float32)
 
-
         layers = range(cfg.num_layers)
         return cls.from_layers([(pool(l), pool(l), *((scales(l), scales(l)) if cfg.scaled else ())) for l in layers])
 

@@ -45,7 +45,6 @@ _SCALE_BYTES = 4  # a scale pool's float32
 _TMA_SMEM_ALIGN = 128  # bytes: where a TMA copy may land in shared memory
 
 
-
 def supports(*, dtype, kv_dtype, head_dim: int, page_size: int, block_kv: int, ring_rows, window: int,
              scaled: bool = False) -> bool:
     """Whether this kernel covers the call (else the Triton kernel does); a ring as mosaic_keys.covers_ring. fp8
@@ -87,7 +86,6 @@ def _transforms(minor: int, dtype) -> tuple:
 
 
 def _packed_info(seq_info, group: int):
-
     """seq_info counted in a kv head's packed rows: each segment's q_start and q_len times the group."""
     return seq_info.at[:, :2].multiply(group)
 
@@ -257,7 +255,6 @@ def _kernel(
                 acc = acc + pl.run_scoped(pv_dot, plgpu.ACC((_BLOCK_M, head_dim), jnp.float32))
             if v_wide is None:
                 plgpu.barrier_arrive(consumed.at[slot])  # both dots have read the slot: the memory warpgroup refills it
-
             return acc, m_ij, l_i
 
         acc = plgpu.layout_cast(jnp.full((_BLOCK_M, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
@@ -391,7 +388,6 @@ def decode_attention_mgpu(
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(tile_info, page_table, q_packed, k_pages.reshape(flat), v_pages.reshape(flat),
       *((k_scale.reshape(-1, page_size), v_scale.reshape(-1, page_size)) if scaled else ()))
-
     return _merge(o, lse[0] if lse else None, seq_info, first_tile, group, num_rows).astype(dtype)
 
 

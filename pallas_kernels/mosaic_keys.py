@@ -33,9 +33,8 @@ def copy_kv_block(page_table_ref, seq_slot, block, pools, kv_head, bufs, slot, b
         page = page_table_ref[seq_slot, jnp.minimum(lax.div(key, jnp.int32(page_size)), last_page)]
         offset = pl.multiple_of(lax.rem(key, jnp.int32(page_size)), ALIGN)
         rows.append(pl.ds(pl.multiple_of(page * page_size + offset, ALIGN), chunk))
-        if scales:
-            num_kv_heads = scales[0].shape[0] // (pools[0].shape[0] // page_size)
-            scale_rows.append((page * num_kv_heads + kv_head, pl.ds(offset, chunk)))
+        if scales:  # pools [rows, Hkv, D]: a page's row of scales for kv_head is page * Hkv + kv_head
+            scale_rows.append((page * pools[0].shape[1] + kv_head, pl.ds(offset, chunk)))
     for ref, buf, barrier, *scaled in zip(pools, bufs, barriers, *((scales, scale_bufs) if scales else ())):
         for i, src in enumerate(rows):
             plgpu.copy_gmem_to_smem(ref.at[src, kv_head], buf.at[slot, pl.ds(i * chunk, chunk)], barrier.at[slot])

@@ -72,7 +72,6 @@ def scale_pool(row_scales):
     return jnp.swapaxes(row_scales, 1, 2)
 
 
-
 def quantize_into(k_new, v_new, slots, k_scale, v_scale):
     """A scaled cache's share of a ring write: (k_new and v_new quantized by `quantize_rows`, (k_scale, v_scale)
     f32[num_pages, Hkv, page_size] with each row's scales at its slot; out-of-range slots dropped, as the ring

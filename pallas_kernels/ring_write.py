@@ -93,7 +93,6 @@ def ring_write(k_pages, v_pages, k_new, v_new, slots, k_scale=None, v_scale=None
         padding rows point at the scratch page 0. Slots outside the pool are
         dropped; rows sharing a slot leave one of their values, unspecified which.
       k_scale, v_scale: f32[num_pages, Hkv, page_size] beside float8_e4m3fn pools (a scaled cache, donated):
-
         each row and head is quantized with its own scale (reference.quantize_rows), stored at the row's slot.
       interpret: run the Pallas interpreter (CPU tests).
     Returns:

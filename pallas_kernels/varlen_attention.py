@@ -470,7 +470,6 @@ def varlen_attention(
       k_pages, v_pages: [num_pages, page_size, Hkv, D], q's dtype or float8_e4m3fn (an fp8 KV cache, read
         at half the bytes and widened to q's dtype in the kernel: the Triton kernel, or the Mosaic decode kernel
         where it is chosen and covers the pools).
-
       k_scale, v_scale: f32[num_pages, Hkv, page_size] with float8_e4m3fn pools: a scaled cache, key or value
         row o of page n, head h is pool[n, o, h] * scale[n, h, o] (reference.quantize_rows); None: unscaled.
       page_table: i32[R, P]; row seq_slot lists that sequence's pages.
@@ -532,7 +531,6 @@ def varlen_attention(
             return decode_attention_mgpu.decode_attention_mgpu(
                 q, k_pages, v_pages, page_table, seq_info, k_scale=k_scale, v_scale=v_scale, ring_rows=ring_rows,
                 window=window, causal=causal,
-
                 softcap=softcap, scale=float(scale), num_splits=num_splits, interpret=interpret,
                 **tuning.MOSAIC_DECODE,
             )
@@ -583,7 +581,6 @@ def _triton_attention(
         num_splits = default_num_splits(num_rows, seq_info.shape[0], num_q_heads, num_kv_heads, max_kv_len, blocks)
     flat = (num_pages * page_size, num_kv_heads, head_dim)
     scales = () if scales[0] is None else tuple(s.reshape(-1) for s in scales)
-
     return _varlen_attention_call(
         q,
         k_pages.reshape(flat),

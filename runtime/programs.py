@@ -223,7 +223,6 @@ def kv_sharding(cache: CacheConfig, mesh: jax.sharding.Mesh) -> tuple[jax.shardi
     P = jax.sharding.PartitionSpec
     pools = jax.sharding.NamedSharding(mesh, P(None, None, mesh.axis_names[0], None))
     scales = jax.sharding.NamedSharding(mesh, P(None, mesh.axis_names[0], None))
-
     return (pools, pools, scales, scales) if cache.scaled else (pools, pools)
 
 
@@ -260,7 +259,6 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
     if cache.scaled:
         kv += tuple(tuple(_spec(scale_pool_shape(*shape), np.float32, placed[part]) for shape in pages)
                     for part in (2, 3))
-
     sampler = (_spec((rows,), np.float32), i32(rows), _spec((rows,), np.float32), _spec((rows,), np.uint32), i32(rows))
     logits = _spec((rows, vocab_size), np.float32)
     if name == "sample":

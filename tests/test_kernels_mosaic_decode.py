@@ -21,7 +21,7 @@ from glint.pallas_kernels import decode_attention_mgpu as dm
 from glint.pallas_kernels.reference import scale_pool_shape
 from glint.pallas_kernels.testing import AttentionCase as C
 from glint.pallas_kernels.testing import make_attention_inputs
-from mosaic_cases import CASES, check_kernel, device_inputs
+from mosaic_cases import CASES, as_fp8, check_kernel, device_inputs
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -58,7 +58,8 @@ def test_unaligned_start_over_several_tiles(num_splits):
 
 @pytest.mark.parametrize("name,fp8,page_size,num_splits", [
     ("mixed-g4", "scaled", 32, 1), ("window-flat-g4", "scaled", 32, 3), ("ring-chunks-softcap", "scaled", 32, 2),
-    ("ring-g8-p32", "scaled", 32, 3), ("g4-p256", "scaled", 256, 2), ("decode-g4-d128", "plain", 16, 1),
+    ("ring-g8-p32", "scaled", 32, 3), ("g4-p256", "scaled", 256, 2), ("decode-g4-d128", "scaled", 128, 2),
+    ("decode-g4-d128", "plain", 16, 1),
     ("ring-wide-wraps", "plain", 16, 2), ("window-noncausal-softcap-f16", "plain", 16, 1),
 ])
 def test_fp8_pools(name, fp8, page_size, num_splits):
@@ -83,6 +84,9 @@ def test_fp8_support_rules():
                              ring_rows=None, window=0)
     assert not rule(page_size=16, scaled=True) and rule(page_size=32, scaled=True) and rule(page_size=128, scaled=True)
     assert rule(page_size=16, scaled=False)
+    args = as_fp8(device_inputs(CASES["one-row"]), scaled=True)  # pages of 16
+    with pytest.raises(ValueError, match="scaled: pages and key blocks of multiples of 32 keys.*scaled=True"):
+        dm.decode_attention_mgpu(**args, scale=0.1, block_kv=64, interpret=True)
     assert not dm.supports(dtype=jnp.float32, kv_dtype=jnp.float8_e4m3fn, head_dim=128, page_size=32, block_kv=64,
                            ring_rows=None, window=0, scaled=True)
     assert not dm.supports(dtype=jnp.bfloat16, kv_dtype=jnp.float16, head_dim=128, page_size=32, block_kv=64,

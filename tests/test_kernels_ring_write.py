@@ -226,7 +226,6 @@ def test_ring_write_into_scaled_fp8_pools_quantizes_each_row_and_head(request):
         untouched = np.ones(scales.shape, bool)
         untouched[real // page_size, :, real % page_size] = False
         np.testing.assert_array_equal(scales[untouched], old[untouched])
-
         stored = np.asarray(pool, np.float32).reshape(-1, num_kv_heads, head_dim)[real]
         by_definition = (new[rows] / want_scale[..., None]).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
         # a value on a rounding boundary may land one e4m3 step away (x / s computed as x * (1 / s))
