@@ -17,20 +17,23 @@ from mosaic_cases import check_kernel
 @st.composite
 def _decode_steps(draw):
     """A random decode-heavy step: segments of 0-12 query rows (some with fewer keys than rows), any group,
-    flat or ring layers, with or without window, soft-cap and causality, and the kernel's split and tile."""
+    flat or ring layers, with or without window, soft-cap and causality, pools of q's dtype or fp8 (plain, or a
+    scaled cache in pages of 32), and the kernel's split and tile."""
+    fp8 = draw(st.sampled_from([None, None, "plain", "scaled"]))
     window = draw(st.sampled_from([0, 0, 9, 40, 130]))
     ring = window > 0 and draw(st.booleans())
     lengths = draw(st.lists(st.integers(0, 12), min_size=1, max_size=4))
     if ring:  # the engine's ring holds a step's writes beside the window (kvcache.config.group_ring_rows)
-        ring_rows = window + max(lengths) - 1 + draw(st.integers(0, 40))
+        ring_rows = window + max(*lengths, 1) - 1 + draw(st.integers(0, 40))
     segs = tuple((q_len, draw(st.integers(max(q_len - 3, 0), 300))) for q_len in lengths)
-    case = C(segs, group=draw(st.sampled_from([1, 2, 4, 6, 8])), page_size=draw(st.sampled_from([16, 32])),
+    page_size = draw(st.sampled_from([32] if fp8 == "scaled" else [16, 32]))
+    case = C(segs, group=draw(st.sampled_from([1, 2, 4, 6, 8])), page_size=page_size,
              num_kv_heads=draw(st.sampled_from([1, 2])), head_dim=64, dtype="bfloat16",
              ring_rows=ring_rows if ring else None, window=window, causal=draw(st.booleans()),
              softcap=draw(st.sampled_from([0.0, 2.0])), gaps=draw(st.integers(0, 3)))
     tile = dict(num_splits=draw(st.sampled_from([1, 2, 3])), block_kv=draw(st.sampled_from([64, 128])),
                 num_stages=draw(st.sampled_from([1, 2])))
-    return case, tile, draw(st.integers(0, 2**16))
+    return case, tile, fp8, draw(st.integers(0, 2**16))
 
 
 @settings(max_examples=int(os.environ.get("GLINT_FUZZ_EXAMPLES", "10")), deadline=None, derandomize=True,
@@ -38,8 +41,8 @@ def _decode_steps(draw):
 @given(_decode_steps())
 def test_decode_kernel_on_random_steps(layout):
     """Random decode-heavy steps against the reference."""
-    case, tile, seed = layout
-    check_kernel(case, functools.partial(dm.decode_attention_mgpu, **tile, interpret=INTERPRET), seed=seed)
+    case, tile, fp8, seed = layout
+    check_kernel(case, functools.partial(dm.decode_attention_mgpu, **tile, interpret=INTERPRET), seed=seed, fp8=fp8)
 
 
 @st.composite
@@ -50,7 +53,7 @@ def _prefill_steps(draw):
     ring = window > 0 and draw(st.booleans())
     lengths = draw(st.lists(st.integers(0, 300), min_size=1, max_size=3))
     if ring:  # the engine's ring holds a step's writes beside the window (kvcache.config.group_ring_rows)
-        ring_rows = window + max(lengths) - 1 + draw(st.integers(0, 40))
+        ring_rows = window + max(*lengths, 1) - 1 + draw(st.integers(0, 40))
     segs = tuple((q_len, draw(st.integers(max(q_len - 40, 0), 600))) for q_len in lengths)
     case = C(segs, group=draw(st.sampled_from([1, 2, 3])), page_size=draw(st.sampled_from([16, 64])),
              head_dim=64, dtype="bfloat16", num_kv_heads=1, ring_rows=ring_rows if ring else None, window=window,
