@@ -65,9 +65,11 @@ def test_unaligned_start_over_several_tiles(num_splits):
 def test_fp8_pools(name, fp8, page_size, num_splits):
     """fp8 pools, a scaled cache (a float32 scale per row and head; its pages a multiple of 32 keys, see supports())
     or plain e4m3, against the reference over the same pools: each block widened to q's dtype in shared memory,
-    scales applied to its rows, V rows of unseen keys zeroed as they widen (poisoned rows and scales are NaN)."""
+    scales applied to its rows, V rows of unseen keys zeroed as they widen (poisoned rows and scales are NaN). P
+    from registers, the default tile's, where compiled (the interpreter takes P through shared memory)."""
     case = dataclasses.replace(CASES[name], page_size=page_size)
-    kernel = functools.partial(dm.decode_attention_mgpu, num_splits=num_splits, block_kv=64, interpret=INTERPRET)
+    kernel = functools.partial(dm.decode_attention_mgpu, num_splits=num_splits, block_kv=64, p_in_registers=True,
+                               interpret=INTERPRET)
     check_kernel(case, kernel, seed=2, fp8=fp8)
 
 
