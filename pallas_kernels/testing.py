@@ -1,5 +1,5 @@
 """Random paged-attention cases and an obviously-correct NumPy loop, shared by
-the CPU tests and tools/gpu_kernels.py. NumPy only; no jax import."""
+the CPU tests and tools/gpu_kernels.py. NumPy only at import (as_fp8 imports jax when called)."""
 
 from __future__ import annotations
 
@@ -129,4 +129,23 @@ def attention_numpy_loop(
                     s = softcap * np.tanh(s / softcap)
                 w = np.exp(s - s.max())
                 out[q_start + i, h] = (w / w.sum()) @ v.astype(np.float64)
+    return out
+
+
+def as_fp8(args, *, scaled: bool):
+    """Attention inputs as device arrays (varlen_attention's keywords) with their pools as an fp8 cache: scaled
+    (reference.quantize_rows, a float32 scale per row and head in scale pools; poisoned rows keep a NaN scale, so
+    a kernel that used one would show it) or plain e4m3 casts (clipped to +-448). Imports jax when called."""
+    import jax.numpy as jnp
+    from glint.pallas_kernels.reference import quantize_rows, scale_pool, to_pool_dtype
+
+    k, v = args["k_pages"], args["v_pages"]
+    if not scaled:
+        return dict(args, k_pages=to_pool_dtype(k, jnp.float8_e4m3fn), v_pages=to_pool_dtype(v, jnp.float8_e4m3fn))
+    out = dict(args)
+    for name, pages in (("k", k), ("v", v)):
+        rows, rows_scale = quantize_rows(pages.reshape(-1, *pages.shape[2:]))
+        rows_scale = jnp.where(jnp.isnan(pages.reshape(rows.shape).astype(jnp.float32)).any(-1), jnp.nan, rows_scale)
+        out[f"{name}_pages"] = rows.reshape(pages.shape)
+        out[f"{name}_scale"] = scale_pool(rows_scale.reshape(pages.shape[:3]))
     return out

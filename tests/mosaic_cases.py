@@ -3,9 +3,9 @@ decode rows, speculative chunks and prefill chunks over flat and ring layers, wi
 
 import jax.numpy as jnp
 import numpy as np
-from glint.pallas_kernels.reference import quantize_rows, scale_pool, to_pool_dtype, varlen_attention_reference
+from glint.pallas_kernels.reference import varlen_attention_reference
 from glint.pallas_kernels.testing import AttentionCase as C
-from glint.pallas_kernels.testing import make_attention_inputs
+from glint.pallas_kernels.testing import as_fp8, make_attention_inputs
 
 TOL = {"bfloat16": 2e-2, "float16": 1e-2}
 DECODE = tuple((1, n) for n in (1, 17, 300, 1024, 513, 64))
@@ -79,22 +79,6 @@ def check_rows(got, want, seq_info, dtype):
     assert not got[~covered].any()  # rows of no segment are zero
     tol = TOL[dtype]
     np.testing.assert_array_less(np.abs(got - want), tol + tol * np.abs(want))
-
-
-def as_fp8(args, *, scaled: bool):
-    """The inputs with their pools as an fp8 cache: scaled (reference.quantize_rows, a float32 scale per row and
-    head in scale pools; poisoned rows keep a NaN scale, so a kernel that used one would show it) or plain e4m3
-    casts (clipped to +-448)."""
-    k, v = args["k_pages"], args["v_pages"]
-    if not scaled:
-        return dict(args, k_pages=to_pool_dtype(k, jnp.float8_e4m3fn), v_pages=to_pool_dtype(v, jnp.float8_e4m3fn))
-    out = dict(args)
-    for name, pages in (("k", k), ("v", v)):
-        rows, rows_scale = quantize_rows(pages.reshape(-1, *pages.shape[2:]))
-        rows_scale = jnp.where(jnp.isnan(pages.reshape(rows.shape).astype(jnp.float32)).any(-1), jnp.nan, rows_scale)
-        out[f"{name}_pages"] = rows.reshape(pages.shape)
-        out[f"{name}_scale"] = scale_pool(rows_scale.reshape(pages.shape[:3]))
-    return out
 
 
 def check_kernel(case, kernel, *, seed=0, shift=0, fp8=None):

@@ -30,7 +30,7 @@ from glint.pallas_kernels import (
     varlen_attention,
     varlen_attention_reference,
 )
-from glint.pallas_kernels.testing import AttentionCase as C, make_attention_inputs
+from glint.pallas_kernels.testing import AttentionCase as C, as_fp8, make_attention_inputs
 
 TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 1e-2}
 
@@ -41,6 +41,12 @@ SMALL = (("small", dict(num_splits=1, block_sizes=BlockSizes(16, 16))),)
 TRITON = (("triton", dict(backend="triton")),)
 MOSAIC = (("mosaic", dict(backend="mosaic")),)
 MOSAIC_DECODE = (("mosaic_decode", dict(backend="mosaic_decode")),)
+# The case's pools as an fp8 cache (testing.as_fp8), checked against the reference over those pools: the Triton
+# kernel and the Mosaic decode kernel. A scaled cache reaches the Mosaic kernel only in pages of 32 keys or more.
+FP8_PLAIN = (("triton_fp8", dict(backend="triton", fp8="plain")),
+             ("mosaic_decode_fp8", dict(backend="mosaic_decode", fp8="plain")))
+FP8_SCALED = (("triton_fp8s", dict(backend="triton", fp8="scaled")),
+              ("mosaic_decode_fp8s", dict(backend="mosaic_decode", fp8="scaled")))
 
 
 def sweep_cases():
@@ -55,7 +61,7 @@ def sweep_cases():
             f"decode-{dtype}-d{d}-g4-p16",
             C(dec, group=4, head_dim=d, dtype=dtype, num_kv_heads=2, gaps=3, num_padding_segments=2),
             DECODE_VARIANTS + (MOSAIC if dtype == "bfloat16" else ())
-            + (MOSAIC_DECODE if d <= 128 and dtype != "float32" else ()),
+            + (MOSAIC_DECODE + FP8_PLAIN if d <= 128 and dtype != "float32" else ()),
         )
         for dtype, d in (("bfloat16", 64), ("bfloat16", 128), ("bfloat16", 256), ("float32", 128))
     ]
@@ -63,7 +69,7 @@ def sweep_cases():
         (
             "decode-g8-p32-softcap",
             C(dec, group=8, page_size=32, dtype="bfloat16", num_kv_heads=2, softcap=30.0),
-            DECODE_VARIANTS + MOSAIC + MOSAIC_DECODE,
+            DECODE_VARIANTS + MOSAIC + MOSAIC_DECODE + FP8_SCALED,
         ),
         (
             "prefill-g4-p16",
@@ -102,7 +108,7 @@ def sweep_cases():
         (
             "ring-window-noncausal-softcap",
             C(ring, group=2, dtype="bfloat16", ring_rows=256, window=200, causal=False, softcap=50.0, page_size=32),
-            PREFILL_VARIANTS + SMALL + MOSAIC + MOSAIC_DECODE,
+            PREFILL_VARIANTS + SMALL + MOSAIC + MOSAIC_DECODE + FP8_SCALED,
         ),
         ("underflow", C(((9, 4), (1, 50)), group=4, dtype="bfloat16"), PREFILL_VARIANTS + MOSAIC + MOSAIC_DECODE),
     ]
@@ -131,12 +137,18 @@ def run_sweep(rng, *, interpret=False, max_cases=None, only=None, variant_names=
             if variant_names and variant not in variant_names:
                 continue
             try:
-                got = np.asarray(varlen_attention(**args, **opts, **kw, interpret=interpret), np.float32)
-                err = np.abs(got - want)
-                rel = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+                call_args, variant_want = args, want
+                if fp8 := kw.get("fp8"):  # the reference over the same fp8 pools
+                    kw = {k: v for k, v in kw.items() if k != "fp8"}
+                    call_args = as_fp8(args, scaled=fp8 == "scaled")
+                    variant_want = np.asarray(varlen_attention_reference(**call_args, **opts), np.float32)
+                got = np.asarray(varlen_attention(**call_args, **opts, **kw, interpret=interpret), np.float32)
+                err = np.abs(got - variant_want)
+                rel = np.linalg.norm(got - variant_want) / max(np.linalg.norm(variant_want), 1e-30)
                 tol = TOL[case.dtype]
                 ok = (
-                    np.isfinite(got).all() and not got[~covered].any() and bool(np.all(err <= tol + tol * np.abs(want)))
+                    np.isfinite(got).all() and not got[~covered].any()
+                    and bool(np.all(err <= tol + tol * np.abs(variant_want)))
                 )
                 print(f"{'PASS' if ok else 'FAIL'} {name:32s} {variant:8s} max_abs={err.max():.2e} rel={rel:.2e}")
             except Exception as e:  # keep sweeping; the report lists the failure
