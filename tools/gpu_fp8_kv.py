@@ -6,8 +6,8 @@ llama3-8b's attention shape (32 query / 8 KV heads of 128, page 16).
   python tools/gpu_fp8_kv.py [BATCH CONTEXT] [--sweep] [--mosaic] [--page=N]
       --sweep: then the scaled fp8 pools and bf16's at each decode tile in SWEEP, chained, each checked against the
       reference. --mosaic: then the same pools through the Mosaic GPU decode kernel (backend "mosaic_decode", its
-      own split count), with its time against Triton's on the same pools from this call; a scaled cache there
-      needs pages of a multiple of 32 keys (--page=32). --page: the page size (16).
+      own split count) at 128- and 64-key blocks, with its time against Triton's on the same pools from this
+      call; a scaled cache there needs pages of a multiple of 32 keys (--page=32). --page: the page size (16).
 """
 import dataclasses
 import statistics
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from glint.pallas_kernels import BlockSizes, varlen_attention, varlen_attention_reference
+from glint.pallas_kernels import BlockSizes, tuning, varlen_attention, varlen_attention_reference
 from glint.pallas_kernels.reference import quantize_rows, scale_pool, to_pool_dtype
 
 PEAK, REPS, PAGE, HKV, GROUP, D = 4.3e12, 20, 16, 8, 4, 128
@@ -95,20 +95,27 @@ def main(batch: int, context: int, sweep: bool = False, mosaic: bool = False) ->
     print(f"scaled fp8 / bf16 time: chained {rows[0][2] / rows[2][2]:.2f}x faster, separate "
           f"{rows[0][3] / rows[2][3]:.2f}x; scaled fp8 output vs bf16 output max |diff| {scaled_vs_bf16.max():.4f}")
     if mosaic:
-        print("Mosaic decode kernel | pools | max err vs reference | chained us | chained % | separate us | "
-              "separate % | Triton / Mosaic time, chained | separate")
+        print("Mosaic decode kernel, keys per block | pools | max err vs reference | chained us | chained % | "
+              "separate us | separate % | Triton / Mosaic time, chained | separate")
+    default_tile = dict(tuning.MOSAIC_DECODE)
+    # 128-key blocks (the default tile) and 64: an fp8 call also holds widened K and V tiles of q's dtype in shared
+    # memory, so 128-key blocks leave room for one CTA per multiprocessor, 64-key blocks for two
+    for block_kv in (128, 64) if mosaic else ():
+        tuning.MOSAIC_DECODE = {**default_tile, "block_kv": block_kv}
         attend_mosaic = attention(page_table, seq_info, backend="mosaic_decode")
         for name, _, tc, ts, nbytes in rows:
             if name == "fp8-scaled" and PAGE % 32:
-                print(f"mosaic | {name} | not covered in pages of {PAGE} (a scaled cache needs --page=32 or more)")
+                print(f"mosaic {block_kv} | {name} | not covered in pages of {PAGE} (a scaled cache needs "
+                      f"--page=32 or more)")
                 continue
             err = error(attend_mosaic, q, pools[name], page_table, seq_info)
             t_chain = chained_time(attend_mosaic, q, pools[name])
-            t_sep = timed(lambda q, *pool: [attend_mosaic(q, *pool) for _ in range(REPS)][-1], q,
+            t_sep = timed(lambda q, *pool, f=attend_mosaic: [f(q, *pool) for _ in range(REPS)][-1], q,
                           *pools[name]) / REPS
-            print(f"mosaic | {name} | {err:.2e} | {t_chain * 1e6:.1f} | {100 * nbytes / t_chain / PEAK:.0f} | "
-                  f"{t_sep * 1e6:.1f} | {100 * nbytes / t_sep / PEAK:.0f} | {tc / t_chain:.2f}x | {ts / t_sep:.2f}x",
-                  flush=True)
+            print(f"mosaic {block_kv} | {name} | {err:.2e} | {t_chain * 1e6:.1f} | "
+                  f"{100 * nbytes / t_chain / PEAK:.0f} | {t_sep * 1e6:.1f} | {100 * nbytes / t_sep / PEAK:.0f} | "
+                  f"{tc / t_chain:.2f}x | {ts / t_sep:.2f}x", flush=True)
+    tuning.MOSAIC_DECODE = default_tile
     if sweep:
         print("tile (block_m, block_k, warps, stages) | pools | max err vs reference | chained us | % of 4.3 TB/s")
     for blocks in SWEEP if sweep else ():
