@@ -179,8 +179,8 @@ print('$alloc', {k: s.get(k) for k in ('bytes_limit', 'bytes_in_use')}, 'free_de
     grep -v cuda_timer "$out/fp8_kv.log" | grep -E "\||faster"
     ;;
   fp8-kv-mosaic)  # the same pools through the Triton and the Mosaic decode kernels, pages of 32 (a scaled cache's
-                 # Mosaic path needs them), the Mosaic kernel at 128- and 64-key blocks, 64 x 4096 and 8 x 1024
-                 # (~4 min)
+                 # Mosaic path needs them), the Mosaic kernel at four tiles (gpu_fp8_kv.MOSAIC_TILES), 64 x 4096
+                 # and 8 x 1024 (~5 min)
     for shape in ${FP8_KV_SHAPES:-64x4096 8x1024}; do  # BATCHxCONTEXT
       timeout 260 python3 tools/gpu_fp8_kv.py ${shape/x/ } --mosaic --page=32 > "$out/fp8_kv_mosaic_$shape.log" 2>&1
       grep -v cuda_timer "$out/fp8_kv_mosaic_$shape.log" | grep -E "\||faster|Error"
