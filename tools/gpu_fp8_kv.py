@@ -101,27 +101,30 @@ def main(batch: int, context: int, sweep: bool = False, mosaic: bool = False) ->
     default_tile = dict(tuning.MOSAIC_DECODE)
     # The default tile and deeper ones: an fp8 block has half a bf16 block's bytes, so the same stages keep half
     # the bytes in flight (the widened K and V tiles take the shared memory that bf16's wider slots would)
-    for block_kv, stages in MOSAIC_TILES if mosaic else ():
-        tuning.MOSAIC_DECODE = {**default_tile, "block_kv": block_kv, "num_stages": stages}
-        tile = f"{block_kv}x{stages}"
-        attend_mosaic = attention(page_table, seq_info, backend="mosaic_decode")
-        for name, _, tc, ts, nbytes in rows:
-            if name == "fp8-scaled" and PAGE % 32:
-                print(f"mosaic {tile} | {name} | not covered in pages of {PAGE} (a scaled cache needs "
-                      f"--page=32 or more)")
-                continue
-            try:
-                err = error(attend_mosaic, q, pools[name], page_table, seq_info)
-            except ValueError as e:  # a tile past the shared memory (bf16 slots at 3-4 stages, with splits)
-                print(f"mosaic {tile} | {name} | does not fit: {str(e).splitlines()[0][:160]}", flush=True)
-                continue
-            t_chain = chained_time(attend_mosaic, q, pools[name])
-            t_sep = timed(lambda q, *pool, f=attend_mosaic: [f(q, *pool) for _ in range(REPS)][-1], q,
-                          *pools[name]) / REPS
-            print(f"mosaic {tile} | {name} | {err:.2e} | {t_chain * 1e6:.1f} | "
-                  f"{100 * nbytes / t_chain / PEAK:.0f} | {t_sep * 1e6:.1f} | {100 * nbytes / t_sep / PEAK:.0f} | "
-                  f"{tc / t_chain:.2f}x | {ts / t_sep:.2f}x", flush=True)
-    tuning.MOSAIC_DECODE = default_tile
+    try:
+        for block_kv, stages in MOSAIC_TILES if mosaic else ():
+            tuning.MOSAIC_DECODE = {**default_tile, "block_kv": block_kv, "num_stages": stages}
+            tile = f"{block_kv}x{stages}"
+            attend_mosaic = attention(page_table, seq_info, backend="mosaic_decode")
+            for name, _, tc, ts, nbytes in rows:
+                if name == "fp8-scaled" and PAGE % 32:
+                    print(f"mosaic {tile} | {name} | not covered in pages of {PAGE} (a scaled cache needs "
+                          f"--page=32 or more)")
+                    continue
+                try:
+                    err = error(attend_mosaic, q, pools[name], page_table, seq_info)
+                except ValueError as e:  # a tile past the shared memory (bf16 slots at 3-4 stages, with splits)
+                    why = "does not fit" if "exceeds available shared memory" in str(e) else "refused"
+                    print(f"mosaic {tile} | {name} | {why}: {str(e).splitlines()[0][:160]}", flush=True)
+                    continue
+                t_chain = chained_time(attend_mosaic, q, pools[name])
+                t_sep = timed(lambda q, *pool, f=attend_mosaic: [f(q, *pool) for _ in range(REPS)][-1], q,
+                              *pools[name]) / REPS
+                print(f"mosaic {tile} | {name} | {err:.2e} | {t_chain * 1e6:.1f} | "
+                      f"{100 * nbytes / t_chain / PEAK:.0f} | {t_sep * 1e6:.1f} | {100 * nbytes / t_sep / PEAK:.0f} | "
+                      f"{tc / t_chain:.2f}x | {ts / t_sep:.2f}x", flush=True)
+    finally:
+        tuning.MOSAIC_DECODE = default_tile
     if sweep:
         print("tile (block_m, block_k, warps, stages) | pools | max err vs reference | chained us | % of 4.3 TB/s")
     for blocks in SWEEP if sweep else ():

@@ -281,7 +281,8 @@ print('$alloc', {k: s.get(k) for k in ('bytes_limit', 'bytes_in_use')}, 'free_de
       > "$out/decode_mgpu.log" 2>&1
     echo "== decode_mgpu rc=$?"; cat "$out/decode_mgpu.log"
     ;;
-  mosaic-sweep)  # both Mosaic attention kernels (prefill, decode) compiled, on the attention sweep's cases (~2.5 min)
+  mosaic-sweep)  # both Mosaic attention kernels (prefill, decode) compiled, on the attention sweep's cases, fp8 too
+                # (~3 min)
     timeout ${SWEEP_TIMEOUT:-300} python3 tools/gpu_kernels.py --skip-timing \
       --variants mosaic,mosaic_decode,triton_fp8,mosaic_decode_fp8,triton_fp8s,mosaic_decode_fp8s \
       > "$out/mosaic_sweep.log" 2>&1
