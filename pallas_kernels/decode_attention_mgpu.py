@@ -229,8 +229,7 @@ def _kernel(
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(v_barriers.at[slot])
             if v_wide is not None:  # V rows of keys no row sees are zeroed as they widen
-                keys, stored = walk.keys(block, v_wide.shape, 0) if masked else (None, None)
-                v_tile = widened(v_smem, v_scales, v_wide, slot, (stored & (keys >= walk.lo)) if masked else None)
+                v_tile = widened(v_smem, v_scales, v_wide, slot, walk.seen_rows(block, v_wide.shape) if masked else None)
                 plgpu.barrier_arrive(consumed.at[slot])  # the dots read the widened tiles: refill the slot now
             else:
                 if masked:

@@ -35,14 +35,12 @@ def copy_kv_block(page_table_ref, seq_slot, block, pools, kv_head, bufs, slot, b
         rows.append(pl.ds(pl.multiple_of(page * page_size + offset, ALIGN), chunk))
         if scales:  # pools [rows, Hkv, D]: a page's row of scales for kv_head is page * Hkv + kv_head
             scale_rows.append((page * pools[0].shape[1] + kv_head, pl.ds(offset, chunk)))
-    for ref, buf, barrier, *scaled in zip(pools, bufs, barriers, *((scales, scale_bufs) if scales else ())):
+    for j, (ref, buf, barrier) in enumerate(zip(pools, bufs, barriers)):
         for i, src in enumerate(rows):
             plgpu.copy_gmem_to_smem(ref.at[src, kv_head], buf.at[slot, pl.ds(i * chunk, chunk)], barrier.at[slot])
-        if scaled:
-            scale_ref, scale_buf = scaled
-            for i, (row, cols) in enumerate(scale_rows):
-                plgpu.copy_gmem_to_smem(scale_ref.at[row, cols], scale_buf.at[slot, pl.ds(i * chunk, chunk)],
-                                        barrier.at[slot])
+        for i, (row, cols) in enumerate(scale_rows):
+            plgpu.copy_gmem_to_smem(scales[j].at[row, cols], scale_bufs[j].at[slot, pl.ds(i * chunk, chunk)],
+                                    barrier.at[slot])
 
 
 def covers_ring(ring_rows, window: int) -> bool:
@@ -151,13 +149,18 @@ class KeyWalk:
         return ((stop > self.rows_end) | (start < stale_end - ring)
                 | ((stale_end > stale_start) & (start < jnp.minimum(stale_end, ring)) & (stale_start < stop)))
 
+    def seen_rows(self, block, shape):
+        """bool[shape] (WGMMA layout, along rows): whether each row of walk block `block` holds a key some row of the
+        tile sees. The others may hold anything (NaN * 0 is NaN); keys past a row's own are some later row's: they
+        hold real values."""
+        keys, stored = self.keys(block, shape, 0)
+        return stored & (keys >= self.lo)
+
     def zero_unseen(self, v_tile, block, dtype):
-        """Zeroes the V rows of walk block `block` (in shared memory) whose keys no row of the tile sees: those rows
-        may hold anything (NaN * 0 is NaN). Keys past a row's own are some later row's: they hold real values."""
+        """Zeroes the V rows of walk block `block` (in shared memory) that `seen_rows` leaves out."""
         @pl.when(self.holds_unseen(block))
         def _():
-            keys, stored = self.keys(block, v_tile.shape, 0)
-            v_tile[...] = jnp.where(stored & (keys >= self.lo), v_tile[...], 0).astype(dtype)
+            v_tile[...] = jnp.where(self.seen_rows(block, v_tile.shape), v_tile[...], 0).astype(dtype)
             plgpu.commit_smem()
 
 
