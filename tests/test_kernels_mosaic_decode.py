@@ -20,8 +20,8 @@ from glint.pallas_kernels import BlockSizes, tuning, varlen_attention, varlen_at
 from glint.pallas_kernels import decode_attention_mgpu as dm
 from glint.pallas_kernels.reference import scale_pool_shape
 from glint.pallas_kernels.testing import AttentionCase as C
-from glint.pallas_kernels.testing import make_attention_inputs
-from mosaic_cases import CASES, as_fp8, check_kernel, device_inputs
+from glint.pallas_kernels.testing import as_fp8, make_attention_inputs
+from mosaic_cases import CASES, check_kernel, device_inputs
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
