@@ -16,6 +16,11 @@ multiple of 16 that divide or are divided by `block_kv` (a multiple of 64). A wi
 at the block of the tile's first visible key; a ring layer's walk its storage blocks from the one holding that
 key's row, wrapping past the last, each row standing for the latest key it holds (mosaic_keys.KeyWalk).
 
+A CTA serves one work item (a tile of one kv head over one split of its keys), or on a persistent grid
+(`max_ctas`) every max_ctas-th item: its memory warpgroup then loads the next item's query tile (two query
+slots) and first key blocks while the compute warpgroup finishes the last item's, so a short item's pipeline
+does not drain and refill (256 rows x 640 keys give 2,048 items of 5 blocks each).
+
 Each CTA writes its tile's rows (normalized; float32 with their log2-sum-exp when the keys are split) to
 padded outputs; the merge over splits gathers each query row back to the packed [T, Hq, D] layout. With one
 split the rows go out in q's dtype through the query tile's shared memory, so the CTA needs no float32 tile:
@@ -27,6 +32,7 @@ ring) can hold anything: their logits are masked and their V rows zeroed in shar
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +119,55 @@ def num_splits_for(num_rows: int, num_segments: int, num_q_heads: int, num_kv_he
     return max(1, min(tuning.MAX_SPLITS, tuning.MOSAIC_DECODE_CTAS // ctas, blocks))
 
 
+class _Item(NamedTuple):
+    """One work item of a CTA: a tile's rows of one kv head over one split of their key blocks."""
+    has_rows: jax.Array  # rows to write (zero if they see no key)
+    kv_head: jax.Array
+    tile: jax.Array
+    split: jax.Array
+    seq_slot: jax.Array
+    q_rows: pl.Slice  # the tile's packed query rows, from an aligned row
+    first: jax.Array  # tile row 0, as a packed row of the segment
+    offset: jax.Array  # position of the segment's query row 0
+    lo_row: jax.Array  # the tile's rows of the segment: [lo_row, hi_row)
+    hi_row: jax.Array
+    walk: mosaic_keys.KeyWalk
+    begin: jax.Array  # the split's key blocks [begin, end), of which [full_begin, full_end) need no mask
+    end: jax.Array
+    full_begin: jax.Array
+    full_end: jax.Array
+
+
+def _item(tiles_ref, index, *, num_kv_heads: int, num_splits: int, block_kv: int, group: int, causal: bool,
+          ring_rows, window: int) -> _Item:
+    """Work item `index` of (tile, kv head, split), splits fastest: neighbouring CTAs share a tile's page table."""
+    split = lax.rem(index, jnp.int32(num_splits))
+    kv_head = lax.rem(lax.div(index, jnp.int32(num_splits)), jnp.int32(num_kv_heads))
+    tile = lax.div(index, jnp.int32(num_splits * num_kv_heads))
+    segment, q_tile = tiles_ref[tile, 0], tiles_ref[tile, 1]
+    q_len, seq_slot, kv_end = tiles_ref[tile, 3], tiles_ref[tile, 4], tiles_ref[tile, 5]
+    row_start = tiles_ref[tile, 2] * group
+    row_len = q_len * group
+    first = q_tile * _BLOCK_M - lax.rem(row_start, jnp.int32(_ALIGN))
+    offset = kv_end - q_len
+    lo_row = jnp.maximum(first, 0)
+    hi_row = jnp.minimum(first + _BLOCK_M, row_len)
+    has_rows = (segment >= 0) & (hi_row > lo_row)
+    # Keys the tile's rows see: [lo, hi) in all; [lo_full, hi_full) by every row.
+    lo, hi, lo_full, hi_full = mosaic_keys.seen_keys(offset, lo_row, hi_row, kv_end, window=window, causal=causal,
+                                                     group=group)
+    walk = mosaic_keys.KeyWalk(kv_end, lo, block_kv, ring_rows)
+    blk_lo, blk_hi = walk.blocks(lo, hi)
+    num_blocks = jnp.where(has_rows, blk_hi - blk_lo, 0)
+    per_split = lax.div(num_blocks + num_splits - 1, jnp.int32(num_splits))
+    begin = blk_lo + jnp.minimum(split * per_split, num_blocks)
+    end = blk_lo + jnp.minimum(split * per_split + per_split, num_blocks)
+    q_rows = pl.ds(pl.multiple_of(row_start - lax.rem(row_start, jnp.int32(_ALIGN)) + q_tile * _BLOCK_M, _ALIGN),
+                   _BLOCK_M)
+    return _Item(has_rows, kv_head, tile, split, seq_slot, q_rows, first, offset, lo_row, hi_row, walk, begin, end,
+                 *walk.full_blocks(lo_full, hi_full, begin, end))
+
+
 def _kernel(
     tiles_ref,  # i32[num_tiles, 6]: (segment or -1, tile within it, q_start, q_len, seq_slot, kv_end)
     page_table_ref,  # i32[R, P]
@@ -124,6 +179,8 @@ def _kernel(
     lse_ref,  # f32[num_splits, num_tiles, Hkv, _BLOCK_M], or None with one split
     scoped,
     *,
+    num_items: int,
+    num_ctas: int,
     block_kv: int,
     num_stages: int,
     page_size: int,
@@ -135,40 +192,18 @@ def _kernel(
     window: int,
     softcap: float,
 ):
-    smem, (k_barriers, v_barriers, q_barrier), consumed = scoped
+    smem, (k_barriers, v_barriers, q_barriers), (consumed, q_consumed) = scoped
     q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, k_wide, v_wide, k_scales, v_scales = smem
     wg = lax.axis_index("wg")
-    kv_head = lax.axis_index("kv_heads")
-    tile = lax.axis_index("tiles")
-    split = lax.axis_index("splits")
+    cta = lax.axis_index("ctas")
     head_dim = q_smem.shape[-1]
     dtype = q_smem.dtype
-
-    segment, q_tile = tiles_ref[tile, 0], tiles_ref[tile, 1]
-    q_len, seq_slot, kv_end = tiles_ref[tile, 3], tiles_ref[tile, 4], tiles_ref[tile, 5]
-    row_start = tiles_ref[tile, 2] * group
-    row_len = q_len * group
-    first = q_tile * _BLOCK_M - lax.rem(row_start, jnp.int32(_ALIGN))  # tile row 0, as a packed row of the segment
-    offset = kv_end - q_len  # position of the segment's query row 0
-    lo_row = jnp.maximum(first, 0)  # the tile's rows of this segment: [lo_row, hi_row)
-    hi_row = jnp.minimum(first + _BLOCK_M, row_len)
-
-    has_rows = (segment >= 0) & (hi_row > lo_row)  # rows to write, zero if they see no key
-    # Keys the tile's rows see: [lo, hi) in all; [lo_full, hi_full) by every row.
-    lo, hi, lo_full, hi_full = mosaic_keys.seen_keys(offset, lo_row, hi_row, kv_end, window=window, causal=causal,
-                                                     group=group)
-    walk = mosaic_keys.KeyWalk(kv_end, lo, block_kv, ring_rows)
-    blk_lo, blk_hi = walk.blocks(lo, hi)
-    num_blocks = jnp.where(has_rows, blk_hi - blk_lo, 0)
-    per_split = lax.div(num_blocks + num_splits - 1, jnp.int32(num_splits))
-    begin = blk_lo + jnp.minimum(split * per_split, num_blocks)
-    end = blk_lo + jnp.minimum(split * per_split + per_split, num_blocks)
-    full_begin, full_end = walk.full_blocks(lo_full, hi_full, begin, end)
-
-    def load(block, slot):
-        mosaic_keys.copy_kv_block(page_table_ref, seq_slot, walk.storage(block), (k_ref, v_ref), kv_head,
-                                  (k_smem, v_smem), slot, (k_barriers, v_barriers), page_size=page_size,
-                                  scales=scale_refs, scale_bufs=(k_scales, v_scales) if scale_refs else ())
+    q_slots = q_smem.shape[0]
+    # This CTA's work items: cta, cta + num_ctas, ... (a persistent grid: one wave of CTAs, each over many items,
+    # its memory warpgroup loading the next item's query and first blocks while the last blocks are computed).
+    my_items = lax.div(num_items - 1 - cta, jnp.int32(num_ctas)) + 1
+    item = functools.partial(_item, tiles_ref, num_kv_heads=k_ref.shape[1], num_splits=num_splits,
+                             block_kv=block_kv, group=group, causal=causal, ring_rows=ring_rows, window=window)
 
     def widened(pool_smem, scale_smem, wide, slot, seen=None):
         """Slot `slot` of an fp8 K or V buffer in q's dtype (a scaled cache: each row times its scale; rows where
@@ -177,119 +212,168 @@ def _kernel(
         plgpu.commit_smem()
         return wide
 
-    @pl.when(has_rows & (wg == 1))
+    @pl.when(wg == 1)
     def _memory_wg():
-        # The memory warpgroup reads the page table and issues the copies, num_stages blocks ahead of the dots.
-        @pl.loop(begin, end)
-        def _(block):
-            step = block - begin
-            slot = lax.rem(step, jnp.int32(num_stages))
+        # The memory warpgroup reads the page table and issues the copies: each item's query tile, then its key
+        # blocks, num_stages blocks ahead of the dots, counting slots over all of the CTA's items.
+        def load_item(i, counts):
+            issued, queries = counts
+            it = item(cta + i * num_ctas)
 
-            @pl.when(step >= num_stages)
+            @pl.when(it.has_rows)
             def _():
-                plgpu.barrier_wait(consumed.at[slot])
+                q_slot = lax.rem(queries, jnp.int32(q_slots))
 
-            load(block, slot)
+                @pl.when(queries >= q_slots)
+                def _():
+                    plgpu.barrier_wait(q_consumed.at[q_slot])
 
-        @pl.loop(jnp.maximum(end - num_stages, begin), end)
-        def _drain(block):  # observe the last releases too, so every barrier ends each phase it began
-            plgpu.barrier_wait(consumed.at[lax.rem(block - begin, jnp.int32(num_stages))])
+                plgpu.copy_gmem_to_smem(q_ref.at[it.kv_head, it.q_rows], q_smem.at[q_slot], q_barriers.at[q_slot])
 
-    @pl.when(has_rows & (wg == 0))
+            @pl.loop(it.begin, it.end)
+            def _(block):
+                step = issued + block - it.begin
+                slot = lax.rem(step, jnp.int32(num_stages))
+
+                @pl.when(step >= num_stages)
+                def _():
+                    plgpu.barrier_wait(consumed.at[slot])
+
+                mosaic_keys.copy_kv_block(page_table_ref, it.seq_slot, it.walk.storage(block), (k_ref, v_ref),
+                                          it.kv_head, (k_smem, v_smem), slot, (k_barriers, v_barriers),
+                                          page_size=page_size, scales=scale_refs,
+                                          scale_bufs=(k_scales, v_scales) if scale_refs else ())
+
+            return issued + it.end - it.begin, queries + it.has_rows.astype(jnp.int32)
+
+        issued, queries = lax.fori_loop(0, my_items, load_item, (jnp.int32(0), jnp.int32(0)))
+
+        # Observe the last releases too, so every barrier ends each phase it began.
+        @pl.loop(jnp.maximum(issued - num_stages, 0), issued)
+        def _drain(step):
+            plgpu.barrier_wait(consumed.at[lax.rem(step, jnp.int32(num_stages))])
+
+        @pl.loop(jnp.maximum(queries - q_slots, 0), queries)
+        def _drain_queries(n):
+            plgpu.barrier_wait(q_consumed.at[lax.rem(n, jnp.int32(q_slots))])
+
+    @pl.when(wg == 0)
     def _compute_wg():
-        q_rows = pl.ds(pl.multiple_of(row_start - lax.rem(row_start, jnp.int32(_ALIGN)) + q_tile * _BLOCK_M, _ALIGN),
-                       _BLOCK_M)
-        plgpu.copy_gmem_to_smem(q_ref.at[kv_head, q_rows], q_smem, q_barrier.at[0])
-        plgpu.barrier_wait(q_barrier.at[0])
+        def compute_item(i, counts):
+            done, queries = counts
+            it = item(cta + i * num_ctas)
 
-        def body(block, carry, *, masked: bool):
-            acc, m_i, l_i = carry
-            step = block - begin
-            slot = lax.rem(step, jnp.int32(num_stages))
-            plgpu.barrier_wait(k_barriers.at[slot])
-            k_tile = k_smem.at[slot] if k_wide is None else widened(k_smem, k_scales, k_wide, slot)
+            @pl.when(it.has_rows)
+            def _():
+                q_slot = lax.rem(queries, jnp.int32(q_slots))
+                q_tile = q_smem.at[q_slot]
+                plgpu.barrier_wait(q_barriers.at[q_slot])
+                acc, m_i, l_i = _attend(it, done, q_tile)
+                if o_smem is None:  # one split: the rows go out through the query tile
+                    _write_rows(it, acc, m_i, l_i, q_tile)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    plgpu.barrier_arrive(q_consumed.at[q_slot])  # the tile is free for a later item's query
+                else:
+                    plgpu.barrier_arrive(q_consumed.at[q_slot])
+                    _write_rows(it, acc, m_i, l_i, o_smem)
 
-            def qk_dot(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
-                return acc_ref[...]
+            return done + it.end - it.begin, queries + it.has_rows.astype(jnp.int32)
 
-            qk = pl.run_scoped(qk_dot, plgpu.ACC((_BLOCK_M, block_kv), jnp.float32))
-            qk, c = mosaic_keys.log2_logits(qk, scale=scale, softcap=softcap)
-            if masked:
-                rows = plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA) + first
-                # Tile rows outside the segment are never written out: any mask serves them.
-                row_pos = offset + lax.div(jnp.maximum(rows, 0), jnp.int32(group))
-                qk = jnp.where(walk.visible(block, row_pos, qk.shape, window=window, causal=causal), qk, -jnp.inf)
-            m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
-            # A row that has seen nothing keeps m = -inf; exp2 needs a finite base.
-            base = jnp.where(m_ij == -jnp.inf, 0.0, m_ij) if masked else m_ij
-            alpha = jnp.exp2(m_i - base)
-            p = jnp.exp2(qk * c - lax.broadcast_in_dim(base, qk.shape, [0]))
-            l_i = l_i * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            plgpu.barrier_wait(v_barriers.at[slot])
-            if v_wide is not None:  # V rows of keys no row sees are zeroed as they widen
-                v_tile = widened(v_smem, v_scales, v_wide, slot, walk.seen_rows(block, v_wide.shape) if masked else None)
-                plgpu.barrier_arrive(consumed.at[slot])  # the dots read the widened tiles: refill the slot now
-            else:
-                if masked:
-                    walk.zero_unseen(v_smem.at[slot], block, dtype)
-                v_tile = v_smem.at[slot]
+        def _attend(it, done, q_tile):
+            """The item's rows over its key blocks: (acc, m, l) of the online softmax, in registers."""
+            def body(block, carry, *, masked: bool):
+                acc, m_i, l_i = carry
+                slot = lax.rem(done + block - it.begin, jnp.int32(num_stages))
+                plgpu.barrier_wait(k_barriers.at[slot])
+                k_tile = k_smem.at[slot] if k_wide is None else widened(k_smem, k_scales, k_wide, slot)
 
-            if p_smem is None:  # P from registers, accumulated in place (compiled only)
-                def pv_dot(acc_ref):
-                    plgpu.wgmma(acc_ref, p.astype(dtype), v_tile)
-
-                acc = pl.run_state(pv_dot)(plgpu.ACC.init(acc))
-            else:
-                # P through shared memory, into a fresh accumulator: the GPU interpreter takes wgmma operands from
-                # refs only and does not run pl.run_state.
-                p_smem[...] = p.astype(dtype)
-                plgpu.commit_smem()
-
-                def pv_dot(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem, v_tile)
+                def qk_dot(acc_ref):
+                    plgpu.wgmma(acc_ref, q_tile, k_tile.transpose((1, 0)))
                     return acc_ref[...]
 
-                acc = acc + pl.run_scoped(pv_dot, plgpu.ACC((_BLOCK_M, head_dim), jnp.float32))
-            if v_wide is None:
-                plgpu.barrier_arrive(consumed.at[slot])  # both dots have read the slot: the memory warpgroup refills it
-            return acc, m_ij, l_i
+                qk = pl.run_scoped(qk_dot, plgpu.ACC((_BLOCK_M, block_kv), jnp.float32))
+                qk, c = mosaic_keys.log2_logits(qk, scale=scale, softcap=softcap)
+                if masked:
+                    rows = plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA) + it.first
+                    # Tile rows outside the segment are never written out: any mask serves them.
+                    row_pos = it.offset + lax.div(jnp.maximum(rows, 0), jnp.int32(group))
+                    qk = jnp.where(it.walk.visible(block, row_pos, qk.shape, window=window, causal=causal), qk,
+                                   -jnp.inf)
+                m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
+                # A row that has seen nothing keeps m = -inf; exp2 needs a finite base.
+                base = jnp.where(m_ij == -jnp.inf, 0.0, m_ij) if masked else m_ij
+                alpha = jnp.exp2(m_i - base)
+                p = jnp.exp2(qk * c - lax.broadcast_in_dim(base, qk.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                plgpu.barrier_wait(v_barriers.at[slot])
+                if v_wide is not None:  # V rows of keys no row sees are zeroed as they widen
+                    seen = it.walk.seen_rows(block, v_wide.shape) if masked else None
+                    v_tile = widened(v_smem, v_scales, v_wide, slot, seen)
+                    plgpu.barrier_arrive(consumed.at[slot])  # the dots read the widened tiles: refill the slot now
+                else:
+                    if masked:
+                        it.walk.zero_unseen(v_smem.at[slot], block, dtype)
+                    v_tile = v_smem.at[slot]
 
-        acc = plgpu.layout_cast(jnp.full((_BLOCK_M, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-        m_i = plgpu.layout_cast(jnp.full((_BLOCK_M,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.full((_BLOCK_M,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        carry = lax.fori_loop(begin, full_begin, functools.partial(body, masked=True), (acc, m_i, l_i))
-        carry = lax.fori_loop(full_begin, full_end, functools.partial(body, masked=False), carry)
-        acc, m_i, l_i = lax.fori_loop(full_end, end, functools.partial(body, masked=True), carry)
+                if p_smem is None:  # P from registers, accumulated in place (compiled only)
+                    def pv_dot(acc_ref):
+                        plgpu.wgmma(acc_ref, p.astype(dtype), v_tile)
 
-        seen = l_i > 0
-        acc = acc / lax.broadcast_in_dim(jnp.where(seen, l_i, 1.0), acc.shape, [0])
-        # One split: its rows are final, rounded to q's dtype in the query tile (read for the last time above).
-        out_smem = q_smem if o_smem is None else o_smem
-        out_smem[...] = acc.astype(out_smem.dtype)
-        if lse_smem is not None:
-            lse_smem[...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
-        plgpu.commit_smem()
+                    acc = pl.run_state(pv_dot)(plgpu.ACC.init(acc))
+                else:
+                    # P through shared memory, into a fresh accumulator: the GPU interpreter takes wgmma operands
+                    # from refs only and does not run pl.run_state.
+                    p_smem[...] = p.astype(dtype)
+                    plgpu.commit_smem()
 
-        # Only the _ALIGN-row groups that hold rows of the segment go out.
-        @pl.loop(lax.div(lo_row - first, jnp.int32(_ALIGN)), lax.div(hi_row - first + _ALIGN - 1, jnp.int32(_ALIGN)))
-        def _store(i):
-            rows = pl.ds(pl.multiple_of(i * _ALIGN, _ALIGN), _ALIGN)
-            plgpu.copy_smem_to_gmem(out_smem.at[rows], o_ref.at[split, tile, kv_head, rows])
+                    def pv_dot(acc_ref):
+                        plgpu.wgmma(acc_ref, p_smem, v_tile)
+                        return acc_ref[...]
 
-        if lse_smem is not None:
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, tile, kv_head])
+                    acc = acc + pl.run_scoped(pv_dot, plgpu.ACC((_BLOCK_M, head_dim), jnp.float32))
+                if v_wide is None:
+                    plgpu.barrier_arrive(consumed.at[slot])  # both dots have read the slot: refill it
+                return acc, m_ij, l_i
+
+            acc = plgpu.layout_cast(jnp.full((_BLOCK_M, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            m_i = plgpu.layout_cast(jnp.full((_BLOCK_M,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((_BLOCK_M,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            carry = lax.fori_loop(it.begin, it.full_begin, functools.partial(body, masked=True), (acc, m_i, l_i))
+            carry = lax.fori_loop(it.full_begin, it.full_end, functools.partial(body, masked=False), carry)
+            return lax.fori_loop(it.full_end, it.end, functools.partial(body, masked=True), carry)
+
+        def _write_rows(it, acc, m_i, l_i, out_smem):
+            seen = l_i > 0
+            acc = acc / lax.broadcast_in_dim(jnp.where(seen, l_i, 1.0), acc.shape, [0])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's rows have left the output tiles
+            out_smem[...] = acc.astype(out_smem.dtype)
+            if lse_smem is not None:
+                lse_smem[...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
+            plgpu.commit_smem()
+
+            # Only the _ALIGN-row groups that hold rows of the segment go out.
+            @pl.loop(lax.div(it.lo_row - it.first, jnp.int32(_ALIGN)),
+                     lax.div(it.hi_row - it.first + _ALIGN - 1, jnp.int32(_ALIGN)))
+            def _store(i):
+                rows = pl.ds(pl.multiple_of(i * _ALIGN, _ALIGN), _ALIGN)
+                plgpu.copy_smem_to_gmem(out_smem.at[rows], o_ref.at[it.split, it.tile, it.kv_head, rows])
+
+            if lse_smem is not None:
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[it.split, it.tile, it.kv_head])
+
+        lax.fori_loop(0, my_items, compute_item, (jnp.int32(0), jnp.int32(0)))
         plgpu.wait_smem_to_gmem(0)
 
 
 @functools.partial(
     jax.jit, static_argnames=("ring_rows", "window", "causal", "softcap", "scale", "num_splits", "block_kv",
-                              "num_stages", "p_in_registers", "interpret")
+                              "num_stages", "p_in_registers", "max_ctas", "interpret")
 )
 def decode_attention_mgpu(
     q, k_pages, v_pages, page_table, seq_info, *, k_scale=None, v_scale=None, ring_rows=None, window=0, causal=True,
-    softcap=0.0, scale, num_splits=1, block_kv=128, num_stages=2, p_in_registers=False, interpret=False,
+    softcap=0.0, scale, num_splits=1, block_kv=128, num_stages=2, p_in_registers=False, max_ctas=None,
+    interpret=False,
 ):
     """Same contract as `varlen_attention` (see supports()). fp8 pools (scaled or not): each K and V block
     arrives as fp8 and is widened to q's dtype in shared memory (`_widen`) before the dots.
@@ -297,12 +381,14 @@ def decode_attention_mgpu(
     num_splits: key slices per tile, merged after the kernel; block_kv keys per pipeline step; num_stages
     K/V shared-memory slots. p_in_registers: P @ V takes P from registers into the running accumulator, as
     FlashAttention-3 does; otherwise, and always under interpret (the interpreter has no wgmma from registers), P goes
-    through shared memory into a fresh accumulator. interpret: run Pallas' GPU interpreter (CPU tests)."""
+    through shared memory into a fresh accumulator. max_ctas: a persistent grid of at most this many CTAs, each
+    over every max_ctas-th work item (tile, kv head, split); None: a CTA per work item. interpret: run Pallas' GPU
+    interpreter (CPU tests)."""
     num_rows, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
-    if num_stages < 1 or num_splits < 1 or num_rows < 1:
-        raise ValueError(f"decode_attention_mgpu: num_stages={num_stages}, num_splits={num_splits} and the query rows "
-                         f"({num_rows}) must be >= 1")
+    if num_stages < 1 or num_splits < 1 or num_rows < 1 or (max_ctas is not None and max_ctas < 1):
+        raise ValueError(f"decode_attention_mgpu: num_stages={num_stages}, num_splits={num_splits}, max_ctas={max_ctas} "
+                         f"and the query rows ({num_rows}) must be >= 1")
     if error := layer_error(page_table.shape[1] * page_size, ring_rows=ring_rows, window=window, softcap=softcap):
         raise ValueError(f"decode_attention_mgpu: {error}")
     if error := scales_error(k_pages, k_scale, v_scale):
@@ -339,6 +425,10 @@ def decode_attention_mgpu(
 
     kv_dtype = k_pages.dtype
     wide = kv_dtype != dtype  # fp8 pools: widened into tiles of q's dtype
+    num_items = num_tiles * num_kv_heads * num_splits
+    num_ctas = num_items if max_ctas is None else min(num_items, max_ctas)
+    # A CTA over several items loads the next item's query tile while this one's rows are computed.
+    q_slots = 1 if num_ctas == num_items else 2
 
     def entry(tiles_ref, page_table_ref, q_ref, k_ref, v_ref, *refs):
         scale_refs, (o_ref, lse_ref) = refs[:2 * scaled], (*refs[2 * scaled:], None)[:2]
@@ -348,11 +438,12 @@ def decode_attention_mgpu(
         pl.run_scoped(
             lambda *scoped: _kernel(
                 tiles_ref, page_table_ref, q_ref, k_ref, v_ref, scale_refs, o_ref, lse_ref, scoped,
-                block_kv=block_kv, num_stages=num_stages, page_size=page_size, group=group, causal=causal,
-                scale=scale, num_splits=num_splits, ring_rows=ring_rows, window=window, softcap=softcap,
+                num_items=num_items, num_ctas=num_ctas, block_kv=block_kv, num_stages=num_stages,
+                page_size=page_size, group=group, causal=causal, scale=scale, num_splits=num_splits,
+                ring_rows=ring_rows, window=window, softcap=softcap,
             ),
             (
-                plgpu.SMEM((_BLOCK_M, head_dim), dtype, transforms=transforms),
+                plgpu.SMEM((q_slots, _BLOCK_M, head_dim), dtype, transforms=transforms),
                 plgpu.SMEM((num_stages, block_kv, head_dim), kv_dtype, transforms=_transforms(head_dim, kv_dtype)),
                 plgpu.SMEM((num_stages, block_kv, head_dim), kv_dtype, transforms=_transforms(head_dim, kv_dtype)),
                 None if p_in_registers else plgpu.SMEM((_BLOCK_M, block_kv), dtype,
@@ -367,9 +458,12 @@ def decode_attention_mgpu(
             (
                 plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
                 plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
-                plgpu.Barrier(num_barriers=1),
+                plgpu.Barrier(num_barriers=q_slots),
             ),
-            plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),
+            (  # the compute warpgroup's releases of K/V and query slots
+                plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),
+                plgpu.Barrier(num_arrivals=1, num_barriers=q_slots),
+            ),
             collective_axes="wg",
         )
 
@@ -379,8 +473,8 @@ def decode_attention_mgpu(
     o, *lse = plgpu.kernel(
         entry,
         out_type=(o_type,) if single else (o_type, lse_type),
-        grid=(num_kv_heads, num_tiles, num_splits),
-        grid_names=("kv_heads", "tiles", "splits"),
+        grid=(num_ctas,),
+        grid_names=("ctas",),
         num_threads=2,  # a compute and a memory warpgroup
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -56,6 +56,24 @@ def test_unaligned_start_over_several_tiles(num_splits):
     assert [int(i[0]) % 8 for i in args["seq_info"] if i[1] == 130] == [7]  # the layout the docstring says
 
 
+@pytest.mark.parametrize("name,num_splits,max_ctas,fp8,page_size", [
+    ("mixed-g4", 1, 3, None, 16), ("mixed-g4", 3, 5, None, 16), ("ring-wide-wraps", 2, 2, None, 16),
+    ("window-flat-g4", 1, 4, None, 16), ("g4-p256", 2, 2, "scaled", 256), ("one-row", 1, 1, None, 16),
+])
+def test_persistent_grid(name, num_splits, max_ctas, fp8, page_size):
+    """A persistent grid: fewer CTAs than work items, each CTA's memory warpgroup loading the next item's query tile
+    and key blocks while its compute warpgroup finishes the last (K/V and query slots counted across items), rows
+    out through the query tile (one split) or the float32 tile (several)."""
+    case = dataclasses.replace(CASES[name], page_size=page_size)
+    kernel = functools.partial(dm.decode_attention_mgpu, num_splits=num_splits, block_kv=64, max_ctas=max_ctas,
+                               interpret=INTERPRET)
+    args = check_kernel(case, kernel, seed=3, **({"fp8": fp8} if fp8 else {}))
+    num_rows, num_q_heads, _ = args["q"].shape
+    num_kv_heads = args["k_pages"].shape[2]
+    items = dm.num_tiles_for(num_rows, args["seq_info"].shape[0], num_q_heads // num_kv_heads) * num_kv_heads
+    assert items * num_splits > max_ctas  # some CTA took several items
+
+
 @pytest.mark.parametrize("name,fp8,page_size,num_splits", [
     ("mixed-g4", "scaled", 32, 1), ("window-flat-g4", "scaled", 32, 3), ("ring-chunks-softcap", "scaled", 32, 2),
     ("ring-g8-p32", "scaled", 32, 3), ("g4-p256", "scaled", 256, 2), ("decode-g4-d128", "scaled", 128, 2),
@@ -218,6 +236,8 @@ def test_split_count():
 @pytest.mark.parametrize("num_rows,hq,hkv,d,page_size,num_splits,tile", [
     (256, 32, 8, 128, 16, 1, dict(p_in_registers=False)),  # llama3-8b decode at batch 256
     (256, 32, 8, 128, 16, 1, dict(p_in_registers=True)),
+    (256, 32, 8, 128, 16, 1, dict(max_ctas=132)),  # a persistent grid
+    (1, 32, 8, 128, 16, 16, dict(max_ctas=64)),
     (1, 32, 8, 128, 16, 16, dict(p_in_registers=False)),  # batch 1, split-K
     (1, 32, 8, 128, 16, 16, dict(p_in_registers=True)),
     (1, 32, 8, 128, 16, 16, dict(block_kv=64, num_stages=4, p_in_registers=True)),
@@ -246,6 +266,7 @@ def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, num_splits, tile):
 @pytest.mark.parametrize("num_rows,hkv,d,page_size,num_splits,scaled,tile", [
     (64, 8, 128, 32, 1, True, dict(p_in_registers=True)),  # llama3-8b's heads, a scaled fp8 cache in pages of 32
     (64, 8, 128, 32, 1, True, dict(p_in_registers=False)),
+    (64, 8, 128, 32, 4, True, dict(max_ctas=132)),  # a persistent grid
     (1, 8, 128, 128, 16, True, {}),  # batch 1, split-K, a page per key block
     (4, 8, 128, 64, 4, True, dict(ring_rows=1000, window=990)),  # a ring layer
     (1, 8, 128, 32, 16, True, dict(window=512, softcap=50.0)),
