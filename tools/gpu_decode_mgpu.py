@@ -11,6 +11,7 @@ Every Mosaic output is checked against cuDNN's first (relative error). GB/s coun
     python3 tools/gpu_decode_mgpu.py                       # every shape below
     python3 tools/gpu_decode_mgpu.py 1x512x768 256x640x640  # batch x context x capacity, these only
     python3 tools/gpu_decode_mgpu.py --iters 10 1x512x768   # 10 calls a chain
+    python3 tools/gpu_decode_mgpu.py --iters 40 --no-tiles 256x640x640  # no TILES variants
 Chains of 10 put the same 15-60 us kernel up to 2-3x apart in two runs (2026-12-04, docs/perf.md); chains of 40
 (one run so far) still leave some variants of those shapes out of order, by up to ~2x.
 On a CPU machine: a dry run on tiny shapes (Pallas' GPU interpreter, no cuDNN, no timing worth reading).
@@ -51,6 +52,9 @@ def main():
     iters = 40
     if argv[:1] == ["--iters"]:
         iters, argv = int(argv[1]), argv[2:]
+    tiles = TILES
+    if argv[:1] == ["--no-tiles"]:  # the default and the persistent grid only
+        tiles, argv = [], argv[1:]
     chosen = [_shape(a) for a in argv]
     shapes = [(1, 100, 128), (3, 70, 128)] if cpu else chosen or SHAPES
     scale = D ** -0.5
@@ -115,7 +119,7 @@ def main():
                                 f"splits {tile_splits:>2} | {t[0] * 1e6:8.1f} / {t[1] * 1e6:8.1f} us, "
                                 f"{tm[0] / t[0]:5.2f} / {tm[1] / t[1]:5.2f}x default, {tc[0] / t[0]:5.2f} / "
                                 f"{tc[1] / t[1]:5.2f}x cuDNN | err {e:7.1e}")
-            for block_kv, stages, in_regs in TILES if cpu or (batch, ctx, cap) in VARIANT_SHAPES else ():
+            for block_kv, stages, in_regs in tiles if cpu or (batch, ctx, cap) in VARIANT_SHAPES else ():
                 tile_splits = num_splits_for(batch, batch, HQ, HKV, cap, block_kv)
                 for s in sorted({max(1, tile_splits // 2), tile_splits, min(tuning.MAX_SPLITS, 2 * tile_splits)}):
                     if (block_kv, stages, in_regs, s) == (*default, splits):
