@@ -75,6 +75,9 @@ MOSAIC_PREFILL_PLAIN_ONLY = True
 DECODE_BACKEND = "triton"
 MOSAIC_DECODE = dict(block_kv=128, num_stages=2, p_in_registers=True)
 MOSAIC_DECODE_CTAS = 132
+# MOSAIC_DECODE_MAX_CTAS: 0 launches a CTA per work item (tile, kv head, split); N > 0 a persistent grid of at most
+# N CTAs, each over every N-th item, loading the next item while computing this one (not yet timed on a GPU).
+MOSAIC_DECODE_MAX_CTAS = 0
 # "auto" sends a segment to Mosaic when its padded rows there x MOSAIC_ROW_COST < its padded rows on
 # Triton. 2026-12-01, H200, causal prefill 16x512 .. 2x4096 (GQA 32/8, D 128, bf16, page 16): Mosaic
 # ran 1.5-1.7x Triton's TFLOP/s on whole tiles, so a Mosaic row costs about 0.6 of a Triton row.

@@ -295,10 +295,11 @@ print('$alloc', {k: s.get(k) for k in ('bytes_limit', 'bytes_in_use')}, 'free_de
     echo "== prefill_layers rc=$?"; cat "$out/prefill_layers.log"
     ;;
   decode-e2e)  # quant-e2e (bf16) with decode attention on each of DECODE_ARMS (default "triton mosaic":
-               # tuning.DECODE_BACKEND), one process each of at most E2E_TIMEOUT s (default 270, so two arms fit one
-               # 600 s call); E2E_ARGS adds bench args
+               # tuning.DECODE_BACKEND; "mosaic-persistent": mosaic with MOSAIC_DECODE_MAX_CTAS=132), one process
+               # each of at most E2E_TIMEOUT s (default 270, so two arms fit one 600 s call); E2E_ARGS adds bench args
     for arm in ${DECODE_ARMS:-triton mosaic}; do
-      TUNING=DECODE_BACKEND=$arm QUANT_FORMATS=none E2E_TIMEOUT=${E2E_TIMEOUT:-270} quant_e2e
+      tuned=DECODE_BACKEND=${arm%-persistent}; [[ $arm == *-persistent ]] && tuned+=,MOSAIC_DECODE_MAX_CTAS=132
+      TUNING=$tuned QUANT_FORMATS=none E2E_TIMEOUT=${E2E_TIMEOUT:-270} quant_e2e
     done
     ;;
   decode-profile)  # batch-1 decode profiles (~80 s each): bf16; fp8, int8 or int4 weights; fp8 with cuBLASLt recorded
