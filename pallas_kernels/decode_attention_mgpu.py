@@ -382,8 +382,9 @@ def decode_attention_mgpu(
     K/V shared-memory slots. p_in_registers: P @ V takes P from registers into the running accumulator, as
     FlashAttention-3 does; otherwise, and always under interpret (the interpreter has no wgmma from registers), P goes
     through shared memory into a fresh accumulator. max_ctas: a persistent grid of at most this many CTAs, each
-    over every max_ctas-th work item (tile, kv head, split); None: a CTA per work item. interpret: run Pallas' GPU
-    interpreter (CPU tests)."""
+    over every max_ctas-th work item (tile, kv head, split), with a second query tile in shared memory (16 KB at
+    head_dim 128 in bf16: a tile near the limit may then not fit); None: a CTA per work item. interpret: run Pallas'
+    GPU interpreter (CPU tests)."""
     num_rows, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     if num_stages < 1 or num_splits < 1 or num_rows < 1 or (max_ctas is not None and max_ctas < 1):

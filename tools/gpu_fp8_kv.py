@@ -6,8 +6,9 @@ llama3-8b's attention shape (32 query / 8 KV heads of 128, page 16).
   python tools/gpu_fp8_kv.py [BATCH CONTEXT] [--sweep] [--mosaic] [--page=N]
       --sweep: then the scaled fp8 pools and bf16's at each decode tile in SWEEP, chained, each checked against the
       reference. --mosaic: then the same pools through the Mosaic GPU decode kernel (backend "mosaic_decode", its
-      own split count) at the tiles in MOSAIC_TILES, with its time against Triton's on the same pools from this
-      call; a scaled cache there needs pages of a multiple of 32 keys (--page=32). --page: the page size (16).
+      own split count) at the tiles in MOSAIC_TILES (the last on a persistent grid), with its time against
+      Triton's on the same pools from this call; a scaled cache there needs pages of a multiple of 32 keys
+      (--page=32). --page: the page size (16).
 """
 import dataclasses
 import statistics
@@ -24,7 +25,9 @@ from glint.pallas_kernels.reference import quantize_rows, scale_pool, to_pool_dt
 
 PEAK, REPS, PAGE, HKV, GROUP, D = 4.3e12, 20, 16, 8, 4, 128
 SWEEP = [BlockSizes(16, k, w, st) for k in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4)]
-MOSAIC_TILES = [(128, 2), (128, 3), (128, 4), (64, 4)]  # --mosaic: (keys per block, stages); the first is the default
+# --mosaic: (keys per block, stages, CTAs of a persistent grid or 0: tuning.MOSAIC_DECODE_MAX_CTAS); the first is the
+# default
+MOSAIC_TILES = [(128, 2, 0), (128, 3, 0), (128, 4, 0), (64, 4, 0), (128, 2, 132)]
 
 
 def timed(fn, *args):
@@ -98,13 +101,14 @@ def main(batch: int, context: int, sweep: bool = False, mosaic: bool = False) ->
     if mosaic:
         print("Mosaic decode kernel, keys per block x stages | pools | max err vs reference | chained us | chained % | "
               "separate us | separate % | Triton / Mosaic time, chained | separate")
-    default_tile = dict(tuning.MOSAIC_DECODE)
+    default_tile, default_ctas = dict(tuning.MOSAIC_DECODE), tuning.MOSAIC_DECODE_MAX_CTAS
     # The default tile and deeper ones: an fp8 block has half a bf16 block's bytes, so the same stages keep half
     # the bytes in flight (the widened K and V tiles take the shared memory that bf16's wider slots would)
     try:
-        for block_kv, stages in MOSAIC_TILES if mosaic else ():
+        for block_kv, stages, ctas in MOSAIC_TILES if mosaic else ():
             tuning.MOSAIC_DECODE = {**default_tile, "block_kv": block_kv, "num_stages": stages}
-            tile = f"{block_kv}x{stages}"
+            tuning.MOSAIC_DECODE_MAX_CTAS = ctas
+            tile = f"{block_kv}x{stages}" + (f" on {ctas} CTAs" if ctas else "")
             attend_mosaic = attention(page_table, seq_info, backend="mosaic_decode")
             for name, _, tc, ts, nbytes in rows:
                 if name == "fp8-scaled" and PAGE % 32:
@@ -124,7 +128,7 @@ def main(batch: int, context: int, sweep: bool = False, mosaic: bool = False) ->
                       f"{100 * nbytes / t_chain / PEAK:.0f} | {t_sep * 1e6:.1f} | {100 * nbytes / t_sep / PEAK:.0f} | "
                       f"{tc / t_chain:.2f}x | {ts / t_sep:.2f}x", flush=True)
     finally:
-        tuning.MOSAIC_DECODE = default_tile
+        tuning.MOSAIC_DECODE, tuning.MOSAIC_DECODE_MAX_CTAS = default_tile, default_ctas
     if sweep:
         print("tile (block_m, block_k, warps, stages) | pools | max err vs reference | chained us | % of 4.3 TB/s")
     for blocks in SWEEP if sweep else ():
