@@ -205,6 +205,17 @@ def _kernel(
     item = functools.partial(_item, tiles_ref, num_kv_heads=k_ref.shape[1], num_splits=num_splits,
                              block_kv=block_kv, group=group, causal=causal, ring_rows=ring_rows, window=window)
 
+    def for_each_item(fn):
+        """fn(item, key blocks before it, queries before it) for each of this CTA's items with rows, in order; both
+        warpgroups count K/V and query slots this way. Returns those two counts over all the items."""
+        def step(i, counts):
+            blocks, queries = counts
+            it = item(cta + i * num_ctas)
+            pl.when(it.has_rows)(lambda: fn(it, blocks, queries))
+            return blocks + it.end - it.begin, queries + it.has_rows.astype(jnp.int32)
+
+        return lax.fori_loop(0, my_items, step, (jnp.int32(0), jnp.int32(0)))
+
     def widened(pool_smem, scale_smem, wide, slot, seen=None):
         """Slot `slot` of an fp8 K or V buffer in q's dtype (a scaled cache: each row times its scale; rows where
         `seen` is false zero), stored in `wide` for the dots."""
@@ -216,19 +227,14 @@ def _kernel(
     def _memory_wg():
         # The memory warpgroup reads the page table and issues the copies: each item's query tile, then its key
         # blocks, num_stages blocks ahead of the dots, counting slots over all of the CTA's items.
-        def load_item(i, counts):
-            issued, queries = counts
-            it = item(cta + i * num_ctas)
+        def load_item(it, issued, queries):
+            q_slot = lax.rem(queries, jnp.int32(q_slots))
 
-            @pl.when(it.has_rows)
+            @pl.when(queries >= q_slots)
             def _():
-                q_slot = lax.rem(queries, jnp.int32(q_slots))
+                plgpu.barrier_wait(q_consumed.at[q_slot])
 
-                @pl.when(queries >= q_slots)
-                def _():
-                    plgpu.barrier_wait(q_consumed.at[q_slot])
-
-                plgpu.copy_gmem_to_smem(q_ref.at[it.kv_head, it.q_rows], q_smem.at[q_slot], q_barriers.at[q_slot])
+            plgpu.copy_gmem_to_smem(q_ref.at[it.kv_head, it.q_rows], q_smem.at[q_slot], q_barriers.at[q_slot])
 
             @pl.loop(it.begin, it.end)
             def _(block):
@@ -244,9 +250,7 @@ def _kernel(
                                           page_size=page_size, scales=scale_refs,
                                           scale_bufs=(k_scales, v_scales) if scale_refs else ())
 
-            return issued + it.end - it.begin, queries + it.has_rows.astype(jnp.int32)
-
-        issued, queries = lax.fori_loop(0, my_items, load_item, (jnp.int32(0), jnp.int32(0)))
+        issued, queries = for_each_item(load_item)
 
         # Observe the last releases too, so every barrier ends each phase it began.
         @pl.loop(jnp.maximum(issued - num_stages, 0), issued)
@@ -259,25 +263,18 @@ def _kernel(
 
     @pl.when(wg == 0)
     def _compute_wg():
-        def compute_item(i, counts):
-            done, queries = counts
-            it = item(cta + i * num_ctas)
-
-            @pl.when(it.has_rows)
-            def _():
-                q_slot = lax.rem(queries, jnp.int32(q_slots))
-                q_tile = q_smem.at[q_slot]
-                plgpu.barrier_wait(q_barriers.at[q_slot])
-                acc, m_i, l_i = _attend(it, done, q_tile)
-                if o_smem is None:  # one split: the rows go out through the query tile
-                    _write_rows(it, acc, m_i, l_i, q_tile)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    plgpu.barrier_arrive(q_consumed.at[q_slot])  # the tile is free for a later item's query
-                else:
-                    plgpu.barrier_arrive(q_consumed.at[q_slot])
-                    _write_rows(it, acc, m_i, l_i, o_smem)
-
-            return done + it.end - it.begin, queries + it.has_rows.astype(jnp.int32)
+        def compute_item(it, done, queries):
+            q_slot = lax.rem(queries, jnp.int32(q_slots))
+            q_tile = q_smem.at[q_slot]
+            plgpu.barrier_wait(q_barriers.at[q_slot])
+            acc, m_i, l_i = _attend(it, done, q_tile)
+            if o_smem is None:  # one split: the rows go out through the query tile
+                _write_rows(it, acc, m_i, l_i, q_tile)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.barrier_arrive(q_consumed.at[q_slot])  # the tile is free for a later item's query
+            else:
+                plgpu.barrier_arrive(q_consumed.at[q_slot])
+                _write_rows(it, acc, m_i, l_i, o_smem)
 
         def _attend(it, done, q_tile):
             """The item's rows over its key blocks: (acc, m, l) of the online softmax, in registers."""
@@ -362,7 +359,7 @@ def _kernel(
             if lse_smem is not None:
                 plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[it.split, it.tile, it.kv_head])
 
-        lax.fori_loop(0, my_items, compute_item, (jnp.int32(0), jnp.int32(0)))
+        for_each_item(compute_item)
         plgpu.wait_smem_to_gmem(0)
 
 
