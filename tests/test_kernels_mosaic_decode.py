@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import INTERPRET, ON_GPU
-from jax.experimental.pallas import mosaic_gpu as plgpu
 from glint.pallas_kernels import BlockSizes, tuning, varlen_attention, varlen_attention_mgpu
 from glint.pallas_kernels import decode_attention_mgpu as dm
 from glint.pallas_kernels.reference import scale_pool_shape
 from glint.pallas_kernels.testing import AttentionCase as C
 from glint.pallas_kernels.testing import as_fp8, make_attention_inputs
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from mosaic_cases import CASES, check_kernel, device_inputs
 
 
