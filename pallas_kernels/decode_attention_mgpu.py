@@ -263,20 +263,7 @@ def _kernel(
 
     @pl.when(wg == 0)
     def _compute_wg():
-        def compute_item(it, done, queries):
-            q_slot = lax.rem(queries, jnp.int32(q_slots))
-            q_tile = q_smem.at[q_slot]
-            plgpu.barrier_wait(q_barriers.at[q_slot])
-            acc, m_i, l_i = _attend(it, done, q_tile)
-            if o_smem is None:  # one split: the rows go out through the query tile
-                _write_rows(it, acc, m_i, l_i, q_tile)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                plgpu.barrier_arrive(q_consumed.at[q_slot])  # the tile is free for a later item's query
-            else:
-                plgpu.barrier_arrive(q_consumed.at[q_slot])
-                _write_rows(it, acc, m_i, l_i, o_smem)
-
-        def _attend(it, done, q_tile):
+        def attend(it, done, q_tile):
             """The item's rows over its key blocks: (acc, m, l) of the online softmax, in registers."""
             def body(block, carry, *, masked: bool):
                 acc, m_i, l_i = carry
@@ -340,10 +327,9 @@ def _kernel(
             carry = lax.fori_loop(it.full_begin, it.full_end, functools.partial(body, masked=False), carry)
             return lax.fori_loop(it.full_end, it.end, functools.partial(body, masked=True), carry)
 
-        def _write_rows(it, acc, m_i, l_i, out_smem):
+        def write_rows(it, acc, m_i, l_i, out_smem):
             seen = l_i > 0
             acc = acc / lax.broadcast_in_dim(jnp.where(seen, l_i, 1.0), acc.shape, [0])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's rows have left the output tiles
             out_smem[...] = acc.astype(out_smem.dtype)
             if lse_smem is not None:
                 lse_smem[...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
@@ -358,6 +344,20 @@ def _kernel(
 
             if lse_smem is not None:
                 plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[it.split, it.tile, it.kv_head])
+
+        def compute_item(it, done, queries):
+            q_slot = lax.rem(queries, jnp.int32(q_slots))
+            q_tile = q_smem.at[q_slot]
+            plgpu.barrier_wait(q_barriers.at[q_slot])
+            acc, m_i, l_i = attend(it, done, q_tile)
+            if o_smem is None:  # one split: the rows go out through the query tile
+                write_rows(it, acc, m_i, l_i, q_tile)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.barrier_arrive(q_consumed.at[q_slot])  # the tile is free for a later item's query
+            else:
+                plgpu.barrier_arrive(q_consumed.at[q_slot])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's rows have left the output tiles
+                write_rows(it, acc, m_i, l_i, o_smem)
 
         for_each_item(compute_item)
         plgpu.wait_smem_to_gmem(0)
