@@ -39,9 +39,9 @@ SHAPES = [  # (batch, context, capacity)
 ]
 TILES = [(128, 2, False), (128, 2, True), (64, 2, True), (64, 4, True)]  # (block_kv, num_stages, p_in_registers)
 ERR_LIMIT = 1e-2  # relative error against cuDNN (bf16 kernels measured 8e-5 to 2.5e-3, 2026-12-04)
-# A persistent grid (max_ctas): one wave of CTAs, each over every PERSISTENT_CTAS-th work item, at these tiles
-# (block_kv, num_stages; P in registers), timed both ways on every shape.
-PERSISTENT, PERSISTENT_CTAS = [(128, 2), (64, 4)], 132
+# A persistent grid (max_ctas): one wave of tuning.MOSAIC_DECODE_CTAS CTAs, each over every so-many-th work item,
+# at these tiles (block_kv, num_stages; P in registers), timed both ways on every shape.
+PERSISTENT = [(128, 2), (64, 4)]
 VARIANT_SHAPES = {(1, 512, 768), (1, 4096, 4608), (1, 32768, 33024), (8, 1024, 1024), (8, 8192, 8192),
                   (256, 640, 640), (256, 4096, 4096)}
 
@@ -111,7 +111,7 @@ def main():
                      f"{tt[0] / tm[0]:6.2f} {tt[1] / tm[1]:5.2f}")
             for block_kv, stages in PERSISTENT:
                 tile_splits = num_splits_for(batch, batch, HQ, HKV, cap, block_kv)
-                fn = mosaic(block_kv, stages, True, tile_splits, max_ctas=PERSISTENT_CTAS)
+                fn = mosaic(block_kv, stages, True, tile_splits, max_ctas=tuning.MOSAIC_DECODE_CTAS)
                 e = rel_err(np.asarray(jax.jit(fn)(*paged), np.float32), want)
                 errors.append(e)
                 t = both(fn, paged)
