@@ -194,17 +194,18 @@ def pipelined_decode_ms(engine: Engine, batch: int, context: int, steps: int = 3
             for _ in range(steps):
                 engine.step()
             ms = 1e3 * (time.perf_counter() - t0) / steps
-            return ms, host_ms(engine.stats, steps)
+            return ms, host_ms(engine, steps)
     finally:
         engine.stats = kept
 
 
-def host_ms(stats, steps: int) -> dict:
-    """The host's milliseconds per step in `stats` (EngineStats): busy, waiting on the device, busy by phase, and
-    of the dispatch phase the forward's launch."""
+def host_ms(engine: Engine, steps: int) -> dict:
+    """The host's milliseconds per step in the engine's stats: busy, waiting on the device, busy by phase, and
+    the forward's launch (on the launch thread, or in the dispatch phase: `async_launch`)."""
+    stats = engine.stats
     return dict(busy=1e3 * stats.host_seconds / steps, wait=1e3 * stats.wait_seconds / steps,
                 **{k: 1e3 * v / steps for k, v in sorted(stats.host_phase_seconds.items())},
-                launch=1e3 * stats.launch_seconds / steps)
+                launch=1e3 * stats.launch_seconds / steps, async_launch=engine.config.async_launch)
 
 
 def end_to_end(engine: Engine, num_requests: int, prompt_len: int, gen_len: int, spread: float = 0.0,
@@ -234,7 +235,8 @@ def end_to_end(engine: Engine, num_requests: int, prompt_len: int, gen_len: int,
 
     return dict(requests=num_requests, prompt_len=prompt_len, gen_len=gen_len, length_spread=spread, wall_s=wall,
                 output_tokens_per_s=generated / wall, steps=steps, host_ms_per_step=1e3 * s.host_seconds / steps,
-                wait_ms_per_step=1e3 * s.wait_seconds / steps, host_ms=host_ms(s, steps), preemptions=s.preemptions,
+                wait_ms_per_step=1e3 * s.wait_seconds / steps, host_ms=host_ms(engine, steps),
+                preemptions=s.preemptions,
                 steps_per_bucket=dict(sorted(s.steps_per_bucket.items())),
                 ms_per_bucket=per_step(s.seconds_per_bucket), wait_ms_per_bucket=per_step(s.wait_seconds_per_bucket))
 
@@ -258,7 +260,7 @@ def engine_settings(args) -> dict:
                 capacity=args.prompt_len + args.gen_len + args.max_step_tokens, attention=args.attention,
                 compile_cache=args.compile_cache, **({"quantize": args.quantize} if args.quantize else {}),
                 **({"quantize_head": True} if args.quantize_head else {}), kv_cache_dtype=args.kv_cache_dtype,
-                tensor_parallel=args.tensor_parallel,
+                tensor_parallel=args.tensor_parallel, async_launch=args.async_launch,
                 **({"forward_sizes": args.forward_sizes} if args.forward_sizes else {}),
                 **{k: getattr(args, k) for k in ("num_pages", "memory_fraction") if getattr(args, k, None) is not None},
                 allow_long_context=True)  # a speed test: the synthetic context may pass the model's
@@ -549,9 +551,11 @@ def run_bench(args) -> dict:
 
 
 def _host_line(ms: dict) -> str:
-    phases = ", ".join(f"{k} {v:.2f}" + (f" (launch {ms['launch']:.2f})" if k == "dispatch" else "")
-                       for k, v in ms.items() if k not in ("busy", "wait", "launch"))
-    return f"busy {ms['busy']:.2f} ms ({phases}), waiting on the device {ms['wait']:.2f} ms"
+    inside = not ms.get("async_launch", False)  # the launch is part of the dispatch phase
+    phases = ", ".join(f"{k} {v:.2f}" + (f" (launch {ms['launch']:.2f})" if k == "dispatch" and inside else "")
+                       for k, v in ms.items() if k not in ("busy", "wait", "launch", "async_launch"))
+    beside = "" if inside else f"; the launch thread {ms['launch']:.2f} ms launching"
+    return f"busy {ms['busy']:.2f} ms ({phases}), waiting on the device {ms['wait']:.2f} ms{beside}"
 
 
 def read_peers(path: str, e2e: dict) -> list[dict]:

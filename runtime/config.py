@@ -51,6 +51,9 @@ class EngineConfig:
     # Devices the model is split over (model/tp.py): heads, MLP columns and vocabulary 1/N each, the KV pools by
     # KV head; the first N local devices.
     tensor_parallel: int = 1
+    # Launch each step's programs from a thread of their own (engine.Launcher), so the host's scheduling and
+    # postprocessing overlap XLA's launch; False: launch in step() itself.
+    async_launch: bool = True
 
     def __post_init__(self):
         k = self.num_speculative_tokens
@@ -96,7 +99,7 @@ class EngineConfig:
             raise ValueError(f"capacity must be >= 1, got {self.capacity}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
             raise ValueError(f"seed must be None or an int >= 0, got {self.seed!r}")
-        for name in ("compile_cache", "prefix_cache"):
+        for name in ("compile_cache", "prefix_cache", "async_launch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.attention not in ATTENTION_IMPLS:

@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import pathlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from glint.kvcache import BatchControl, CacheConfig, default_num_pages, prefix
+from glint.kvcache import BatchControl, CacheConfig, KVState, default_num_pages, prefix
 from glint.runtime import compile_cache, interrupts, spec
 from glint.runtime.config import EngineConfig
 from glint.runtime.params import SamplingParams
@@ -65,7 +66,8 @@ class EngineStats:
     # of it, by phase: "schedule" (the scheduler and page bookkeeping), "dispatch" (packing and launching the
     # step's programs), "postprocess" (committing, accepting and delivering a step's tokens)
     host_phase_seconds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    # of "dispatch": the forward's packing and call until it returns (XLA enqueueing the step's device work)
+    # the forward's call until it returns (XLA enqueueing the step's device work): on the launch thread beside the
+    # phases above (EngineConfig.async_launch), else inside "dispatch"
     launch_seconds: float = 0.0
     wait_seconds: float = 0.0  # host blocked on the device's results
     # per step width: the step() calls that read a step of that width, whole (the loop's period: dispatching the
@@ -108,10 +110,39 @@ class Sampled:
 class InFlight:
     width: int
     sampled: list[Sampled]
-    next_tokens: jax.Array
-    lp: object
+    # (next tokens, logprobs or None, the device drafter's tokens or None, for proposals DRAFTED_ON_DEVICE), once
+    # the step's programs are launched
+    launched: concurrent.futures.Future
     proposed: np.ndarray | None = None  # a speculative step: the draft token each row verifies (-1: none)
-    drafted: jax.Array | None = None  # the device drafter's tokens, for proposals DRAFTED_ON_DEVICE
+
+
+class Launcher:
+    """Runs each step's device programs, in the order the steps were dispatched.
+
+    Threaded (`EngineConfig.async_launch`), on a thread of its own: XLA's launch of a step (updating and
+    launching its CUDA graph) takes milliseconds of host time and releases the GIL, so the host schedules,
+    packs and postprocesses other steps meanwhile, as vLLM's async scheduling and SGLang's overlap scheduler
+    do. Otherwise in the caller, before `submit` returns. A job's exception is raised where its future's result
+    is taken.
+    """
+
+    def __init__(self, threaded: bool):
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, "glint-launch") if threaded else None
+        self._last: concurrent.futures.Future | None = None
+
+    def submit(self, job: Callable[[], object]) -> concurrent.futures.Future:
+        if self._pool is None:
+            done = concurrent.futures.Future()
+            done.set_result(job())
+            return done
+        self._last = self._pool.submit(job)
+        time.sleep(0)  # let the launch thread take the GIL now, not after this thread's next switch interval
+        return self._last
+
+    def drain(self) -> None:
+        """Wait until every job submitted so far has run (its exception, if any, stays in its future)."""
+        if self._last is not None:
+            concurrent.futures.wait([self._last])
 
 
 class Engine:
@@ -179,7 +210,8 @@ class Engine:
         self._drafts_on_device = isinstance(drafter, spec.DFlashDrafter)
         self.scheduler = Scheduler(config, self.control, propose=None if drafter is None else self._propose)
         self.runner = Runner(programs, cache, config.max_seqs, config.max_sample_rows)
-        self.kv = self.runner.kv_init()
+        self._launcher = Launcher(config.async_launch)
+        self._kv = self.runner.kv_init()  # the launch thread's while steps are launching: read through `kv`
         self._requests: dict[int, Request] = {}
         self._children: dict[int, list[Request]] = {}
         self._next_rid = 0
@@ -274,6 +306,17 @@ class Engine:
         cache = self.cache
         self._salt = prefix.salt(self.model, cache.windows, cache.kv_heads, cache.head_dim, cache.dtype,
                                  getattr(self.drafter, "cfg", None)) if enabled else None
+
+    @property
+    def kv(self) -> KVState:
+        """The KV pools (and scales) once every dispatched step's programs have been launched."""
+        self._launcher.drain()
+        return self._kv
+
+    @kv.setter
+    def kv(self, kv: KVState) -> None:
+        self._launcher.drain()
+        self._kv = kv
 
     @property
     def prefix_cache_enabled(self) -> bool:
@@ -493,7 +536,7 @@ class Engine:
     @staticmethod
     def _fetch(step: InFlight):
         """The step's tokens, logprobs and (speculative) proposals, the device drafter's filled in."""
-        next_tokens, lp, drafted = jax.device_get((step.next_tokens, step.lp, step.drafted))
+        next_tokens, lp, drafted = jax.device_get(step.launched.result())
         proposed = step.proposed
         if drafted is not None:
             proposed = np.where(proposed == spec.DRAFTED_ON_DEVICE, drafted, proposed)
@@ -544,7 +587,7 @@ class Engine:
         width = self.config.bucket_for(sum(e.count for e in entries))
         meta = self.control.prepare_step(width=width, num_segments=num_segments(width, self.config.max_seqs))
         tokens, token_src, rows, samples, proposed, draft_rows = self._pack(entries, width)
-        next_tokens, lp, drafted = self._run(width, meta, tokens, token_src, rows, samples, draft_rows)
+        launched = self._run(width, meta, tokens, token_src, rows, samples, draft_rows)
         self.control.commit_step()
         self.stats.steps_per_bucket[width] += 1
         sampled, row = [], 0
@@ -560,35 +603,52 @@ class Engine:
                 e.req.generated.append(-(row + 1))  # placeholder: row `row` of this step's output
                 e.req.num_children = 0
                 row += e.samples
-        return InFlight(width, sampled, next_tokens, lp, proposed, drafted)
+        return InFlight(width, sampled, launched, proposed)
 
-    def _run(self, width: int, meta, tokens, token_src, rows, samples, draft_rows):
-        """Launch the step's programs: page copies, drafting, the forward, and top-k/top-p or logprobs when
-        asked. -> (tokens, logprobs, the device drafter's tokens or None)."""
-        rows_out = self.config.max_sample_rows
-        prev = self._inflight.next_tokens if self._inflight else np.zeros(rows_out, np.int32)
-        if any(len(c) for c in meta.copies):
-            self.kv = self.runner.copy(self.kv, meta.copies)
-            self.stats.page_copies += sum(len(c) for c in meta.copies)
-        device_meta = self.runner.fit_changes(width, DeviceMeta.from_host(meta))
-        drafted = None
-        if draft_rows is not None:  # the draft tokens the step's token_src reads
-            drafted, self.kv = self.runner.draft(width, self.params, self.kv, tokens, token_src, device_meta,
-                                                 draft_rows)
-            prev = drafted
+    def _run(self, width: int, meta, tokens, token_src, rows, samples, draft_rows) -> concurrent.futures.Future:
+        """Pack the step's host inputs, then launch its programs (`Launcher`): page copies, the page-table
+        changes its upload cannot hold, drafting, the forward, and top-k/top-p or logprobs when asked. -> a
+        future of (tokens, logprobs, the device drafter's tokens or None). Whatever can fail on the host (packing,
+        compiling a program) fails here, before the step is committed."""
+        runner, rows_out, prev_step = self.runner, self.config.max_sample_rows, self._inflight
+        copies = meta.copies if any(len(c) for c in meta.copies) else None
+        device_meta, earlier = runner.split_changes(width, DeviceMeta.from_host(meta))
         params, seeds, positions = samples
         sampler = SamplerInputs.from_params(params, positions, rows=rows_out, seeds=seeds)
         params = list({id(p): p for p in params}.values())  # a block's rows share their request's
+        filters, logprobs = uses_filters(params), any(p.logprobs for p in params)
         padded_rows = np.zeros(rows_out, np.int32)
         padded_rows[:len(rows)] = rows
-        t0 = time.perf_counter()
-        next_tokens, logits, self.kv = self.runner.forward(width, self.params, self.kv, tokens, token_src, prev,
-                                                           device_meta, padded_rows, sampler)
-        self.stats.launch_seconds += time.perf_counter() - t0
-        if uses_filters(params):
-            next_tokens = self.runner.sample(logits, sampler)
-        lp = self.runner.logprobs(logits, next_tokens) if any(p.logprobs for p in params) else None
-        return next_tokens, lp, drafted
+        host = runner.pack(width, tokens, token_src, device_meta, padded_rows, sampler)
+        # the device drafter's inputs: the step packed with its draft rows (the draft tokens its token_src reads)
+        draft_host = None if draft_rows is None else runner.pack(width, tokens, token_src, device_meta, draft_rows,
+                                                                 draft_rows=draft_rows)
+        used = [forward_name(width)] + ["copy"] * (copies is not None) + ["tables"] * (earlier is not None) + \
+            [draft_name(width)] * (draft_host is not None) + ["sample"] * filters + ["logprobs"] * logprobs
+        for name in used:
+            self.programs[name]  # compiled here if it is not yet (an error undoes the step)
+        if copies is not None:
+            self.stats.page_copies += sum(len(c) for c in copies)
+
+        def launch():
+            # a step reads the tokens its predecessor drew: launched before it, on this thread
+            prev = prev_step.launched.result()[0] if prev_step else np.zeros(rows_out, np.int32)
+            if copies is not None:
+                self._kv = runner.copy(self._kv, copies)
+            if earlier is not None:
+                runner.update_tables(earlier)
+            drafted = None
+            if draft_host is not None:
+                drafted, self._kv = runner.run_draft(width, self.params, self._kv, draft_host)
+                prev = drafted
+            t0 = time.perf_counter()
+            next_tokens, logits, self._kv = runner.run_forward(width, self.params, self._kv, host, prev)
+            self.stats.launch_seconds += time.perf_counter() - t0
+            if filters:
+                next_tokens = runner.sample(logits, sampler)
+            return next_tokens, runner.logprobs(logits, next_tokens) if logprobs else None, drafted
+
+        return self._launcher.submit(launch)
 
     def _pack(self, entries: list[Entry], width: int):
         """Token ids (from the host, or `token_src` rows of the previous step's output), the sampled rows and

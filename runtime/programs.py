@@ -374,26 +374,41 @@ class Runner:
     def layout(self, width: int) -> StepLayout:
         return self._layout_of(width)
 
-    def fit_changes(self, width: int, meta: DeviceMeta) -> DeviceMeta:
-        """`meta` with at most the width's upload of table changes per group: any before that go to the device
-        now, TABLE_ROWS at a time (the `tables` program). `forward` does this itself; a step that drafts first
-        calls it once for both programs."""
+    def split_changes(self, width: int, meta: DeviceMeta) -> tuple[DeviceMeta, list | None]:
+        """`meta` cut to the width's upload of table changes per group, and the changes before those (None: none),
+        which `update_tables` must send first. Host only."""
         keep = self.layout(width).changes
         changes = [np.asarray(c, np.int32).reshape(-1, 3) for c in meta.table_changes]
         if all(len(c) <= keep for c in changes):
-            return meta
-        self.update_tables([c[:-keep] for c in changes])
-        return dataclasses.replace(meta, table_changes=tuple(c[-keep:] for c in changes))
+            return meta, None
+        return dataclasses.replace(meta, table_changes=tuple(c[-keep:] for c in changes)), [c[:-keep] for c in changes]
+
+    def fit_changes(self, width: int, meta: DeviceMeta) -> DeviceMeta:
+        """`meta` with at most the width's upload of table changes per group: any before that go to the device
+        now, TABLE_ROWS at a time (the `tables` program). `forward` does this itself."""
+        meta, earlier = self.split_changes(width, meta)
+        if earlier is not None:
+            self.update_tables(earlier)
+        return meta
 
     def update_tables(self, changes) -> None:
         """Set page-table entries on the device: per group i32[n, 3] (seq, index, page), each (seq, index) once."""
         for chunk in _chunks(changes, TABLE_ROWS, (self._max_seqs, 0, 0)):  # pads: past the tables, dropped
             self.tables = self.programs["tables"](self.tables, chunk)
 
+    def pack(self, width: int, tokens, token_src, meta: DeviceMeta, rows, sampler=None, draft_rows=None) -> np.ndarray:
+        """A step's host inputs as the width's program takes them (`StepLayout.pack`; `meta` cut by
+        `split_changes`)."""
+        return self.layout(width).pack(tokens, token_src, meta, rows, sampler, draft_rows)
+
     def forward(self, width: int, params: dict, kv: KVState, tokens, token_src, prev_tokens, meta: DeviceMeta, rows,
                 sampler) -> tuple[jax.Array, jax.Array, KVState]:
         """-> (tokens i32[R] drawn without top-k/top-p, logits f32[R, V], kv); the tables updated in place."""
-        host = self.layout(width).pack(tokens, token_src, self.fit_changes(width, meta), rows, sampler)
+        host = self.pack(width, tokens, token_src, self.fit_changes(width, meta), rows, sampler)
+        return self.run_forward(width, params, kv, host, prev_tokens)
+
+    def run_forward(self, width: int, params: dict, kv: KVState, host: np.ndarray, prev_tokens):
+        """`forward` on a packed step."""
         next_tokens, logits, parts, self.tables = self.programs[forward_name(width)](params, kv.parts(), self.tables,
                                                                                      host, prev_tokens)
         return next_tokens, logits, KVState(*parts)
@@ -402,10 +417,9 @@ class Runner:
         """Tokens i32[R] with every row's top-k / top-p applied."""
         return self.programs["sample"](logits, _fields(sampler))
 
-    def draft(self, width: int, params: dict, kv: KVState, tokens, token_src, meta: DeviceMeta, rows):
-        """DFlash drafting before a verifying step (the same metadata, `fit_changes` applied): (draft tokens
-        i32[R], kv)."""
-        host = self.layout(width).pack(tokens, token_src, meta, rows, draft_rows=rows)
+    def run_draft(self, width: int, params: dict, kv: KVState, host: np.ndarray):
+        """DFlash drafting before a verifying step, on the step packed with `draft_rows` as both its rows and its
+        draft rows: (draft tokens i32[R], kv)."""
         drafted, parts = self.programs[draft_name(width)](params, kv.parts(), self.tables, host)
         return drafted, KVState(*parts)
 

@@ -27,10 +27,15 @@ def test_every_subcommand_has_help(command, capsys):
     assert exit_.value.code == 0 and "usage: glint " + command in capsys.readouterr().out
 
 
-def test_generate_json_matches_reference(capsys):
+@pytest.mark.parametrize("launch", [[], ["--sync-launch"]], ids=["async-launch", "sync-launch"])
+def test_generate_json_matches_reference(launch, capsys):
+    from glint.runtime.commands import _engine_config
+
     case = reference_case()
-    code = main(["generate", str(LLAMA), "--prompt-ids", " ".join(map(str, case["prompt"])), "--max-tokens", "12",
-                 "--temperature", "0", "--ignore-eos", "--json", "--dtype", "float32", *SMALL])
+    argv = ["generate", str(LLAMA), "--prompt-ids", " ".join(map(str, case["prompt"])), "--max-tokens", "12",
+            "--temperature", "0", "--ignore-eos", "--json", "--dtype", "float32", *SMALL, *launch]
+    assert _engine_config(build_parser().parse_args(argv)).get("async_launch", True) == (not launch)
+    code = main(argv)
     assert code == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["outputs"][0]["token_ids"] == case["greedy"][:12]

@@ -1,5 +1,6 @@
 """Interrupts and exceptions anywhere in a step lose nothing; a failed generate() leaves no orphan; prompts are
 taken only as integer ids, with messages that say what was wrong."""
+import dataclasses
 import json
 import signal
 import threading
@@ -15,8 +16,8 @@ TIGHT = dict(max_seqs=4, page_size=8, max_step_tokens=32, forward_sizes=(1, 2, 4
              min_prefill_chunk=4)  # 13 usable pages of 8 rows: the requests below preempt each other
 
 
-def engine() -> Engine:
-    return Engine.from_pretrained(str(HF_FIXTURES / "llama"), dtype="float32", **TIGHT)
+def engine(**config) -> Engine:
+    return Engine.from_pretrained(str(HF_FIXTURES / "llama"), dtype="float32", **TIGHT | config)
 
 
 def vocab_size() -> int:
@@ -150,6 +151,75 @@ def test_an_exception_at_any_stage_of_a_step_loses_no_token(stage):
             assert not eng.control.has_pending_step  # a failed dispatch undoes its declared step
     assert raised[0] >= (1 if stage == "_spawn_child" else 5)
     assert outputs(eng, rids) == want
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_launching_from_a_thread_of_its_own_changes_nothing(sampled):
+    """The same requests (preempted, n = 3, top-k/top-p, logprobs) give the same tokens and logprobs whether each
+    step's programs launch from the launch thread (the default) or in step() itself."""
+    prompts, params = requests(sampled)
+    params[4] = dataclasses.replace(params[4], logprobs=3)
+    runs = []
+    for async_launch in (False, True):
+        eng = engine(async_launch=async_launch)
+        assert eng.config.async_launch is async_launch
+        rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while eng.has_unfinished():
+            eng.step()
+        assert eng.stats.preemptions > 0
+        runs.append((outputs(eng, rids), [[c.logprobs for c in eng.output(rid).outputs] for rid in rids]))
+    assert len(runs[0][1][4][0]) == len(runs[0][0][4][0]) and len(runs[0][1][4][0][0]) >= 3  # asked for
+    assert runs[1] == runs[0]
+
+
+def test_the_host_goes_on_while_a_step_launches():
+    """step() returns while its step's launch is still running: the host is free to schedule, stream and
+    admit beside it; the tokens are those of a launch that did not wait."""
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = engine().generate([[5, 6, 7]], greedy)[0].token_ids
+    eng = engine()
+    real, gate, inside = eng.runner.run_forward, threading.Event(), threading.Event()
+
+    def held(*args, **kwargs):
+        inside.set()
+        gate.wait(30)
+        return real(*args, **kwargs)
+
+    eng.runner.run_forward = held
+    timer = threading.Timer(30, gate.set)  # launched in step() itself, the step would wait this long
+    timer.start()
+    try:
+        rid = eng.add_request([5, 6, 7], greedy)
+        eng.step()  # dispatches the prompt's step: nothing is read yet
+        held_while_returned = not gate.is_set()
+        assert inside.wait(30)
+        eng.add_request([5, 6, 7], greedy)  # the engine takes requests meanwhile
+    finally:
+        gate.set()
+        timer.cancel()
+    assert held_while_returned
+    eng.runner.run_forward = real
+    while eng.has_unfinished():
+        eng.step()
+    assert [eng.output(r).token_ids for r in (rid, rid + 1)] == [want, want]
+
+
+def test_an_error_in_a_launched_program_is_raised_by_step():
+    eng = engine()
+    real, calls = eng.runner.run_forward, [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("the device failed")
+        return real(*args, **kwargs)
+
+    eng.runner.run_forward = failing
+    eng.add_request([5, 6, 7], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="the device failed"):
+        for _ in range(10):
+            eng.step()
+    assert calls[0] == 3
 
 
 def test_a_sigint_handler_that_does_not_raise_gets_every_token_once():

@@ -282,16 +282,20 @@ DFLASH = STORIES.parents[1] / "fixtures" / "dflash"
 
 def _fed_blocks(engine: Engine, block: int) -> list[list[int]]:
     """Wrap the engine's forward to record each verified block (a segment of `block` tokens, drafts filled in)."""
-    blocks, forward = [], engine.runner.forward
+    blocks, run_forward = [], engine.runner.run_forward
 
-    def recording(width, params, kv, tokens, token_src, prev, meta, rows, sampler):
+    def recording(width, params, kv, host, prev):
+        step = {name: np.asarray(host[start:stop]).reshape(shape)
+                for name, start, stop, shape, _ in engine.runner.layout(width).spans
+                if name in ("tokens", "token_src", "seq_info")}
+        tokens, token_src = step["tokens"], step["token_src"]
         fed = np.where(token_src >= 0, np.asarray(prev)[np.maximum(token_src, 0)], tokens)
-        for start, length, _, _ in np.asarray(meta.seq_info):
+        for start, length, _, _ in step["seq_info"]:
             if length == block:
                 blocks.append(fed[start:start + length].tolist())
-        return forward(width, params, kv, tokens, token_src, prev, meta, rows, sampler)
+        return run_forward(width, params, kv, host, prev)
 
-    engine.runner.forward = recording
+    engine.runner.run_forward = recording
     return blocks
 
 

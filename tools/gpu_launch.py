@@ -1,7 +1,8 @@
 """What the host spends launching a step: the engine's decode loop at one width, on the GPU, in one process.
 
 1. the pipelined loop (`pipelined_decode_ms`, median of 3) and its host time per step by phase; "launch" is the
-   forward program's call returning, i.e. what XLA does on the host to enqueue the step;
+   forward program's call returning, i.e. what XLA does on the host to enqueue the step (on the engine's launch
+   thread, beside the other phases, unless --sync-launch);
 2. the forward called directly on one captured step, 24 times with two calls in flight ("overlapped", as the
    loop runs) and 24 times each after the last finished ("waited"), the previous tokens a new buffer each call
    as in the loop: the launch time of each way. XLA re-records its command buffer (a CUDA graph) when a buffer
@@ -37,18 +38,18 @@ from glint.runtime.engine import Engine
 def direct_launches(engine: Engine, batch: int, context: int, calls: int = 24) -> dict:
     """Median ms for the forward's call to return, overlapped and waited (two rounds each, alternating)."""
     captured = {}
-    forward = engine.runner.forward
+    run_forward = engine.runner.run_forward
 
     def capture(*args):
         captured["args"] = args
-        return forward(*args)
+        return run_forward(*args)
 
-    engine.runner.forward = capture  # the last step before decoding starts is the one called again
+    engine.runner.run_forward = capture  # the last step before decoding starts is the one called again
     try:
         with decoding(engine, batch, context, 0, seed=3, started=3):
-            del engine.runner.forward  # the class's method again
-            width, weights, _, tokens, token_src, prev, *step = captured["args"]
-            kv = engine.kv
+            kv = engine.kv  # every launched step's programs have run (the launch thread is idle)
+            del engine.runner.run_forward  # the class's method again
+            width, weights, _, host, prev = captured["args"]
             jax.block_until_ready(kv.parts())
             times = collections.defaultdict(list)
             try:
@@ -58,7 +59,7 @@ def direct_launches(engine: Engine, batch: int, context: int, calls: int = 24) -
                     for i in range(calls):
                         moved = jnp.copy(prev)  # the previous tokens: a buffer of their own each step, as in the loop
                         t = time.perf_counter()
-                        out, _, kv = forward(width, weights, kv, tokens, token_src, moved, *step)
+                        out, _, kv = run_forward(width, weights, kv, host, moved)
                         if i >= 4:  # the first calls of a round follow the other way's
                             times[way].append(time.perf_counter() - t)
                         pending.append(out)
@@ -68,7 +69,7 @@ def direct_launches(engine: Engine, batch: int, context: int, calls: int = 24) -
             finally:
                 engine.kv = kv  # the last call's pools: the engine's own were donated
     finally:
-        vars(engine.runner).pop("forward", None)
+        vars(engine.runner).pop("run_forward", None)
     return {way: 1e3 * float(np.median(t)) for way, t in times.items()}
 
 
@@ -105,6 +106,8 @@ def main():
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=576)
     p.add_argument("--trace", help="also trace 8 loop steps here and sum their host events")
+    p.add_argument("--sync-launch", dest="async_launch", action="store_false",
+                   help="the engine launches each step in step() itself, not from its launch thread")
     args = p.parse_args()
     if args.trace:  # before the backend starts: XLA reads its flags once
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -114,12 +117,14 @@ def main():
     # prompts prefill in a second program, 64 wider than the batch: room for a prompt chunk beside the decode rows
     engine = Engine.from_pretrained(args.model, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
                                     max_seqs=b, max_step_tokens=b + 64, forward_sizes=(b,), capacity=capacity,
-                                    num_pages=b * -(-capacity // 16) + 16, allow_long_context=True)
+                                    num_pages=b * -(-capacity // 16) + 16, allow_long_context=True,
+                                    async_launch=args.async_launch)
     engine.warmup()
     print(f"engine + warmup {time.perf_counter() - t0:.0f} s", flush=True)
     loops = sorted((pipelined_decode_ms(engine, b, args.context) for _ in range(3)), key=lambda r: r[0])
     ms, host = loops[1]
-    label = f"{args.model} {args.quantize or 'bf16'} KV {args.kv_cache_dtype}, batch {b} at {args.context} keys"
+    label = (f"{args.model} {args.quantize or 'bf16'} KV {args.kv_cache_dtype}, batch {b} at {args.context} keys, "
+             f"{'async' if args.async_launch else 'sync'} launch")
     print(f"loop: {ms:.2f} ms/step; host per step " + ", ".join(f"{k} {v:.2f}" for k, v in host.items()), flush=True)
     launches = direct_launches(engine, b, args.context)
     print("forward launch ms: " + ", ".join(f"{k} {v:.2f}" for k, v in launches.items()), flush=True)

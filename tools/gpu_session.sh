@@ -28,7 +28,7 @@ quant_e2e() {
       alloc=${XLA_PYTHON_CLIENT_ALLOCATOR:-}
       tuned=${TUNING:-}; tuned=${tuned//[^A-Za-z0-9]/_}
       # no '+' in file names: the device tool drops them
-      log=$out/quant_e2e_${q//+/_}${mode:+_$mode}${alloc:+_$alloc}${tuned:+_$tuned}
+      log=$out/quant_e2e_${q//+/_}${mode:+_$mode}${alloc:+_$alloc}${tuned:+_$tuned}${E2E_TAG:+_$E2E_TAG}
       XLA_FLAGS="${XLA_FLAGS:-}${mode:+ --xla_gpu_command_buffer_update_mode=$mode}" PYTHONFAULTHANDLER=1 \
         python3 tools/with_tuning.py -m glint.runtime.cli bench llama3-8b --quantize ${q%+kv8} \
         --kv-cache-dtype $kv --batch 256 --prompt-len 512 --gen-len 128 --requests 256 --e2e-gen-len 128 \
@@ -108,6 +108,28 @@ case "${1:-all}" in
       timeout 200 python3 tools/gpu_launch.py $q ${LAUNCH_ARGS:-} --trace "$out/${name}_trace" > "$out/$name.log" 2>&1
       grep -E "^(loop|forward launch)|command_buffer|cuGraphLaunch|GPU kernels|Error" "$out/$name.log" | head -12
     done
+    ;;
+  launch-thread)  # each step launched from the engine's launch thread (the default) against in step() itself
+                  # (--sync-launch), one process each: end to end per format in QUANT_FORMATS (quant_e2e; a cold
+                  # compile takes the first arm up to E2E_TIMEOUT), then the batch-256 loop (tools/gpu_launch.py,
+                  # bf16 and fp8 + fp8 KV) and batch 1 x 512 (int4, bf16). One call each: LAUNCH_PARTS=e2e
+                  # QUANT_FORMATS=none, LAUNCH_PARTS=e2e QUANT_FORMATS=fp8, LAUNCH_PARTS=loop (~8 min each)
+    if [[ " ${LAUNCH_PARTS:-e2e loop} " == *" e2e "* ]]; then
+      for arm in async sync; do
+        flag=; [ $arm = sync ] && flag=" --sync-launch"
+        E2E_TAG=$arm E2E_ARGS="${E2E_ARGS:-}$flag" E2E_TIMEOUT=${E2E_TIMEOUT:-280} quant_e2e
+      done
+    fi
+    if [[ " ${LAUNCH_PARTS:-e2e loop} " == *" loop "* ]]; then
+      for q in "" "--quantize fp8 --kv-cache-dtype fp8" "--quantize int4 --batch 1 --context 512" "--batch 1 --context 512"; do
+        for arm in async sync; do
+          name=launch_thread_$(printf %s "${q:-bf16}" | tr -c 'a-z0-9' _ | tr -s _ | sed 's/^_//')_$arm
+          flag=; [ $arm = sync ] && flag=--sync-launch
+          timeout 120 python3 tools/gpu_launch.py $q $flag > "$out/$name.log" 2>&1
+          echo "== $arm ${q:-bf16} rc=$?"; grep -E "^(loop|forward launch)|Error|error:" "$out/$name.log" | head -4
+        done
+      done
+    fi
     ;;
   graph-update)  # what would keep XLA from re-recording a step's graph every call (docs/perf.md, "SKIP_TEMP settled"):
                  # tools/gpu_launch.py, int8 at batch 1 x 512 keys and fp8 + fp8 KV at 256 x 576, under XLA's
