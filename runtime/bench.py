@@ -90,6 +90,7 @@ class StepBench:
         """`batch` sequences with `context` cached positions each feed `q_len` tokens; `timer(run, repeats)` gives
         the step's seconds (a profiler may wrap the runs)."""
         eng, control = self.engine, self.engine.control
+        eng.wait_launched()  # a step still launching owns the runner's tables and the KV state
         seqs = [control.seq_new() for _ in range(batch)]
         if None in seqs:
             raise ValueError(f"batch {batch} exceeds max_seqs {eng.config.max_seqs}")

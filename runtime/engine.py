@@ -116,6 +116,11 @@ class InFlight:
     proposed: np.ndarray | None = None  # a speculative step: the draft token each row verifies (-1: none)
 
 
+class EngineFailed(RuntimeError):
+    """A step failed on the device (or in its launch), after the host had committed it and the steps after it:
+    the KV state the engine holds is not known, so it takes no more steps. Build a new engine."""
+
+
 class Launcher:
     """Runs each step's device programs, in the order the steps were dispatched.
 
@@ -123,21 +128,32 @@ class Launcher:
     launching its CUDA graph) takes milliseconds of host time and releases the GIL, so the host schedules,
     packs and postprocesses other steps meanwhile, as vLLM's async scheduling and SGLang's overlap scheduler
     do. Otherwise in the caller, before `submit` returns. A job's exception is raised where its future's result
-    is taken.
+    is taken; every job after a failed one raises that exception too (it would run on state the failed one may
+    have consumed).
     """
 
     def __init__(self, threaded: bool):
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "glint-launch") if threaded else None
         self._last: concurrent.futures.Future | None = None
+        self._error: BaseException | None = None
 
     def submit(self, job: Callable[[], object]) -> concurrent.futures.Future:
         if self._pool is None:
             done = concurrent.futures.Future()
             done.set_result(job())
             return done
-        self._last = self._pool.submit(job)
+        self._last = self._pool.submit(self._guarded, job)
         time.sleep(0)  # let the launch thread take the GIL now, not after this thread's next switch interval
         return self._last
+
+    def _guarded(self, job: Callable[[], object]):
+        if self._error is not None:
+            raise self._error
+        try:
+            return job()
+        except BaseException as e:
+            self._error = e
+            raise
 
     def drain(self) -> None:
         """Wait until every job submitted so far has run (its exception, if any, stays in its future)."""
@@ -210,7 +226,9 @@ class Engine:
         self._drafts_on_device = isinstance(drafter, spec.DFlashDrafter)
         self.scheduler = Scheduler(config, self.control, propose=None if drafter is None else self._propose)
         self.runner = Runner(programs, cache, config.max_seqs, config.max_sample_rows)
-        self._launcher = Launcher(config.async_launch)
+        # a speculative step is read before the next is dispatched: nothing would overlap its launch
+        self._launcher = Launcher(config.async_launch and drafter is None)
+        self._failed: EngineFailed | None = None
         self._kv = self.runner.kv_init()  # the launch thread's while steps are launching: read through `kv`
         self._requests: dict[int, Request] = {}
         self._children: dict[int, list[Request]] = {}
@@ -306,6 +324,11 @@ class Engine:
         cache = self.cache
         self._salt = prefix.salt(self.model, cache.windows, cache.kv_heads, cache.head_dim, cache.dtype,
                                  getattr(self.drafter, "cfg", None)) if enabled else None
+
+    def wait_launched(self) -> None:
+        """Wait until every dispatched step's programs have been launched: the runner and the KV state are then
+        the caller's to use (between steps; not from inside a launched program)."""
+        self._launcher.drain()
 
     @property
     def kv(self) -> KVState:
@@ -487,6 +510,8 @@ class Engine:
         interrupted; the bookkeeping around it holds Ctrl-C until it is done. Tokens a call could not
         return are returned by the next one.
         """
+        if self._failed is not None:
+            raise self._failed
         if self._unread is not None:  # a step whose results an interrupted call did not get to read
             self._read(self._unread, since=time.perf_counter())
         t0 = time.perf_counter()
@@ -533,10 +558,15 @@ class Engine:
         self.stats.host_phase_seconds["postprocess"] += t2 - t1
         self.stats.seconds_per_bucket[step.width] += t2 - since
 
-    @staticmethod
-    def _fetch(step: InFlight):
-        """The step's tokens, logprobs and (speculative) proposals, the device drafter's filled in."""
-        next_tokens, lp, drafted = jax.device_get(step.launched.result())
+    def _fetch(self, step: InFlight):
+        """The step's tokens, logprobs and (speculative) proposals, the device drafter's filled in. A step that
+        failed on the device fails the engine (`EngineFailed`): it and the step after it are committed."""
+        try:
+            next_tokens, lp, drafted = jax.device_get(step.launched.result())
+        except Exception as e:
+            self._failed = EngineFailed(f"a step of width {step.width} failed on the device ({type(e).__name__}: "
+                                        f"{e}); the engine's KV state is lost: build a new engine")
+            raise self._failed from e
         proposed = step.proposed
         if drafted is not None:
             proposed = np.where(proposed == spec.DRAFTED_ON_DEVICE, drafted, proposed)

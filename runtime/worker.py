@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from glint.runtime.engine import EngineFailed
 from glint.runtime.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ class EngineWorker:
                     t0 = time.perf_counter()
                     try:
                         self.engine.step()
+                    except EngineFailed:
+                        raise  # the engine takes no more steps: this loop dies, is_alive turns False
                     except Exception as e:  # the step undid itself: fail the requests, keep serving the next
                         log.exception("engine step failed")
                         self._fail_all(f"the engine failed: {type(e).__name__}: {e}")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import HF_FIXTURES
 
-from glint.runtime.engine import Engine
+from glint.runtime.engine import Engine, EngineFailed
 from glint.runtime.params import SamplingParams
 
 TIGHT = dict(max_seqs=4, page_size=8, max_step_tokens=32, forward_sizes=(1, 2, 4, 8), num_pages=14, capacity=64,
@@ -204,8 +204,14 @@ def test_the_host_goes_on_while_a_step_launches():
     assert [eng.output(r).token_ids for r in (rid, rid + 1)] == [want, want]
 
 
-def test_an_error_in_a_launched_program_is_raised_by_step():
-    eng = engine()
+@pytest.mark.parametrize("async_launch", [True, False], ids=["async-launch", "sync-launch"])
+def test_an_error_in_a_launched_program(async_launch):
+    """Launched in step() itself, the failing step is undone and generation goes on, losing nothing. On the launch
+    thread the error surfaces after the step (and the next) were committed: the engine fails, says so at every
+    later step, and a server's loop stops (tests/test_server.py)."""
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = engine().generate([[5, 6, 7]], greedy)[0].token_ids
+    eng = engine(async_launch=async_launch)
     real, calls = eng.runner.run_forward, [0]
 
     def failing(*args, **kwargs):
@@ -215,11 +221,22 @@ def test_an_error_in_a_launched_program_is_raised_by_step():
         return real(*args, **kwargs)
 
     eng.runner.run_forward = failing
-    eng.add_request([5, 6, 7], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
-    with pytest.raises(RuntimeError, match="the device failed"):
-        for _ in range(10):
+    rid = eng.add_request([5, 6, 7], greedy)
+    errors = []
+    for _ in range(30):
+        if not eng.has_unfinished():
+            break
+        try:
             eng.step()
-    assert calls[0] == 3
+        except RuntimeError as e:
+            errors.append(e)
+    assert errors and "the device failed" in str(errors[0])
+    if async_launch:
+        assert all(isinstance(e, EngineFailed) and e is errors[0] for e in errors) and len(errors) > 1
+        assert "build a new engine" in str(errors[0]) and eng.has_unfinished()
+    else:
+        assert len(errors) == 1 and not isinstance(errors[0], EngineFailed)
+        assert eng.output(rid).token_ids == want
 
 
 def test_a_sigint_handler_that_does_not_raise_gets_every_token_once():

@@ -334,6 +334,37 @@ def test_a_checkpoint_without_chat_template_or_tokenizer():
     assert tokens == case["greedy"][:8] or case["greedy_min_gap"] < 1e-3
 
 
+def test_a_step_that_fails_on_the_device_stops_the_engine_loop():
+    """In process: a launched step fails (async launch: after the host committed it), so the engine takes no more
+    steps; the request in flight gets an error, /health turns 503 and later requests 503, none hangs."""
+    from fastapi.testclient import TestClient
+
+    from glint.runtime.server import create_app
+    from glint.runtime.worker import EngineWorker
+
+    engine = Engine.from_pretrained(str(HF_FIXTURES / "llama"), dtype="float32", **CONFIG)
+    real, calls = engine.runner.run_forward, [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("an illegal memory access")
+        return real(*args, **kwargs)
+
+    engine.runner.run_forward = failing
+    worker = EngineWorker(engine).start()
+    try:
+        http = TestClient(create_app(worker, "llama"))
+        r = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 8, "ignore_eos": True})
+        assert r.status_code in (500, 503) and "illegal memory access" in r.json()["error"]["message"], r.text
+        assert "build a new engine" in worker.error
+        assert http.get("/health").status_code == 503
+        late = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4})
+        assert late.status_code == 503 and "not running" in late.json()["error"]["message"]
+    finally:
+        worker.stop()
+
+
 def test_load_generator_against_the_server(server, tmp_path):
     from glint.runtime.cli import main
 
