@@ -621,8 +621,11 @@ class Engine:
         self.control.commit_step()
         self.stats.steps_per_bucket[width] += 1
         sampled, row = [], 0
+        page_size = self.cache.page_size
         for e in entries:
-            if self._salt is not None:
+            # the pages this step fills enter the prefix cache (a step within one page fills none; keys known
+            # since the last one went in when they were made, `_record`)
+            if self._salt is not None and (e.req.num_cached + e.count) // page_size > e.req.num_cached // page_size:
                 self.control.cache_pages(e.req.seq, e.req.page_keys)
             e.req.num_cached += e.count
             self.stats.fed_tokens += e.count
@@ -709,7 +712,7 @@ class Engine:
             start += e.count
             rows += [start - 1] * e.samples
             params += [e.req.params] * e.samples
-            seeds.extend(self._child_seed(e.req, i) for i in range(e.samples))
+            seeds += [e.req.seed] if e.samples == 1 else [self._child_seed(e.req, i) for i in range(e.samples)]
             positions += [position] * e.samples
         ids = np.zeros(width, np.int32)
         ids[:start] = [t for chunk in chunks for t in chunk]
