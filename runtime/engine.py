@@ -92,7 +92,7 @@ class EngineStats:
         return self.spec_tokens / self.spec_steps if self.spec_steps else 0.0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Sampled:
     """A request that samples in a dispatched step: rows `row ..` of its output, placeholder at `index`."""
 
@@ -723,6 +723,7 @@ class Engine:
     def _postprocess(self, step: InFlight, next_tokens: np.ndarray, lp, proposed) -> None:
         """Apply a step's tokens (into `_undelivered`); resumable: a request already applied is skipped."""
         new = self._undelivered
+        drawn_rows = next_tokens.tolist()  # one conversion, not one per request
         for s in step.sampled:
             if s.is_applied or s.req.status is Status.FINISHED:
                 continue  # applied by an earlier, interrupted call; or finished or aborted while this step ran
@@ -730,7 +731,7 @@ class Engine:
                 self._commit_block(s, next_tokens, lp, proposed, new)
                 s.is_applied = True
                 continue
-            drawn = next_tokens[s.row:s.row + 1 + s.num_children].tolist()
+            drawn = drawn_rows[s.row:s.row + 1 + s.num_children]
             k = s.req.params.logprobs
             lps = [self._row_logprobs(lp, s.row + i, k, t) if k else None for i, t in enumerate(drawn)]
             for i, token in enumerate(drawn[1:]):
