@@ -58,6 +58,19 @@ def covering_fixtures() -> list[pathlib.Path]:
     return [p for p in dirs if ring[p]][:1] + [p for p in dirs if not ring[p]][:1]
 
 
+def fail_launch(engine, call: int, message: str) -> None:
+    """Make the engine's `call`-th forward launch raise RuntimeError(message), as a device failing would."""
+    real, calls = engine.runner.run_forward, [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == call:
+            raise RuntimeError(message)
+        return real(*args, **kwargs)
+
+    engine.runner.run_forward = failing
+
+
 def pytest_generate_tests(metafunc):
     if "hf_fixture" in metafunc.fixturenames:
         dirs = fixture_dirs()

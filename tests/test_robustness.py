@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import HF_FIXTURES
+from conftest import HF_FIXTURES, fail_launch
 
 from glint.runtime.engine import Engine, EngineFailed
 from glint.runtime.params import SamplingParams
@@ -212,15 +212,7 @@ def test_an_error_in_a_launched_program(async_launch):
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     want = engine().generate([[5, 6, 7]], greedy)[0].token_ids
     eng = engine(async_launch=async_launch)
-    real, calls = eng.runner.run_forward, [0]
-
-    def failing(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 3:
-            raise RuntimeError("the device failed")
-        return real(*args, **kwargs)
-
-    eng.runner.run_forward = failing
+    fail_launch(eng, 3, "the device failed")
     rid = eng.add_request([5, 6, 7], greedy)
     errors = []
     for _ in range(30):

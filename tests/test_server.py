@@ -11,7 +11,7 @@ import httpx
 import jinja2
 import openai
 import pytest
-from conftest import HF_FIXTURES, SHARED
+from conftest import HF_FIXTURES, SHARED, fail_launch
 
 from glint.runtime.engine import Engine
 from glint.runtime.params import SamplingParams
@@ -343,15 +343,7 @@ def test_a_step_that_fails_on_the_device_stops_the_engine_loop():
     from glint.runtime.worker import EngineWorker
 
     engine = Engine.from_pretrained(str(HF_FIXTURES / "llama"), dtype="float32", **CONFIG)
-    real, calls = engine.runner.run_forward, [0]
-
-    def failing(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 3:
-            raise RuntimeError("an illegal memory access")
-        return real(*args, **kwargs)
-
-    engine.runner.run_forward = failing
+    fail_launch(engine, 3, "an illegal memory access")
     worker = EngineWorker(engine).start()
     try:
         http = TestClient(create_app(worker, "llama"))
