@@ -222,9 +222,9 @@ class Engine:
         self.control = BatchControl(cache)
         self._evictions_seen = 0
         self.drafter = drafter
-        self.set_prefix_cache(config.prefix_cache)
         self._drafts_on_device = isinstance(drafter, spec.DFlashDrafter)
         self.scheduler = Scheduler(config, self.control, propose=None if drafter is None else self._propose)
+        self.set_prefix_cache(config.prefix_cache)
         self.runner = Runner(programs, cache, config.max_seqs, config.max_sample_rows)
         # a speculative step is read before the next is dispatched: nothing would overlap its launch
         self._launcher = Launcher(config.async_launch and drafter is None)
@@ -324,6 +324,8 @@ class Engine:
         cache = self.cache
         self._salt = prefix.salt(self.model, cache.windows, cache.kv_heads, cache.head_dim, cache.dtype,
                                  getattr(self.drafter, "cfg", None)) if enabled else None
+        for req in self.scheduler.running if enabled else ():  # pages they filled while it was off, keys known
+            self.control.cache_pages(req.seq, req.page_keys)
 
     def wait_launched(self) -> None:
         """Wait until every dispatched step's programs have been launched: the runner and the KV state are then

@@ -3,6 +3,7 @@ seeded, ring layers, preemption, n > 1, speculative rewinds, aborts); the cache'
 by the state machine in test_kvcache_control."""
 import numpy as np
 import pytest
+from conftest import HF_FIXTURES
 
 from glint.model import transformer
 from glint.model.presets import preset
@@ -106,6 +107,30 @@ def test_a_preempted_request_finds_its_own_pages_again():
         assert engine.stats.preemptions > 0
         assert (engine.stats.prefix_hit_tokens > 0) == cache
     assert outs[True] == outs[False]
+
+
+def test_turned_on_again_it_caches_the_pages_filled_while_it_was_off():
+    """A request keyed while the cache was on fills pages while it is off; turned on again, those pages are
+    cached before the request's next step (which fills no page of its own) and a later request finds them (the
+    llama fixture: no ring layer, whose overwritten first lap would not be found)."""
+    engine = Engine.from_pretrained(str(HF_FIXTURES / "llama"), dtype="float32", num_pages=64,
+                                    **BASE | {"max_prefill_chunk": 2 * PAGE})
+    assert not any(engine.cache.windows)
+    prompt = np.random.default_rng(5).integers(0, engine.model.vocab_size, 6 * PAGE + 4).tolist()
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    rid = engine.add_request(prompt, greedy)
+    engine.step()  # the first chunk: 2 pages, cached
+    engine.set_prefix_cache(False)
+    while engine.output(rid, text=False).token_ids == []:
+        engine.step()  # the rest of the prompt: 4 more full pages, none cached
+    engine.set_prefix_cache(True)
+    while engine.has_unfinished():
+        engine.step()
+    want = engine.output(rid).token_ids
+    engine.release(rid)
+    engine.stats = type(engine.stats)()
+    assert engine.generate([prompt], greedy)[0].token_ids == want
+    assert engine.stats.prefix_hit_tokens == 6 * PAGE
 
 
 def test_prefix_cache_with_n_samples_aborts_and_speculative_rewinds():
