@@ -112,16 +112,19 @@ case "${1:-all}" in
   launch-thread)  # each step launched from the engine's launch thread (the default) against in step() itself
                   # (--sync-launch), one process each: end to end per format in QUANT_FORMATS (quant_e2e; a cold
                   # compile takes the first arm up to E2E_TIMEOUT), then the batch-256 loop (tools/gpu_launch.py,
-                  # bf16 and fp8 + fp8 KV) and batch 1 x 512 (int4, bf16). One call each: LAUNCH_PARTS=e2e
-                  # QUANT_FORMATS=none, LAUNCH_PARTS=e2e QUANT_FORMATS=fp8, LAUNCH_PARTS=loop (~8 min each)
-    if [[ " ${LAUNCH_PARTS:-e2e loop} " == *" e2e "* ]]; then
+                  # bf16 and fp8 + fp8 KV) and batch 1 x 512 (int4, bf16). One call each (~8 min): LAUNCH_PARTS=e2e
+                  # QUANT_FORMATS=none; LAUNCH_PARTS=e2e QUANT_FORMATS=fp8; LAUNCH_PARTS=loop256; LAUNCH_PARTS=loop1
+    if [[ " ${LAUNCH_PARTS:-e2e} " == *" e2e "* ]]; then
       for arm in async sync; do
         flag=; [ $arm = sync ] && flag=" --sync-launch"
         E2E_TAG=$arm E2E_ARGS="${E2E_ARGS:-}$flag" E2E_TIMEOUT=${E2E_TIMEOUT:-280} quant_e2e
       done
     fi
-    if [[ " ${LAUNCH_PARTS:-e2e loop} " == *" loop "* ]]; then
-      for q in "" "--quantize fp8 --kv-cache-dtype fp8" "--quantize int4 --batch 1 --context 512" "--batch 1 --context 512"; do
+    cases=()
+    [[ " ${LAUNCH_PARTS:-e2e} " == *" loop256 "* ]] && cases+=("" "--quantize fp8 --kv-cache-dtype fp8")
+    [[ " ${LAUNCH_PARTS:-e2e} " == *" loop1 "* ]] && cases+=("--quantize int4 --batch 1 --context 512" "--batch 1 --context 512")
+    if (( ${#cases[@]} )); then
+      for q in "${cases[@]}"; do
         for arm in async sync; do
           name=launch_thread_$(printf %s "${q:-bf16}" | tr -c 'a-z0-9' _ | tr -s _ | sed 's/^_//')_$arm
           flag=; [ $arm = sync ] && flag=--sync-launch
