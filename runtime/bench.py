@@ -552,7 +552,7 @@ def run_bench(args) -> dict:
 
 
 def _host_line(ms: dict) -> str:
-    inside = not ms.get("async_launch", False)  # the launch is part of the dispatch phase
+    inside = not ms["async_launch"]  # the launch is part of the dispatch phase
     phases = ", ".join(f"{k} {v:.2f}" + (f" (launch {ms['launch']:.2f})" if k == "dispatch" and inside else "")
                        for k, v in ms.items() if k not in ("busy", "wait", "launch", "async_launch"))
     beside = "" if inside else f"; the launch thread {ms['launch']:.2f} ms launching"

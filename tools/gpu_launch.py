@@ -98,6 +98,21 @@ def host_events(engine: Engine, batch: int, context: int, trace_dir: str, steps:
     return [(us / steps / 1e3, count[name] / steps, name) for name, us in total.most_common(top)]
 
 
+def loop_engine(model: str, batch: int, context: int, **config) -> Engine:
+    """An engine whose decode loop runs at width `batch` over `context` keys; prompts prefill in a second program,
+    64 wider than the batch: room for a prompt chunk beside the decode rows."""
+    capacity = context + 256
+    return Engine.from_pretrained(model, max_seqs=batch, max_step_tokens=batch + 64, forward_sizes=(batch,),
+                                  capacity=capacity, num_pages=batch * -(-capacity // 16) + 16,
+                                  allow_long_context=True, **config)
+
+
+def median_loop(engine: Engine, batch: int, context: int, repeats: int = 3, steps: int = 32):
+    """The median of `repeats` runs of `pipelined_decode_ms`: (ms per step, host ms per step), and every run's ms."""
+    runs = sorted((pipelined_decode_ms(engine, batch, context, steps) for _ in range(repeats)), key=lambda r: r[0])
+    return (*runs[len(runs) // 2], [r[0] for r in runs])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model", nargs="?", default="llama3-8b")
@@ -112,17 +127,13 @@ def main():
     if args.trace:  # before the backend starts: XLA reads its flags once
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    " --xla_enable_command_buffers_during_profiling=true").strip()
-    b, capacity = args.batch, args.context + 256
+    b = args.batch
     t0 = time.perf_counter()
-    # prompts prefill in a second program, 64 wider than the batch: room for a prompt chunk beside the decode rows
-    engine = Engine.from_pretrained(args.model, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
-                                    max_seqs=b, max_step_tokens=b + 64, forward_sizes=(b,), capacity=capacity,
-                                    num_pages=b * -(-capacity // 16) + 16, allow_long_context=True,
-                                    async_launch=args.async_launch)
+    engine = loop_engine(args.model, b, args.context, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
+                         async_launch=args.async_launch)
     engine.warmup()
     print(f"engine + warmup {time.perf_counter() - t0:.0f} s", flush=True)
-    loops = sorted((pipelined_decode_ms(engine, b, args.context) for _ in range(3)), key=lambda r: r[0])
-    ms, host = loops[1]
+    ms, host, _ = median_loop(engine, b, args.context)
     label = (f"{args.model} {args.quantize or 'bf16'} KV {args.kv_cache_dtype}, batch {b} at {args.context} keys, "
              f"{'async' if args.async_launch else 'sync'} launch")
     print(f"loop: {ms:.2f} ms/step; host per step " + ", ".join(f"{k} {v:.2f}" for k, v in host.items()), flush=True)

@@ -12,11 +12,13 @@ call), standing in for XLA's CUDA-graph update on a GPU, which the CPU client do
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
-from glint.runtime.bench import pipelined_decode_ms
-from glint.runtime.engine import Engine
-from glint.runtime.programs import Runner
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from gpu_launch import loop_engine, median_loop  # noqa: E402
+
+from glint.runtime.programs import Runner  # noqa: E402
 
 
 def main():
@@ -40,15 +42,11 @@ def main():
     b = args.batch
     rows = {}
     for async_launch in (True, False):
-        engine = Engine.from_pretrained(args.model, quantize=args.quantize, max_seqs=b, max_step_tokens=b + 64,
-                                        forward_sizes=(b,), capacity=args.context + 256, allow_long_context=True,
-                                        async_launch=async_launch)
-        runs = sorted((pipelined_decode_ms(engine, b, args.context, steps=24) for _ in range(args.repeats)),
-                      key=lambda r: r[0])
-        ms, host = runs[len(runs) // 2]
+        engine = loop_engine(args.model, b, args.context, quantize=args.quantize, async_launch=async_launch)
+        ms, host, runs = median_loop(engine, b, args.context, args.repeats, steps=24)
         name = "async launch" if async_launch else "sync launch"
         rows[name] = ms
-        print(f"{name}: {ms:.2f} ms/step (runs {', '.join(f'{r[0]:.2f}' for r in runs)}); host per step "
+        print(f"{name}: {ms:.2f} ms/step (runs {', '.join(f'{r:.2f}' for r in runs)}); host per step "
               + ", ".join(f"{k} {v:.2f}" for k, v in host.items() if k != "async_launch"), flush=True)
     print(f"{args.model} {args.quantize or ''} batch {b} x {args.context}, extra launch {args.extra_launch_ms} ms: "
           f"async / sync = {rows['async launch'] / rows['sync launch']:.2f}x the time per step (medians of "
