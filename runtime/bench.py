@@ -206,7 +206,7 @@ def host_ms(engine: Engine, steps: int) -> dict:
     stats = engine.stats
     return dict(busy=1e3 * stats.host_seconds / steps, wait=1e3 * stats.wait_seconds / steps,
                 **{k: 1e3 * v / steps for k, v in sorted(stats.host_phase_seconds.items())},
-                launch=1e3 * stats.launch_seconds / steps, async_launch=engine.config.async_launch)
+                launch=1e3 * stats.launch_seconds / steps, async_launch=engine.async_launch)
 
 
 def end_to_end(engine: Engine, num_requests: int, prompt_len: int, gen_len: int, spread: float = 0.0,

@@ -1,11 +1,16 @@
 """The engine: schedule -> run -> postprocess, over bucketed jitted steps and the paged KV state."""
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import pathlib
+import queue
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import jax
@@ -121,6 +126,12 @@ class EngineFailed(RuntimeError):
     the KV state the engine holds is not known, so it takes no more steps. Build a new engine."""
 
 
+def _failed_step(error: BaseException, width: int | None = None) -> EngineFailed:
+    step = "a step" if width is None else f"a step of width {width}"
+    return EngineFailed(f"{step} failed on the device ({type(error).__name__}: {error}); the engine's KV state is "
+                        "lost: build a new engine")
+
+
 class Launcher:
     """Runs each step's device programs, in the order the steps were dispatched.
 
@@ -128,37 +139,70 @@ class Launcher:
     launching its CUDA graph) takes milliseconds of host time and releases the GIL, so the host schedules,
     packs and postprocesses other steps meanwhile, as vLLM's async scheduling and SGLang's overlap scheduler
     do. Otherwise in the caller, before `submit` returns. A job's exception is raised where its future's result
-    is taken; every job after a failed one raises that exception too (it would run on state the failed one may
-    have consumed).
+    is taken, and kept in `error`; every job after a failed one raises that exception too (it would run on state
+    the failed one may have consumed).
+
+    The thread is a daemon, so a launch that never returns (a hung driver) cannot keep the process from exiting;
+    at exit a launch under way gets EXIT_WAIT_S to finish first. It ends with its launcher.
     """
 
+    EXIT_WAIT_S = 10.0
+
     def __init__(self, threaded: bool):
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, "glint-launch") if threaded else None
+        self.threaded = threaded
         self._last: concurrent.futures.Future | None = None
-        self._error: BaseException | None = None
+        self.error: BaseException | None = None
+        self._jobs: queue.SimpleQueue | None = None
+        if threaded:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=_launch_loop, args=(self._jobs,), name="glint-launch", daemon=True).start()
+            weakref.finalize(self, self._jobs.put, None)
+            _LAUNCHERS.add(self)
 
     def submit(self, job: Callable[[], object]) -> concurrent.futures.Future:
-        if self._pool is None:
-            done = concurrent.futures.Future()
+        done = concurrent.futures.Future()
+        if self._jobs is None:
             done.set_result(job())
             return done
-        self._last = self._pool.submit(self._guarded, job)
+        self._last = done
+        self._jobs.put((done, functools.partial(self._guarded, job)))
         time.sleep(0)  # let the launch thread take the GIL now, not after this thread's next switch interval
-        return self._last
+        return done
 
     def _guarded(self, job: Callable[[], object]):
-        if self._error is not None:
-            raise self._error
+        if self.error is not None:
+            raise self.error
         try:
             return job()
         except BaseException as e:
-            self._error = e
+            self.error = e
             raise
 
-    def drain(self) -> None:
+    def drain(self, timeout: float | None = None) -> None:
         """Wait until every job submitted so far has run (its exception, if any, stays in its future)."""
         if self._last is not None:
-            concurrent.futures.wait([self._last])
+            concurrent.futures.wait([self._last], timeout=timeout)
+
+
+_LAUNCHERS: weakref.WeakSet[Launcher] = weakref.WeakSet()  # the threaded ones alive, for the exit hook
+
+
+def _launch_loop(jobs: queue.SimpleQueue) -> None:
+    """The launch thread: runs (future, job) pairs until it is handed None. Holds no reference to its launcher,
+    which may then be collected (and hand it None)."""
+    while (item := jobs.get()) is not None:
+        done, job = item
+        try:
+            done.set_result(job())
+        except BaseException as e:  # noqa: BLE001 - the future carries it to whoever takes the result
+            done.set_exception(e)
+        del item, done, job
+
+
+@atexit.register
+def _finish_launches() -> None:  # registered after jax's own clean-up, so it runs before it
+    for launcher in list(_LAUNCHERS):
+        launcher.drain(timeout=Launcher.EXIT_WAIT_S)
 
 
 class Engine:
@@ -329,18 +373,29 @@ class Engine:
 
     def wait_launched(self) -> None:
         """Wait until every dispatched step's programs have been launched: the runner and the KV state are then
-        the caller's to use (between steps; not from inside a launched program)."""
+        the caller's to use (between steps; not from inside a launched program). Raises `EngineFailed` once a
+        launched step has failed, read by `step()` or not."""
         self._launcher.drain()
+        if self._failed is None and self._launcher.error is not None:
+            self._failed = _failed_step(self._launcher.error)
+        if self._failed is not None:
+            raise self._failed
+
+    @property
+    def async_launch(self) -> bool:
+        """Whether steps launch from the launch thread (`EngineConfig.async_launch`; speculative engines launch
+        in `step()`, which reads each step before dispatching the next)."""
+        return self._launcher.threaded
 
     @property
     def kv(self) -> KVState:
         """The KV pools (and scales) once every dispatched step's programs have been launched."""
-        self._launcher.drain()
+        self.wait_launched()
         return self._kv
 
     @kv.setter
     def kv(self, kv: KVState) -> None:
-        self._launcher.drain()
+        self.wait_launched()
         self._kv = kv
 
     @property
@@ -566,8 +621,7 @@ class Engine:
         try:
             next_tokens, lp, drafted = jax.device_get(step.launched.result())
         except Exception as e:
-            self._failed = EngineFailed(f"a step of width {step.width} failed on the device ({type(e).__name__}: "
-                                        f"{e}); the engine's KV state is lost: build a new engine")
+            self._failed = _failed_step(e, step.width)
             raise self._failed from e
         proposed = step.proposed
         if drafted is not None:
@@ -662,8 +716,9 @@ class Engine:
             [draft_name(width)] * (draft_host is not None) + ["sample"] * filters + ["logprobs"] * logprobs
         for name in used:
             self.programs[name]  # compiled here if it is not yet (an error undoes the step)
+        stats = self.stats  # the window the step was dispatched in, whenever it launches
         if copies is not None:
-            self.stats.page_copies += sum(len(c) for c in copies)
+            stats.page_copies += sum(len(c) for c in copies)
 
         def launch():
             # a step reads the tokens its predecessor drew: launched before it, on this thread
@@ -678,7 +733,7 @@ class Engine:
                 prev = drafted
             t0 = time.perf_counter()
             next_tokens, logits, self._kv = runner.run_forward(width, self.params, self._kv, host, prev)
-            self.stats.launch_seconds += time.perf_counter() - t0
+            stats.launch_seconds += time.perf_counter() - t0
             if filters:
                 next_tokens = runner.sample(logits, sampler)
             return next_tokens, runner.logprobs(logits, next_tokens) if logprobs else None, drafted

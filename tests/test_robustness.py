@@ -2,7 +2,12 @@
 taken only as integer ids, with messages that say what was wrong."""
 import dataclasses
 import json
+import os
+import pathlib
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -229,6 +234,55 @@ def test_an_error_in_a_launched_program(async_launch):
     else:
         assert len(errors) == 1 and not isinstance(errors[0], EngineFailed)
         assert eng.output(rid).token_ids == want
+
+
+def test_a_failed_launch_fails_whoever_waits_for_the_launches():
+    """A launch that failed in a step nobody has read yet: waiting for the launches (`wait_launched`, `kv`) raises
+    EngineFailed, not later on pools the failed program had already taken."""
+    eng = engine()
+    fail_launch(eng, 2, "the device failed")
+    eng.add_request([5, 6, 7], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    eng.step()
+    eng.step()  # dispatches the failing launch; reads only the step before it
+    for wait in (eng.wait_launched, lambda: eng.kv):
+        with pytest.raises(EngineFailed, match="the device failed"):
+            wait()
+    with pytest.raises(EngineFailed):
+        eng.step()
+
+
+def test_a_launch_that_never_returns_does_not_keep_the_process_alive(tmp_path):
+    """The launch thread is a daemon: a hung launch (a stuck driver) cannot hold the process at exit, past its
+    grace period (Launcher.EXIT_WAIT_S)."""
+    script = tmp_path / "hang.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, threading
+        sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+        from test_robustness import engine
+        from glint.runtime.engine import Launcher
+        from glint.runtime.params import SamplingParams
+
+        Launcher.EXIT_WAIT_S = 0.5
+        eng = engine()
+        real, calls = eng.runner.run_forward, [0]
+
+        def hang(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 3:
+                threading.Event().wait()
+            return real(*args, **kwargs)
+
+        eng.runner.run_forward = hang
+        eng.add_request([5, 6, 7], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+        stepping = threading.Thread(target=lambda: [eng.step() for _ in range(5)], daemon=True)
+        stepping.start()
+        stepping.join(2.0)
+        print("stuck" if stepping.is_alive() else "not stuck", flush=True)
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False,
+                          env=os.environ | {"JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "stuck"  # the launch did hang, and the process exited anyway
 
 
 def test_a_sigint_handler_that_does_not_raise_gets_every_token_once():
