@@ -8,7 +8,7 @@ PYTHON ?= $(shell for p in python3.12 python3.13; do \
 	  echo $$root/versions/$$v/bin/python3; exit; done)
 PYTEST_ARGS ?= -n 2 -q
 
-.PHONY: demo test test-gpu clean
+.PHONY: demo test test-gpu h200-compile clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "no Python >= 3.12 found (tried python3.12, python3.13, pyenv)"; exit 1; }
@@ -30,5 +30,20 @@ GPU_PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 test-gpu:
 	GPU_PYTHON=$(GPU_PYTHON) bash tools/test_gpu.sh
 
+# Without a GPU: compile the step programs for an H200 (XLA's deviceless compilation through the CUDA plugin, without
+# CUDA's libraries, in .venv-h200 beside .venv) and count their kernels per layer (tools/h200_compile.py; more
+# settings through H200_ARGS, e.g. H200_ARGS="--quantize none,int4 --widths 1,64").
+H200_VENV := .venv-h200
+H200_ARGS ?= --quantize none,int8,int4,fp8 --widths 1,64
+$(H200_VENV)/.installed: $(VENV)/.installed
+	$(VENV)/bin/python -m venv $(H200_VENV)
+	$(H200_VENV)/bin/pip install -q --no-deps jax-cuda13-plugin==0.11.2 jax-cuda13-pjrt==0.11.2
+	echo "import site; site.addsitedir('$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+	  > $$($(H200_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/glint_venv.pth
+	touch $@
+
+h200-compile: $(H200_VENV)/.installed
+	JAX_PLATFORMS=cpu $(H200_VENV)/bin/python tools/h200_compile.py $(H200_ARGS)
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(H200_VENV)

@@ -4,7 +4,7 @@ process each (the executables cache keys on tuning's values, so arms never share
     TUNING="FP8_GATED_KERNEL=1,GATED_FP8_ROWS=16" python3 tools/with_tuning.py tools/gpu_step_profile.py OUT ...
     TUNING=TARGET_PROGRAMS=256 python3 tools/with_tuning.py -m glint.runtime.cli bench llama3-8b ...
 
-Each value takes the type of the one it replaces.
+Each value takes the type of the one it replaces (booleans: 0/1 or false/true).
 """
 import os
 import runpy
@@ -19,7 +19,12 @@ def apply(spec: str) -> None:
         if not name.isupper() or not hasattr(tuning, name):
             raise SystemExit(f"with_tuning: {name!r} is not a pallas_kernels.tuning constant")
         old = getattr(tuning, name)
-        setattr(tuning, name, type(old)(value))
+        if isinstance(old, bool):  # bool("0") is True
+            if value.lower() not in ("0", "1", "false", "true"):
+                raise SystemExit(f"with_tuning: {name} takes 0/1 or false/true, not {value!r}")
+            setattr(tuning, name, value.lower() in ("1", "true"))
+        else:
+            setattr(tuning, name, type(old)(value))
         print(f"tuning.{name} = {getattr(tuning, name)!r} (was {old!r})", flush=True)
 
 
