@@ -26,6 +26,15 @@ from glint.runtime.worker import EngineWorker, Job, Update
 MAX_BODY_BYTES = 4 * 2**20
 MAX_PROMPTS = 256  # prompts in one completions request
 MAX_STOP = 16  # stop strings in one request
+# Request fields of OpenAI's API (and vLLM's) that glint does not implement, with the values that mean "off":
+# any other value is refused with a 400, not silently ignored.
+UNSUPPORTED = {
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},), "min_tokens": (0,), "min_p": (0, 0.0), "best_of": (1,), "suffix": ("",),
+    "use_beam_search": (False,), "prompt_logprobs": (0,), "tools": ([],), "tool_choice": ("none", "auto"),
+    "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+}
 
 
 class ApiError(Exception):
@@ -91,6 +100,11 @@ class Api:
                            param="stop")
         if body.get("echo"):
             raise ApiError(400, "echo is not supported", param="echo")
+        for name, neutral in UNSUPPORTED.items():  # refused rather than ignored: they would change the output
+            value = body.get(name)
+            if value is not None and value not in neutral and not (name == "best_of" and value == body.get("n", 1)):
+                raise ApiError(400, f"{name}={json.dumps(value)[:80]} is not supported by this server (only "
+                                    f"{' or '.join(json.dumps(v) for v in neutral)}, or leaving it out)", param=name)
         def get(name, default):
             value = body.get(name)
             return default if value is None else value

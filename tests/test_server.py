@@ -253,7 +253,14 @@ BAD = [  # (body or raw bytes, headers, status, part of the message)
     ({}, None, 400, "prompt is required"),
     ({"prompt": "hi", "echo": True}, None, 400, "echo is not supported"),
     ({"prompt": "hi", "logprobs": 99}, None, 400, "logprobs must be an int"),
+    ({"prompt": "hi", "logit_bias": {"5": 100}}, None, 400, 'logit_bias={"5": 100} is not supported'),
+    ({"prompt": "hi", "presence_penalty": 0.5}, None, 400, "presence_penalty=0.5 is not supported"),
+    ({"prompt": "hi", "repetition_penalty": 1.2}, None, 400, "repetition_penalty=1.2 is not supported"),
+    ({"prompt": "hi", "best_of": 3}, None, 400, "best_of=3 is not supported"),
+    ({"prompt": "hi", "response_format": {"type": "json_object"}}, None, 400, "response_format="),
 ]
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {},
+           "min_tokens": 0, "best_of": 1, "response_format": {"type": "text"}}  # what "off" looks like: accepted
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, engine):
@@ -272,6 +279,10 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
         assert got.choices[0].text == want
     r = httpx.post(server + "/v1/chat/completions", json={"messages": "hi"}, headers=auth)
     assert r.status_code == 400 and "messages must be" in r.json()["error"]["message"]
+    args = openai_args(GREEDY)
+    args |= args.pop("extra_body")
+    r = httpx.post(server + "/v1/completions", json={"prompt": PROMPTS[2], **args, **NEUTRAL}, headers=auth, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
 
 
 def test_models_health_and_metrics(server, client):
