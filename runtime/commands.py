@@ -121,14 +121,15 @@ def _cmd_generate(args) -> int:
         raise ValueError("give exactly one of --prompt TEXT or --prompt-ids '1 2 3'")
     prompt = args.prompt if args.prompt is not None else [int(t) for t in args.prompt_ids.replace(",", " ").split()]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, n=args.n, ignore_eos=args.ignore_eos)
+                            top_p=args.top_p, seed=args.seed, n=args.n, ignore_eos=args.ignore_eos,
+                            stop=tuple(args.stop or ()), stop_token_ids=tuple(args.stop_token_ids or ()))
     engine = Engine.from_pretrained(args.checkpoint, dtype=args.dtype, **_engine_config(args))
     rid = engine.add_request(prompt, params)
     stream = None
     if engine.tokenizer is not None:  # text as whole characters: a multi-byte one may span several tokens
         from glint.runtime.textstream import TextStream
 
-        stream = TextStream(engine.tokenizer)  # what glint serve streams, special tokens skipped as in the text
+        stream = TextStream(engine.tokenizer, params.stop)  # what glint serve streams: special tokens skipped
     printed = ""
     while engine.has_unfinished():
         engine.step()
@@ -261,6 +262,9 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="the request's seed (default: drawn from the OS)")
     p.add_argument("--n", type=int, default=1, help="completions to sample")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the model's EOS tokens")
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help="stop where the text first contains TEXT, which is not printed (repeatable; needs a tokenizer)")
+    p.add_argument("--stop-token-ids", type=int, nargs="+", metavar="ID", help="stop after any of these tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     _engine_args(p)
     p.set_defaults(func=_cmd_generate)

@@ -416,6 +416,9 @@ class Engine:
         if len(tokens) + params.max_tokens > self.capacity:
             raise ValueError(f"prompt of {len(tokens)} tokens + max_tokens {params.max_tokens} exceeds the context "
                              f"capacity {self.capacity}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings {list(params.stop)} need a tokenizer, and this checkpoint has none "
+                             "(use stop_token_ids)")
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
         req = Request(self._new_rid(), tokens, params, seed, num_children=params.n - 1)
         self._extend_keys(req, len(tokens))
@@ -455,7 +458,8 @@ class Engine:
         outs = []
         for r in self._completions(rid):
             tokens = r.known_tokens
-            outs.append(Completion(list(tokens), r.finish_reason, self._decode(tokens) if text else None,
+            shown = r.text if r.params.stop else self._decode(tokens)
+            outs.append(Completion(list(tokens), r.finish_reason, shown if text else None,
                                    r.logprobs if r.params.logprobs else None,
                                    list(r.acceptance_lengths) if self.drafter is not None else None))
         return RequestOutput(rid, self._requests[rid].prompt, outs)
@@ -846,7 +850,26 @@ class Engine:
         num_allowed = max(params.max_tokens - num_generated + 1, 1)  # tokens up to max_tokens
         if num_allowed < n or (num_allowed == n and reason is None):
             n, reason = num_allowed, "length"
+        if params.stop:
+            stream = self._stop_stream(req, num_generated)
+            for i, token in enumerate(tokens[:n]):
+                if num_generated + i > stream.num_tokens:  # not pushed by an earlier, interrupted call
+                    req.text += stream.push([token])
+            stopped_at = stream.num_tokens - num_generated + 1
+            if stream.stopped and 0 < stopped_at <= n:
+                n, reason = stopped_at, "stop"
         return n, reason
+
+    def _stop_stream(self, req: Request, num_generated: int):
+        """`req`'s TextStream, given every token before its `num_generated`-th (a clone's from its parent)."""
+        from glint.runtime.textstream import TextStream
+
+        if req.stop_stream is None:
+            req.stop_stream = TextStream(self.tokenizer, req.params.stop)
+        stream = req.stop_stream
+        if stream.num_tokens < num_generated - 1:
+            req.text += stream.push(req.generated[stream.num_tokens:num_generated - 1])
+        return stream
 
     def _accept(self, req: Request, tokens: list[int], num_generated: int, lps: list,
                 new: dict[int, list[int]]) -> None:
@@ -881,6 +904,8 @@ class Engine:
         req.finish_reason = reason
         req.num_children = 0  # an n > 1 request finished before it sampled spawns nothing
         req.generated = [t for t in req.generated if t >= 0]  # drop a token still in flight
+        if req.stop_stream is not None:  # the text held back for a stop string that did not come
+            req.text += req.stop_stream.finish()
         self.scheduler.retire(req)
 
     # ---- helpers ----

@@ -13,6 +13,7 @@ import numbers
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token
 SEED_LIMIT = 2**32  # seeds are uint32 on the device
+MAX_STOP, MAX_STOP_CHARS = 16, 1000  # stop strings a request may give, and their length
 
 
 def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
@@ -46,6 +47,8 @@ class SamplingParams:
     seed: uint32 seed of the request's random stream, or None to let the engine
       draw one. A token's randomness depends only on (seed, position).
     stop_token_ids: generation stops after emitting any of these.
+    stop: strings that end generation where the text first contains one (needs the checkpoint's tokenizer); the
+      text returned stops before it, the token ids include the one that completed it (as vLLM's).
     ignore_eos: keep generating past the model's EOS token.
     n: completions to sample for the prompt.
     logprobs: top alternatives to report per token with their log-probabilities
@@ -58,6 +61,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     n: int = 1
     logprobs: int = 0
@@ -89,6 +93,13 @@ class SamplingParams:
             "stop_token_ids",
             tuple(_check_int("stop_token_ids entry", t, 0) for t in self.stop_token_ids),
         )
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a string or a tuple of non-empty strings, got {self.stop!r}")
+        if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise ValueError(f"stop: at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters, got "
+                             f"{len(stop)} of up to {max(map(len, stop))}")
+        store("stop", tuple(stop))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         store("n", _check_int("n", self.n, 1))

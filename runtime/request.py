@@ -31,6 +31,8 @@ class Request:
     num_read: int = 0  # tokens `Engine.new_tokens` has handed out
     acceptance_lengths: list[int] = field(default_factory=list)  # per speculative step: accepted drafts + 1
     page_keys: list[bytes] = field(default_factory=list)  # prefix cache: keys of the known tokens' full pages
+    stop_stream: object = None  # with stop strings: the TextStream its tokens went through, once it has any
+    text: str = ""  # with stop strings: the text shown so far (held back: what may begin one)
 
     @property
     def known_tokens(self) -> list[int]:

@@ -19,13 +19,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from glint.runtime.chat import chat_messages, render_chat
 from glint.runtime.metrics import ServerMetrics
-from glint.runtime.params import MAX_LOGPROBS, SamplingParams
+from glint.runtime.params import MAX_LOGPROBS, MAX_STOP, MAX_STOP_CHARS, SamplingParams
 from glint.runtime.textstream import TextStream
 from glint.runtime.worker import EngineWorker, Job, Update
 
 MAX_BODY_BYTES = 4 * 2**20
 MAX_PROMPTS = 256  # prompts in one completions request
-MAX_STOP = 16  # stop strings in one request
 # Request fields of OpenAI's API (and vLLM's) that glint does not implement, with the values that mean "off":
 # any other value is refused with a 400, not silently ignored.
 UNSUPPORTED = {
@@ -93,8 +92,9 @@ class Api:
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise ApiError(400, "stop must be a string or a list of strings", param="stop")
-        if len(stop) > MAX_STOP or any(len(s) > 1000 for s in stop):
-            raise ApiError(400, f"at most {MAX_STOP} stop strings of up to 1000 characters", param="stop")
+        if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise ApiError(400, f"at most {MAX_STOP} stop strings of up to {MAX_STOP_CHARS} characters",
+                           param="stop")
         if stop and self.tokenizer is None:
             raise ApiError(400, "stop strings need a tokenizer; this model has none (use stop_token_ids)",
                            param="stop")

@@ -90,3 +90,25 @@ def test_streamed_text_is_whole_characters(capsys):
     assert main(args) == 0
     streamed = capsys.readouterr().out
     assert streamed == full + "\n[length]\n"
+
+
+def test_generate_stops_at_a_stop_string(capsys):
+    """--stop: the streamed text and the JSON's end before the first stop string, at the token that completed it."""
+    from conftest import SHARED
+
+    chat = SHARED / "fixtures" / "chat" / "llama"
+    args = ["generate", str(chat), "--prompt", "once upon a time", "--max-tokens", "24", "--temperature", "0",
+            "--ignore-eos", "--dtype", "float32", *SMALL]
+    assert main([*args, "--json"]) == 0
+    full = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["outputs"][0]
+    text = full["text"]
+    stop = next((text[i:i + 2] for i in range(4, len(text) - 2)
+                 if "\ufffd" not in text[i:i + 2] and text[i:i + 2].strip()), None)
+    if stop is None:
+        pytest.skip("the generated text has no piece of whole characters to stop at")
+    assert main([*args, "--stop", stop, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["outputs"][0]
+    assert got["text"] == text[:text.find(stop)] and got["finish_reason"] == "stop"
+    assert got["token_ids"] == full["token_ids"][:len(got["token_ids"])] and len(got["token_ids"]) < 24
+    assert main([*args, "--stop", stop]) == 0
+    assert capsys.readouterr().out == got["text"] + "\n[stop]\n"
