@@ -257,7 +257,7 @@ def register(sub) -> None:
     p.add_argument("--prompt-ids", help="prompt token ids, e.g. '1 2 3'")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 or -1: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (1: all)")
     p.add_argument("--seed", type=int, default=None, help="the request's seed (default: drawn from the OS)")
     p.add_argument("--n", type=int, default=1, help="completions to sample")

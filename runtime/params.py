@@ -41,7 +41,7 @@ class SamplingParams:
 
     max_tokens: tokens to generate at most (>= 1).
     temperature: logits are divided by it; <= 0 (only 0 is accepted) is greedy argmax.
-    top_k: keep the k most likely tokens; 0 keeps all.
+    top_k: keep the k most likely tokens; 0 (or -1, as in vLLM) keeps all.
     top_p: nucleus: keep the smallest set of most likely tokens whose mass is
       >= top_p (always at least one); 1 keeps all.
     seed: uint32 seed of the request's random stream, or None to let the engine
@@ -76,7 +76,7 @@ class SamplingParams:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         store("temperature", temperature)
-        store("top_k", _check_int("top_k", self.top_k, 0))
+        store("top_k", 0 if self.top_k == -1 and not isinstance(self.top_k, bool) else _check_int("top_k", self.top_k, 0))
         top_p = _check_float("top_p", self.top_p)
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")

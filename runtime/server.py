@@ -109,11 +109,10 @@ class Api:
             value = body.get(name)
             return default if value is None else value
 
-        top_k = get("top_k", 0)
         try:
             return SamplingParams(
                 max_tokens=get("max_tokens", get("max_completion_tokens", default_max_tokens)),
-                temperature=get("temperature", 1.0), top_p=get("top_p", 1.0), top_k=0 if top_k == -1 else top_k,
+                temperature=get("temperature", 1.0), top_p=get("top_p", 1.0), top_k=get("top_k", 0),
                 n=get("n", 1), seed=body.get("seed"), stop_token_ids=get("stop_token_ids", ()),
                 ignore_eos=get("ignore_eos", False), logprobs=logprobs), stop
         except (ValueError, TypeError) as e:

@@ -46,7 +46,7 @@ def draw(logits: np.ndarray, params: list[SamplingParams], positions, **kwargs) 
         ("temperature", float("nan")),
         ("temperature", float("inf")),
         ("temperature", "hot"),
-        ("top_k", -1),
+        ("top_k", -2),
         ("top_k", True),
         ("top_p", 0.0),
         ("top_p", -0.25),
@@ -65,6 +65,7 @@ def draw(logits: np.ndarray, params: list[SamplingParams], positions, **kwargs) 
     ],
 )
 def test_params_reject_bad_values(field, value):
+    """Each field's limits (top_k -1 is vLLM's "all", as 0: test_top_k_minus_one_keeps_all)."""
     with pytest.raises(ValueError, match=field.split("_ids")[0]) as info:
         SamplingParams(**{field: value})
     shown = value[-1] if isinstance(value, tuple) else value
@@ -400,3 +401,8 @@ def test_logprobs_ties_and_validation():
         logprobs(logits, jnp.asarray([0]), 6)
     with pytest.raises(ValueError, match=r"\(2,\)"):
         logprobs(logits, jnp.asarray([0, 1]), 1)
+
+
+def test_top_k_minus_one_keeps_all():
+    """vLLM's spelling of "no top-k": the same as 0, filters off."""
+    assert SamplingParams(top_k=-1).top_k == 0 and not uses_filters([SamplingParams(top_k=-1)])
