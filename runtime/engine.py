@@ -156,7 +156,8 @@ class Launcher:
         if threaded:
             self._jobs = queue.SimpleQueue()
             threading.Thread(target=_launch_loop, args=(self._jobs,), name="glint-launch", daemon=True).start()
-            weakref.finalize(self, self._jobs.put, None)
+            # not at exit: an exit hook registered before this one may still step the engine
+            weakref.finalize(self, self._jobs.put, None).atexit = False
             _LAUNCHERS.add(self)
 
     def submit(self, job: Callable[[], object]) -> concurrent.futures.Future:
@@ -458,7 +459,7 @@ class Engine:
         outs = []
         for r in self._completions(rid):
             tokens = r.known_tokens
-            shown = r.text if r.params.stop else self._decode(tokens)
+            shown = r.stop_state[2] if r.params.stop else self._decode(tokens)
             outs.append(Completion(list(tokens), r.finish_reason, shown if text else None,
                                    r.logprobs if r.params.logprobs else None,
                                    list(r.acceptance_lengths) if self.drafter is not None else None))
@@ -853,23 +854,31 @@ class Engine:
         if params.stop:
             stream = self._stop_stream(req, num_generated)
             for i, token in enumerate(tokens[:n]):
-                if num_generated + i > stream.num_tokens:  # not pushed by an earlier, interrupted call
-                    req.text += stream.push([token])
+                if not stream.stopped and num_generated + i > stream.num_tokens:  # not pushed by an earlier call
+                    self._push(req, stream, [token])
             stopped_at = stream.num_tokens - num_generated + 1
             if stream.stopped and 0 < stopped_at <= n:
                 n, reason = stopped_at, "stop"
         return n, reason
 
     def _stop_stream(self, req: Request, num_generated: int):
-        """`req`'s TextStream, given every token before its `num_generated`-th (a clone's from its parent)."""
+        """`req`'s TextStream, given every token before its `num_generated`-th (a clone's from its parent). An
+        interrupt inside a push leaves the stream ahead of the tokens `stop_state` counts: it is built again."""
         from glint.runtime.textstream import TextStream
 
-        if req.stop_stream is None:
-            req.stop_stream = TextStream(self.tokenizer, req.params.stop)
-        stream = req.stop_stream
-        if stream.num_tokens < num_generated - 1:
-            req.text += stream.push(req.generated[stream.num_tokens:num_generated - 1])
+        stream, pushed, _ = req.stop_state
+        if stream is None or stream.num_tokens != pushed:
+            stream = TextStream(self.tokenizer, req.params.stop)
+            text = stream.push(req.generated[:pushed])
+            req.stop_state = (stream, stream.num_tokens, text)
+        for token in req.generated[stream.num_tokens:num_generated - 1]:
+            self._push(req, stream, [token])
         return stream
+
+    @staticmethod
+    def _push(req: Request, stream, tokens: list[int]) -> None:
+        piece = stream.push(tokens)
+        req.stop_state = (stream, stream.num_tokens, req.stop_state[2] + piece)  # one assignment
 
     def _accept(self, req: Request, tokens: list[int], num_generated: int, lps: list,
                 new: dict[int, list[int]]) -> None:
@@ -904,8 +913,12 @@ class Engine:
         req.finish_reason = reason
         req.num_children = 0  # an n > 1 request finished before it sampled spawns nothing
         req.generated = [t for t in req.generated if t >= 0]  # drop a token still in flight
-        if req.stop_stream is not None:  # the text held back for a stop string that did not come
-            req.text += req.stop_stream.finish()
+        stream, pushed, text = req.stop_state
+        if stream is not None:  # the text held back for a stop string that did not come
+            rest, stopped = stream.rest()
+            req.stop_state = (None, pushed, text + rest)
+            if stopped and reason == "length":  # the whole decode shows a stop string the stream did not
+                req.finish_reason = "stop"
         self.scheduler.retire(req)
 
     # ---- helpers ----

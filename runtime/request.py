@@ -31,8 +31,10 @@ class Request:
     num_read: int = 0  # tokens `Engine.new_tokens` has handed out
     acceptance_lengths: list[int] = field(default_factory=list)  # per speculative step: accepted drafts + 1
     page_keys: list[bytes] = field(default_factory=list)  # prefix cache: keys of the known tokens' full pages
-    stop_stream: object = None  # with stop strings: the TextStream its tokens went through, once it has any
-    text: str = ""  # with stop strings: the text shown so far (held back: what may begin one)
+    # With stop strings: (the TextStream its tokens went through (None before the first and once finished),
+    # tokens pushed, the text shown so far) as one value, so that an interrupt cannot leave one part updated
+    # without the others. The text held back is what may begin a stop string.
+    stop_state: tuple = (None, 0, "")
 
     @property
     def known_tokens(self) -> list[int]:

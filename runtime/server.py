@@ -30,9 +30,11 @@ MAX_PROMPTS = 256  # prompts in one completions request
 UNSUPPORTED = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
     "logit_bias": ({},), "min_tokens": (0,), "min_p": (0, 0.0), "best_of": (1,), "suffix": ("",),
-    "use_beam_search": (False,), "prompt_logprobs": (0,), "tools": ([],), "tool_choice": ("none", "auto"),
-    "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "use_beam_search": (False,), "prompt_logprobs": (), "tools": ([],), "tool_choice": ("none", "auto"),
+    "functions": ([],), "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+    "allowed_token_ids": (), "bad_words": ([],), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
 }
 
 
@@ -103,8 +105,9 @@ class Api:
         for name, neutral in UNSUPPORTED.items():  # refused rather than ignored: they would change the output
             value = body.get(name)
             if value is not None and value not in neutral and not (name == "best_of" and value == body.get("n", 1)):
+                allowed = "".join(f"{json.dumps(v)} or " for v in neutral)
                 raise ApiError(400, f"{name}={json.dumps(value)[:80]} is not supported by this server (only "
-                                    f"{' or '.join(json.dumps(v) for v in neutral)}, or leaving it out)", param=name)
+                                    f"{allowed}leaving it out)", param=name)
         def get(name, default):
             value = body.get(name)
             return default if value is None else value

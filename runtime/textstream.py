@@ -58,16 +58,19 @@ class TextStream:
     def finish(self) -> str:
         """The rest of the text once no token follows: what was held for a possible stop string, and bytes the
         decoder kept for a character never completed (as the whole decode shows them), up to a stop string."""
+        rest, stopped = self.rest()
+        self._held, self.stopped = "", stopped
+        self._returned += len(rest)
+        return rest
+
+    def rest(self) -> tuple[str, bool]:
+        """What `finish()` would return, and whether a stop string ends it; changes nothing."""
         if self.stopped:
-            return ""
+            return "", True
         full = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip_special_tokens)
         rest = full[self._returned:]
         hits = [i for i in (rest.find(s) for s in self.stop) if i >= 0]
-        if hits:
-            rest, self.stopped = rest[:min(hits)], True
-        self._held = ""
-        self._returned += len(rest)
-        return rest
+        return (rest[:min(hits)], True) if hits else (rest, False)
 
     def _stop_prefix_len(self) -> int:
         """Length of the longest end of the held text that is a proper start of some stop string."""

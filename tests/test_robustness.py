@@ -279,10 +279,32 @@ def test_a_launch_that_never_returns_does_not_keep_the_process_alive(tmp_path):
         stepping.join(2.0)
         print("stuck" if stepping.is_alive() else "not stuck", flush=True)
     """))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False,
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False,
                           env=os.environ | {"JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "stuck"  # the launch did hang, and the process exited anyway
+
+
+def test_an_exit_hook_may_still_generate(tmp_path):
+    """The launch thread outlives the interpreter's exit hooks registered before it: one of them can still
+    generate (it would wait forever on a launch thread already told to end)."""
+    script = tmp_path / "at_exit.py"
+    script.write_text(textwrap.dedent(f"""
+        import atexit, sys
+        sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+        from glint.runtime.params import SamplingParams
+
+        @atexit.register
+        def last():
+            print(len(eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))[0].token_ids),
+                  flush=True)
+
+        from test_robustness import engine
+        eng = engine()
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False,
+                          env=os.environ | {"JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0 and done.stdout.strip() == "3", done.stderr[-2000:]
 
 
 def test_a_sigint_handler_that_does_not_raise_gets_every_token_once():

@@ -258,6 +258,7 @@ BAD = [  # (body or raw bytes, headers, status, part of the message)
     ({"prompt": "hi", "repetition_penalty": 1.2}, None, 400, "repetition_penalty=1.2 is not supported"),
     ({"prompt": "hi", "best_of": 3}, None, 400, "best_of=3 is not supported"),
     ({"prompt": "hi", "response_format": {"type": "json_object"}}, None, 400, "response_format="),
+    ({"prompt": "hi", "prompt_logprobs": 0}, None, 400, "prompt_logprobs=0 is not supported by this server (only leaving"),
 ]
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {},
            "min_tokens": 0, "best_of": 1, "response_format": {"type": "text"}}  # what "off" looks like: accepted

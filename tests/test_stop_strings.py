@@ -93,9 +93,24 @@ def test_a_postprocess_applied_twice_pushes_its_tokens_once(engine):
     req = engine._requests[rid]
     req.generated = [5, 6, 7]
     first = engine._num_kept(req, [6, 7], 2)
-    text = req.text
-    assert engine._num_kept(req, [6, 7], 2) == first and req.text == text
-    assert req.stop_stream.num_tokens == 3
+    state = req.stop_state
+    assert engine._num_kept(req, [6, 7], 2) == first and req.stop_state == state and state[1] == 3
+    engine.abort(rid)
+
+
+def test_an_interrupt_inside_a_push_loses_no_text(engine):
+    """A second Ctrl-C lands after a push has moved the stream on but before its text was kept: the next call
+    builds the stream again from the tokens, and the text is whole."""
+    tokens = engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
+    rid = engine.add_request(PROMPT, SamplingParams(max_tokens=12, stop="never there"))
+    req = engine._requests[rid]
+    req.generated = list(tokens)
+    engine._num_kept(req, tokens[:5], 1)
+    stream = req.stop_state[0]
+    stream.push(tokens[5:6])  # the push of the 6th token, its text lost to the interrupt
+    engine._num_kept(req, tokens[5:], 6)
+    assert req.stop_state[1] == len(tokens)
+    assert req.stop_state[2] + req.stop_state[0].finish() == engine.tokenizer.decode(tokens)
     engine.abort(rid)
 
 

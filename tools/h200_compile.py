@@ -15,6 +15,7 @@ and runs this on the default set. Tuning values: `TUNING=... python tools/with_t
 
     python tools/h200_compile.py --quantize none,int4 --widths 1,64
     python tools/h200_compile.py --widths 1 --sequence          # one layer's kernels in launch order
+    python tools/h200_compile.py --kernels                      # every variant of gpu_kernels.py's sweep
 
 Prints a table, then one JSON line.
 """
@@ -127,6 +128,43 @@ def compile_step(device, model: str, layers: int, width: int, quantize: str, kv_
     return hlo, time.perf_counter() - start
 
 
+def lower_sweep(device) -> list[tuple[str, str, str | None]]:
+    """Every attention case and kernel variant of `tools/gpu_kernels.py`'s sweep (the CPU test matrix at GPU
+    sizes) lowered and compiled for `device`: (case, variant, error or None)."""
+    import functools
+    import pathlib
+
+    import numpy as np
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    from gpu_kernels import sweep_cases
+
+    from glint.pallas_kernels import varlen_attention
+    from glint.pallas_kernels.testing import as_fp8, make_attention_inputs
+
+    where = jax.sharding.SingleDeviceSharding(device)
+    out = []
+    for name, case, variants in sweep_cases():
+        inputs = make_attention_inputs(case, np.random.default_rng(0))
+        args = {k: v.astype(case.dtype) if v.dtype == np.float32 else v for k, v in inputs.items()}
+        opts = dict(ring_rows=case.ring_rows, window=case.window, causal=case.causal, softcap=case.softcap,
+                    scale=case.scale)
+        for variant, kw in variants:
+            call_args = args
+            if fp8 := kw.get("fp8"):
+                kw = {k: v for k, v in kw.items() if k != "fp8"}
+                call_args = as_fp8(args, scaled=fp8 == "scaled")
+            spec = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=where) for k, v in call_args.items()}
+            try:
+                jax.jit(functools.partial(varlen_attention, **opts, **kw)).lower(**spec).compile()
+                out.append((name, variant, None))
+            except Exception as e:  # noqa: BLE001 - keep lowering; the table lists the failure
+                out.append((name, variant, f"{type(e).__name__}: {str(e)[:300]}"))
+            print(f"{'ok   ' if out[-1][2] is None else 'ERROR'} {name:32s} {variant:18s} {out[-1][2] or ''}",
+                  flush=True)
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama3-8b", help="a preset (glint.model.presets)")
@@ -141,9 +179,17 @@ def main(argv=None) -> dict:
                         "sequence takes the prefill kernels")
     p.add_argument("--sequence", action="store_true", help="print the kernels of the N-layer program in order")
     p.add_argument("--hlo-dir", help="write each optimized module here")
+    p.add_argument("--kernels", action="store_true",
+                   help="instead: lower every attention case and variant of tools/gpu_kernels.py's sweep")
     args = p.parse_args(argv)
 
     device = h200_device()
+    if args.kernels:
+        lowered = lower_sweep(device)
+        failed = [(n, v, e) for n, v, e in lowered if e]
+        print(f"attention sweep lowered for an H200: {len(lowered) - len(failed)} of {len(lowered)} variants")
+        print(json.dumps(dict(lowered=len(lowered), failed=failed)))
+        return dict(failed=failed)
     rows = []
     for quantize in args.quantize.split(","):
         for width in map(int, args.widths.split(",")):
@@ -178,4 +224,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main() and 0)
+    sys.exit(1 if main().get("failed") else 0)
