@@ -51,7 +51,7 @@ class EngineConfig:
     # Devices the model is split over (model/tp.py): heads, MLP columns and vocabulary 1/N each, the KV pools by
     # KV head; the first N local devices.
     tensor_parallel: int = 1
-    # Launch each step's programs from a thread of their own (engine.Launcher), so the host's scheduling and
+    # Launch each step's programs from a thread of their own (launcher.Launcher), so the host's scheduling and
     # postprocessing overlap XLA's launch; False: launch in step() itself.
     async_launch: bool = True
 

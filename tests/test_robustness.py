@@ -259,7 +259,7 @@ def test_a_launch_that_never_returns_does_not_keep_the_process_alive(tmp_path):
         import sys, threading
         sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
         from test_robustness import engine
-        from glint.runtime.engine import Launcher
+        from glint.runtime.launcher import Launcher
         from glint.runtime.params import SamplingParams
 
         Launcher.EXIT_WAIT_S = 0.5
