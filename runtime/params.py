@@ -76,7 +76,7 @@ class SamplingParams:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         store("temperature", temperature)
-        store("top_k", 0 if self.top_k == -1 and not isinstance(self.top_k, bool) else _check_int("top_k", self.top_k, 0))
+        store("top_k", max(_check_int("top_k", self.top_k, -1), 0))  # -1 (vLLM's "all") as 0
         top_p = _check_float("top_p", self.top_p)
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")

@@ -47,6 +47,7 @@ def draw(logits: np.ndarray, params: list[SamplingParams], positions, **kwargs) 
         ("temperature", float("inf")),
         ("temperature", "hot"),
         ("top_k", -2),
+        ("top_k", -1.0),
         ("top_k", True),
         ("top_p", 0.0),
         ("top_p", -0.25),
