@@ -383,14 +383,6 @@ class Runner:
             return meta, None
         return dataclasses.replace(meta, table_changes=tuple(c[-keep:] for c in changes)), [c[:-keep] for c in changes]
 
-    def fit_changes(self, width: int, meta: DeviceMeta) -> DeviceMeta:
-        """`meta` with at most the width's upload of table changes per group: any before that go to the device
-        now, TABLE_ROWS at a time (the `tables` program). `forward` does this itself."""
-        meta, earlier = self.split_changes(width, meta)
-        if earlier is not None:
-            self.update_tables(earlier)
-        return meta
-
     def update_tables(self, changes) -> None:
         """Set page-table entries on the device: per group i32[n, 3] (seq, index, page), each (seq, index) once."""
         for chunk in _chunks(changes, TABLE_ROWS, (self._max_seqs, 0, 0)):  # pads: past the tables, dropped
@@ -403,8 +395,12 @@ class Runner:
 
     def forward(self, width: int, params: dict, kv: KVState, tokens, token_src, prev_tokens, meta: DeviceMeta, rows,
                 sampler) -> tuple[jax.Array, jax.Array, KVState]:
-        """-> (tokens i32[R] drawn without top-k/top-p, logits f32[R, V], kv); the tables updated in place."""
-        host = self.pack(width, tokens, token_src, self.fit_changes(width, meta), rows, sampler)
+        """-> (tokens i32[R] drawn without top-k/top-p, logits f32[R, V], kv); the tables updated in place (table
+        changes past the width's upload go first, TABLE_ROWS at a time: the `tables` program)."""
+        meta, earlier = self.split_changes(width, meta)
+        if earlier is not None:
+            self.update_tables(earlier)
+        host = self.pack(width, tokens, token_src, meta, rows, sampler)
         return self.run_forward(width, params, kv, host, prev_tokens)
 
     def run_forward(self, width: int, params: dict, kv: KVState, host: np.ndarray, prev_tokens):

@@ -419,8 +419,9 @@ def test_page_table_entries_go_to_the_device_in_chunks():
     width = engine.config.buckets[0]
     keep = runner.layout(width).changes
     more = [np.array([[s, 0, 7] for s in range(min(max_seqs, keep + 2))], np.int32), np.zeros((0, 3), np.int32)]
-    meta = runner.fit_changes(width, DeviceMeta(np.zeros(width, np.int32), (), np.zeros((1, 4), np.int32),
-                                                table_changes=tuple(more)))
+    meta, earlier = runner.split_changes(width, DeviceMeta(np.zeros(width, np.int32), (), np.zeros((1, 4), np.int32),
+                                                           table_changes=tuple(more)))
+    runner.update_tables(earlier)
     assert [len(c) for c in meta.table_changes] == [min(keep, len(more[0])), 0]
     sent = len(more[0]) - len(meta.table_changes[0])
     assert (np.asarray(runner.tables[0])[more[0][:sent, 0], 0] == 7).all()  # what did not fit went ahead
