@@ -119,6 +119,19 @@ def _to_device(inputs, dtype):
     return {k: jnp.asarray(v, dtype) if v.dtype == np.float32 else jnp.asarray(v) for k, v in inputs.items()}
 
 
+def case_options(case) -> dict:
+    """varlen_attention's keywords that a case fixes."""
+    return dict(ring_rows=case.ring_rows, window=case.window, causal=case.causal, softcap=case.softcap,
+                scale=case.scale)
+
+
+def variant_call(args: dict, kw: dict) -> tuple[dict, dict]:
+    """A variant's arguments and keywords: an fp8 variant (kw "fp8") gets the case's pools as that cache."""
+    if fp8 := kw.get("fp8"):
+        return as_fp8(args, scaled=fp8 == "scaled"), {k: v for k, v in kw.items() if k != "fp8"}
+    return args, kw
+
+
 def run_sweep(rng, *, interpret=False, max_cases=None, only=None, variant_names=None):
     results = []
     for name, case, variants in sweep_cases()[:max_cases]:
@@ -126,9 +139,7 @@ def run_sweep(rng, *, interpret=False, max_cases=None, only=None, variant_names=
             continue
         inputs = make_attention_inputs(case, rng)
         args = _to_device(inputs, case.dtype)
-        opts = dict(
-            ring_rows=case.ring_rows, window=case.window, causal=case.causal, softcap=case.softcap, scale=case.scale
-        )
+        opts = case_options(case)
         want = np.asarray(varlen_attention_reference(**args, **opts), np.float32)
         covered = np.zeros(want.shape[0], bool)
         for q_start, q_len, _, _ in inputs["seq_info"]:
@@ -137,10 +148,9 @@ def run_sweep(rng, *, interpret=False, max_cases=None, only=None, variant_names=
             if variant_names and variant not in variant_names:
                 continue
             try:
-                call_args, variant_want = args, want
-                if fp8 := kw.get("fp8"):  # the reference over the same fp8 pools
-                    kw = {k: v for k, v in kw.items() if k != "fp8"}
-                    call_args = as_fp8(args, scaled=fp8 == "scaled")
+                call_args, kw = variant_call(args, kw)
+                variant_want = want
+                if call_args is not args:  # the reference over the same fp8 pools
                     variant_want = np.asarray(varlen_attention_reference(**call_args, **opts), np.float32)
                 got = np.asarray(varlen_attention(**call_args, **opts, **kw, interpret=interpret), np.float32)
                 err = np.abs(got - variant_want)

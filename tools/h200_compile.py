@@ -137,26 +137,21 @@ def lower_sweep(device) -> list[tuple[str, str, str | None]]:
     import numpy as np
 
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
-    from gpu_kernels import sweep_cases
+    from gpu_kernels import case_options, sweep_cases, variant_call
 
     from glint.pallas_kernels import varlen_attention
-    from glint.pallas_kernels.testing import as_fp8, make_attention_inputs
+    from glint.pallas_kernels.testing import make_attention_inputs
 
     where = jax.sharding.SingleDeviceSharding(device)
     out = []
     for name, case, variants in sweep_cases():
         inputs = make_attention_inputs(case, np.random.default_rng(0))
         args = {k: v.astype(case.dtype) if v.dtype == np.float32 else v for k, v in inputs.items()}
-        opts = dict(ring_rows=case.ring_rows, window=case.window, causal=case.causal, softcap=case.softcap,
-                    scale=case.scale)
         for variant, kw in variants:
-            call_args = args
-            if fp8 := kw.get("fp8"):
-                kw = {k: v for k, v in kw.items() if k != "fp8"}
-                call_args = as_fp8(args, scaled=fp8 == "scaled")
+            call_args, kw = variant_call(args, kw)
             spec = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=where) for k, v in call_args.items()}
             try:
-                jax.jit(functools.partial(varlen_attention, **opts, **kw)).lower(**spec).compile()
+                jax.jit(functools.partial(varlen_attention, **case_options(case), **kw)).lower(**spec).compile()
                 out.append((name, variant, None))
             except Exception as e:  # noqa: BLE001 - keep lowering; the table lists the failure
                 out.append((name, variant, f"{type(e).__name__}: {str(e)[:300]}"))
