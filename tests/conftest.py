@@ -71,6 +71,12 @@ def fail_launch(engine, call: int, message: str) -> None:
     engine.runner.run_forward = failing
 
 
+def stop_piece(text: str) -> str | None:
+    """A 2-character piece of `text` past its start, of whole visible characters (None: none): a stop string."""
+    return next((text[i:i + 2] for i in range(4, len(text) - 2)
+                 if "\ufffd" not in text[i:i + 2] and text[i:i + 2].strip()), None)
+
+
 def pytest_generate_tests(metafunc):
     if "hf_fixture" in metafunc.fixturenames:
         dirs = fixture_dirs()

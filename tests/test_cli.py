@@ -94,7 +94,7 @@ def test_streamed_text_is_whole_characters(capsys):
 
 def test_generate_stops_at_a_stop_string(capsys):
     """--stop: the streamed text and the JSON's end before the first stop string, at the token that completed it."""
-    from conftest import SHARED
+    from conftest import SHARED, stop_piece
 
     chat = SHARED / "fixtures" / "chat" / "llama"
     args = ["generate", str(chat), "--prompt", "once upon a time", "--max-tokens", "24", "--temperature", "0",
@@ -102,8 +102,7 @@ def test_generate_stops_at_a_stop_string(capsys):
     assert main([*args, "--json"]) == 0
     full = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["outputs"][0]
     text = full["text"]
-    stop = next((text[i:i + 2] for i in range(4, len(text) - 2)
-                 if "\ufffd" not in text[i:i + 2] and text[i:i + 2].strip()), None)
+    stop = stop_piece(text)
     if stop is None:
         pytest.skip("the generated text has no piece of whole characters to stop at")
     assert main([*args, "--stop", stop, "--json"]) == 0

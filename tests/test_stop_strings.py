@@ -3,7 +3,7 @@ the one that completed it; checked against the tokenizer's own decode of the run
 from __future__ import annotations
 
 import pytest
-from conftest import HF_FIXTURES, SHARED
+from conftest import HF_FIXTURES, SHARED, stop_piece
 
 from glint.runtime.engine import Engine
 from glint.runtime.params import SamplingParams
@@ -28,12 +28,11 @@ def cut(engine, tokens: list[int], stop: str) -> tuple[list[int], str] | None:
 
 
 def stop_in(engine, tokens: list[int]) -> str:
-    """A 2-character piece of the decoded text past its start, of whole characters."""
-    text = engine.tokenizer.decode(tokens)
-    for i in range(4, len(text) - 2):
-        if "\ufffd" not in text[i:i + 2] and text[i:i + 2].strip():
-            return text[i:i + 2]
-    pytest.skip("the generated text has no piece of whole characters to stop at")
+    """A stop string in the decoded text (conftest.stop_piece)."""
+    piece = stop_piece(engine.tokenizer.decode(tokens))
+    if piece is None:
+        pytest.skip("the generated text has no piece of whole characters to stop at")
+    return piece
 
 
 def test_the_text_ends_before_the_stop_string_and_the_tokens_at_the_one_that_completed_it(engine):
