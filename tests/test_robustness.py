@@ -251,13 +251,20 @@ def test_a_failed_launch_fails_whoever_waits_for_the_launches():
         eng.step()
 
 
+def run_script(tmp_path, source: str) -> subprocess.CompletedProcess:
+    """`source` as a Python process of its own on the CPU, able to import this file (at most 60 s)."""
+    script = tmp_path / "script.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})\n"
+                      + textwrap.dedent(source))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False,
+                          env=os.environ | {"JAX_PLATFORMS": "cpu"})
+
+
 def test_a_launch_that_never_returns_does_not_keep_the_process_alive(tmp_path):
     """The launch thread is a daemon: a hung launch (a stuck driver) cannot hold the process at exit, past its
     grace period (Launcher.EXIT_WAIT_S)."""
-    script = tmp_path / "hang.py"
-    script.write_text(textwrap.dedent(f"""
-        import sys, threading
-        sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+    done = run_script(tmp_path, """
+        import threading
         from test_robustness import engine
         from glint.runtime.launcher import Launcher
         from glint.runtime.params import SamplingParams
@@ -278,9 +285,7 @@ def test_a_launch_that_never_returns_does_not_keep_the_process_alive(tmp_path):
         stepping.start()
         stepping.join(2.0)
         print("stuck" if stepping.is_alive() else "not stuck", flush=True)
-    """))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False,
-                          env=os.environ | {"JAX_PLATFORMS": "cpu"})
+    """)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "stuck"  # the launch did hang, and the process exited anyway
 
@@ -288,10 +293,8 @@ def test_a_launch_that_never_returns_does_not_keep_the_process_alive(tmp_path):
 def test_an_exit_hook_may_still_generate(tmp_path):
     """The launch thread outlives the interpreter's exit hooks registered before it: one of them can still
     generate (it would wait forever on a launch thread already told to end)."""
-    script = tmp_path / "at_exit.py"
-    script.write_text(textwrap.dedent(f"""
-        import atexit, sys
-        sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+    done = run_script(tmp_path, """
+        import atexit
         from glint.runtime.params import SamplingParams
 
         @atexit.register
@@ -301,9 +304,7 @@ def test_an_exit_hook_may_still_generate(tmp_path):
 
         from test_robustness import engine
         eng = engine()
-    """))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False,
-                          env=os.environ | {"JAX_PLATFORMS": "cpu"})
+    """)
     assert done.returncode == 0 and done.stdout.strip() == "3", done.stderr[-2000:]
 
 
