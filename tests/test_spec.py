@@ -285,12 +285,10 @@ def _fed_blocks(engine: Engine, block: int) -> list[list[int]]:
     blocks, run_forward = [], engine.runner.run_forward
 
     def recording(width, params, kv, host, prev):
-        step = {name: np.asarray(host[start:stop]).reshape(shape)
-                for name, start, stop, shape, _ in engine.runner.layout(width).spans
-                if name in ("tokens", "token_src", "seq_info")}
-        tokens, token_src = step["tokens"], step["token_src"]
+        step = engine.runner.layout(width).unpack(np.asarray(host))
+        tokens, token_src = np.asarray(step["tokens"]), np.asarray(step["token_src"])
         fed = np.where(token_src >= 0, np.asarray(prev)[np.maximum(token_src, 0)], tokens)
-        for start, length, _, _ in step["seq_info"]:
+        for start, length, _, _ in np.asarray(step["seq_info"]):
             if length == block:
                 blocks.append(fed[start:start + length].tolist())
         return run_forward(width, params, kv, host, prev)
