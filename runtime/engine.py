@@ -358,17 +358,6 @@ class Engine:
             if req.status is not Status.FINISHED:
                 self._finish(req, "abort")
 
-    def stop_completion(self, rid: int, index: int) -> None:
-        """Finish completion `index` of request `rid` now (as a stop); its siblings go on."""
-        completions = self._completions(rid)
-        if not 0 <= index < len(completions):
-            raise ValueError(f"request {rid} has {len(completions)} completions so far; no completion {index}")
-        req = completions[index]
-        if index == 0 and req.num_children:  # its siblings are not spawned yet: they need the parent's prompt
-            raise ValueError(f"completion 0 of request {rid} cannot stop before its siblings exist")
-        if req.status is not Status.FINISHED:
-            self._finish(req, "stop")
-
     def has_unfinished(self) -> bool:
         """Whether `step()` has more to do or to return: requests to run, tokens in flight or not yet returned."""
         in_flight = [s for step in (self._unread, self._inflight) if step is not None for s in step.sampled]

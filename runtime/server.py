@@ -1,8 +1,9 @@
 """`glint serve`: the OpenAI HTTP API (completions, chat completions, models) over one engine.
 
 FastAPI + uvicorn. The engine runs on its own thread (`EngineWorker`); each HTTP request becomes a job whose
-tokens arrive on an asyncio queue, are turned into text by a `TextStream` per completion (whole characters,
-stop strings matched across tokens) and sent whole or as server-sent events in OpenAI's chunk format.
+tokens arrive on an asyncio queue, are turned into text by a `TextStream` per completion (whole characters, cut
+before a stop string: the engine ends a completion at one) and sent whole or as server-sent events in OpenAI's
+chunk format.
 Errors are OpenAI-style bodies: {"error": {"message", "type", "param", "code"}}.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from glint.runtime.chat import chat_messages, render_chat
 from glint.runtime.metrics import ServerMetrics
-from glint.runtime.params import MAX_LOGPROBS, MAX_STOP, MAX_STOP_CHARS, SamplingParams
+from glint.runtime.params import MAX_LOGPROBS, SamplingParams
 from glint.runtime.textstream import TextStream
 from glint.runtime.worker import EngineWorker, Job, Update
 
@@ -89,17 +90,11 @@ class Api:
             return [one(p) for p in prompt]
         return [one(prompt)]
 
-    def sampling(self, body: dict, default_max_tokens: int, logprobs: int) -> tuple[SamplingParams, list[str]]:
+    def sampling(self, body: dict, default_max_tokens: int, logprobs: int) -> SamplingParams:
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise ApiError(400, "stop must be a string or a list of strings", param="stop")
-        if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop):
-            raise ApiError(400, f"at most {MAX_STOP} stop strings of up to {MAX_STOP_CHARS} characters",
-                           param="stop")
-        if stop and self.tokenizer is None:
-            raise ApiError(400, "stop strings need a tokenizer; this model has none (use stop_token_ids)",
-                           param="stop")
         if body.get("echo"):
             raise ApiError(400, "echo is not supported", param="echo")
         for name, neutral in UNSUPPORTED.items():  # refused rather than ignored: they would change the output
@@ -117,7 +112,7 @@ class Api:
                 max_tokens=get("max_tokens", get("max_completion_tokens", default_max_tokens)),
                 temperature=get("temperature", 1.0), top_p=get("top_p", 1.0), top_k=get("top_k", 0),
                 n=get("n", 1), seed=body.get("seed"), stop_token_ids=get("stop_token_ids", ()),
-                ignore_eos=get("ignore_eos", False), logprobs=logprobs), stop
+                ignore_eos=get("ignore_eos", False), logprobs=logprobs, stop=tuple(stop))
         except (ValueError, TypeError) as e:
             raise ApiError(400, str(e)) from None
 
@@ -202,25 +197,16 @@ class Choice:
         self.num_sent = 0  # tokens already sent in stream chunks
 
     def add(self, tokens: list[int], logprobs: list[dict[int, float]], reason: str | None) -> str:
-        """The new text (whole characters, stop strings cut) for these tokens, keeping the tokens up to a stop;
-        `reason` is the engine's finish reason when the request has ended."""
+        """The new text (whole characters, cut before a stop string) for these tokens; `reason` is the engine's
+        finish reason when the completion has ended (the engine ends it at a stop string's last token)."""
         if self.finish_reason is not None:
             return ""
+        self.token_ids += tokens
+        self.logprobs += logprobs
         piece = ""
-        if self.stream is None:
-            self.token_ids += tokens
-            self.logprobs += logprobs
-        else:
-            before = self.stream.num_tokens
-            piece = self.stream.push(tokens)
-            kept = self.stream.num_tokens - before
-            self.token_ids += tokens[:kept]
-            self.logprobs += logprobs[:kept]
-            if not self.stream.stopped and reason is not None:
-                piece += self.stream.finish()  # which may still find a stop string in the flushed text
-            if self.stream.stopped:
-                self.finish_reason = "stop"
-        if self.finish_reason is None and reason is not None:
+        if self.stream is not None:
+            piece = self.stream.push(tokens) + (self.stream.finish() if reason is not None else "")
+        if reason is not None:
             self.finish_reason = "length" if reason == "length" else "stop"
         self.text += piece
         return piece
@@ -231,8 +217,9 @@ class Choice:
         return tokens, lps
 
 
-def make_choices(api: Api, jobs: list[Job], stop: list[str]) -> list[list[Choice]]:
-    return [[Choice(j * job.params.n + i, TextStream(api.tokenizer, stop) if api.tokenizer is not None else None)
+def make_choices(api: Api, jobs: list[Job]) -> list[list[Choice]]:
+    return [[Choice(j * job.params.n + i,
+                    TextStream(api.tokenizer, job.params.stop) if api.tokenizer is not None else None)
              for i in range(job.params.n)] for j, job in enumerate(jobs)]
 
 
@@ -248,10 +235,6 @@ def apply(choices: list[Choice], update: Update) -> list[tuple[Choice, str]]:
         if not was_done and (tokens or choice.finish_reason is not None):
             moved.append((choice, piece))
     return moved
-
-
-def all_stopped(choices: list[Choice]) -> bool:
-    return all(c.finish_reason is not None for c in choices)
 
 
 def _top(lp: dict[int, float], token: int, k: int) -> list[tuple[int, float]]:
@@ -373,8 +356,8 @@ def create_app(worker: EngineWorker, model_name: str, *, api_key: str | None = N
                                      or not 0 <= logprobs <= MAX_LOGPROBS):
             raise ApiError(400, f"logprobs must be an int in [0, {MAX_LOGPROBS}], got {logprobs!r}", param="logprobs")
         # logprobs 0 still reports the sampled tokens' own logprobs
-        params, stop = api.sampling(body, 16, 0 if logprobs is None else max(1, logprobs))
-        return await respond(request, body, prompts, params, stop, chat_format=False, top=logprobs or 0)
+        params = api.sampling(body, 16, 0 if logprobs is None else max(1, logprobs))
+        return await respond(request, body, prompts, params, chat_format=False, top=logprobs or 0)
 
     @app.post("/v1/chat/completions", **v1)
     async def chat_completions(request: Request):
@@ -392,34 +375,23 @@ def create_app(worker: EngineWorker, model_name: str, *, api_key: str | None = N
         if body.get("logprobs") and not (isinstance(top, int) and 0 <= top <= MAX_LOGPROBS):
             raise ApiError(400, f"top_logprobs must be an int in [0, {MAX_LOGPROBS}]", param="top_logprobs")
         logprobs = max(1, top) if body.get("logprobs") else 0
-        params, stop = api.sampling(body, max(1, api.capacity - len(prompt)), logprobs)
-        return await respond(request, body, [prompt], params, stop, chat_format=True, top=top)
+        params = api.sampling(body, max(1, api.capacity - len(prompt)), logprobs)
+        return await respond(request, body, [prompt], params, chat_format=True, top=top)
 
-    async def respond(request, body, prompts, params, stop, chat_format: bool, top: int):
+    async def respond(request, body, prompts, params, chat_format: bool, top: int):
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise ApiError(400, "stream_options must be an object", param="stream_options")
         run = await api.run(prompts, params)
-        choices = make_choices(api, run.jobs, stop)
+        choices = make_choices(api, run.jobs)
         rid = ("chatcmpl-" if chat_format else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         logs = chat_logprobs if chat_format else completion_logprobs
 
-        def stop_finished(j: int, update: Update, moved) -> None:
-            """Completions ended by a stop string stop generating; a job all of whose completions did is cancelled."""
-            if update.finish_reasons is not None:
-                return
-            if all_stopped(choices[j]):
-                worker.cancel(run.jobs[j])
-                return
-            for c, _ in moved:
-                if c.finish_reason == "stop":
-                    worker.stop_completion(run.jobs[j], c.index - j * params.n)
-
         if not body.get("stream"):
             try:
                 async for j, update in run.events(request):
-                    stop_finished(j, update, apply(choices[j], update))
+                    apply(choices[j], update)
             except ClientGone:
                 return Response(status_code=499)
             finally:
@@ -453,7 +425,6 @@ def create_app(worker: EngineWorker, model_name: str, *, api_key: str | None = N
                         entries.append(entry)
                     if entries:
                         yield sse(chunk(entries))
-                    stop_finished(j, update, moved)
                 if options.get("include_usage"):
                     yield sse(chunk([]) | {"usage": usage(prompts, choices)})
                 yield "data: [DONE]\n\n"

@@ -80,10 +80,6 @@ class EngineWorker:
         """Abort the job's request: its pages are freed at the next step (a no-op once it finished)."""
         self._send("cancel", job, client_gone)
 
-    def stop_completion(self, job: Job, index: int) -> None:
-        """Stop completion `index` of an n > 1 job (a stop string ended it); the others go on."""
-        self._send("stop", job, index)
-
     def _send(self, *message) -> None:
         self._inbox.put(message)
         self._wake.set()
@@ -140,11 +136,6 @@ class EngineWorker:
                 job.push(Update(accepted=True))
             elif job.rid not in self._jobs:
                 continue  # refused, or finished and released already
-            elif kind == "stop":
-                try:
-                    self.engine.stop_completion(job.rid, args[0])
-                except ValueError:  # completion 0 before its siblings exist: the server drops its tokens
-                    pass
             else:
                 self.engine.abort(job.rid)
                 if args[0] and self.metrics is not None:

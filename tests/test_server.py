@@ -129,8 +129,13 @@ def test_stop_strings_cut_the_text_across_tokens(client, engine):
                                                                                                   max_tokens=32)))
     got = client.completions.create(**args).choices[0]
     assert got.text == expected and got.finish_reason == "stop"
+    # the engine ends it at the token that completed the stop string, as the engine alone does
+    alone = generate(engine, PROMPTS[1], max_tokens=32, temperature=0.0, ignore_eos=True, stop=(stop,))
+    assert got.model_extra["token_ids"] == alone.token_ids and alone.text == expected
+    assert len(alone.token_ids) < 32
     chunks = list(client.completions.create(stream=True, **args))
     assert "".join(c.choices[0].text for c in chunks) == expected
+    assert sum(len(c.choices[0].model_extra["token_ids"]) for c in chunks) == len(alone.token_ids)
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
