@@ -42,7 +42,7 @@ def _pool_args(p) -> None:
                    f"{C.memory_fraction}; the rest is left to the programs' temporaries)")
 
 
-def _launch_arg(p) -> None:
+def launch_arg(p) -> None:
     p.add_argument("--sync-launch", dest="async_launch", action="store_false",
                    help="launch each step's programs in the engine's loop itself, not from a thread of their own "
                    "beside the host's scheduling and postprocessing")
@@ -87,7 +87,7 @@ def _engine_args(p) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="batch invariance: a request's output is bit-identical whatever shares its steps (every "
                    "step runs at the widest forward size; long prompts prefill in chunks of it)")
-    _launch_arg(p)
+    launch_arg(p)
     p.add_argument("--draft", help="speculative decoding: a DFlash draft folder (z-lab layout) or 'ngram' (prompt "
                    "lookup); output stays the model's own")
     p.add_argument("--num-speculative-tokens", type=int, help="--draft: draft tokens verified per step (default: "
@@ -339,7 +339,7 @@ def _register_bench(sub) -> None:
                    "--max-step-tokens); e.g. --forward-sizes 256 --max-step-tokens 256 compiles one program")
     p.add_argument("--attention", default="auto", choices=["auto", "pallas", "reference", "interpret"])
     _pool_args(p)
-    _launch_arg(p)
+    launch_arg(p)
     p.add_argument("--repeats", type=int, help="default: 10 on a GPU, 3 on a CPU")
     p.add_argument("--bandwidth-gbps", type=float, default=0.0,
                    help="roofline bandwidth (default: the best this harness measures)")

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glint.runtime.bench import decoding, pipelined_decode_ms
+from glint.runtime.commands import launch_arg
 from glint.runtime.engine import Engine
 
 
@@ -121,8 +122,7 @@ def main():
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=576)
     p.add_argument("--trace", help="also trace 8 loop steps here and sum their host events")
-    p.add_argument("--sync-launch", dest="async_launch", action="store_false",
-                   help="the engine launches each step in step() itself, not from its launch thread")
+    launch_arg(p)
     args = p.parse_args()
     if args.trace:  # before the backend starts: XLA reads its flags once
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
