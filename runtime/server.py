@@ -95,6 +95,7 @@ class Api:
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise ApiError(400, "stop must be a string or a list of strings", param="stop")
+        stop = [s for s in stop if s]  # an empty string stops nothing: dropped, not refused
         if body.get("echo"):
             raise ApiError(400, "echo is not supported", param="echo")
         for name, neutral in UNSUPPORTED.items():  # refused rather than ignored: they would change the output

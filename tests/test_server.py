@@ -14,7 +14,7 @@ import pytest
 from conftest import HF_FIXTURES, SHARED, fail_launch
 
 from glint.runtime.engine import Engine
-from glint.runtime.params import SamplingParams
+from glint.runtime.params import MAX_STOP, MAX_STOP_CHARS, SamplingParams
 
 CHAT = SHARED / "fixtures" / "chat" / "llama"
 KEY = "sk-test-glint"
@@ -264,9 +264,12 @@ BAD = [  # (body or raw bytes, headers, status, part of the message)
     ({"prompt": "hi", "best_of": 3}, None, 400, "best_of=3 is not supported"),
     ({"prompt": "hi", "response_format": {"type": "json_object"}}, None, 400, "response_format="),
     ({"prompt": "hi", "prompt_logprobs": 0}, None, 400, "prompt_logprobs=0 is not supported by this server (only leaving"),
+    ({"prompt": "hi", "stop": 5}, None, 400, "stop must be a string or a list of strings"),
+    ({"prompt": "hi", "stop": ["x"] * (MAX_STOP + 1)}, None, 400, f"at most {MAX_STOP} strings"),
+    ({"prompt": "hi", "stop": ["x" * (MAX_STOP_CHARS + 1)]}, None, 400, f"of at most {MAX_STOP_CHARS} characters"),
 ]
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {},
-           "min_tokens": 0, "best_of": 1, "response_format": {"type": "text"}}  # what "off" looks like: accepted
+           "min_tokens": 0, "best_of": 1, "response_format": {"type": "text"}, "stop": [""]}  # "off": accepted
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, engine):
