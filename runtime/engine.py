@@ -405,6 +405,14 @@ class Engine:
             r.num_read = len(known)
         return out + [[] for _ in range(completions[0].params.n - len(completions))]
 
+    def finish_reasons(self, rid: int) -> list[str | None]:
+        """Per completion of request `rid` (n of them), why it ended, or None while it runs. An n > 1 request
+        that ended before it sampled (aborted) never spawns its siblings: they end for its reason."""
+        completions = self._completions(rid)
+        reasons = [r.finish_reason for r in completions]
+        unspawned = reasons[0] if self._is_done(rid) else None
+        return reasons + [unspawned] * (completions[0].params.n - len(completions))
+
     def _request(self, rid: int) -> Request:
         if rid not in self._children:  # parents only
             raise ValueError(f"unknown request id {rid!r} (never added, a child of an n > 1 request, or released)")

@@ -168,7 +168,7 @@ class Run:
                     raise ClientGone(499, "the client closed the connection")
                 if update.error is not None:
                     raise ApiError(500, update.error, kind="server_error")
-                self.remaining -= update.finish_reasons is not None
+                self.remaining -= update.done
                 yield i, update
         finally:
             self.close()

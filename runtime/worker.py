@@ -18,12 +18,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Update:
-    """What a job gained since its last update: per completion, new token ids and their logprobs (when asked);
-    `finish_reasons` once the request is done; `error` when it was refused or the engine failed."""
+    """What a job gained since its last update: per completion, new token ids and their logprobs (when asked), and
+    why it ended (None while it runs; the list is None while all run); `done` once every completion has ended;
+    `error` when it was refused or the engine failed."""
 
     tokens: list[list[int]] = field(default_factory=list)
     logprobs: list[list[dict[int, float]]] = field(default_factory=list)
     finish_reasons: list[str | None] | None = None
+    done: bool = False
     error: str | None = None
     accepted: bool = False  # the first update of a request the engine took
 
@@ -36,6 +38,7 @@ class Job:
         self.prompt, self.params, self.loop, self.updates, self.index = prompt, params, loop, updates, index
         self.rid: int | None = None
         self.sent = [0] * params.n  # tokens handed out per completion (for their logprobs)
+        self.ended = 0  # completions whose finish reason has been handed out
 
     def push(self, update: Update) -> None:
         try:
@@ -144,16 +147,16 @@ class EngineWorker:
     def _deliver(self) -> None:
         for rid, job in list(self._jobs.items()):
             tokens = self.engine.new_tokens(rid)
-            done = self.engine.is_finished(rid)
-            if not any(tokens) and not done:
+            reasons = self.engine.finish_reasons(rid)
+            ended = sum(r is not None for r in reasons)
+            if not any(tokens) and ended == job.ended:
                 continue
-            update = Update(tokens=tokens)
+            update = Update(tokens=tokens, finish_reasons=reasons if ended else None, done=ended == len(reasons))
             if job.params.logprobs:
                 update.logprobs = self.engine.logprobs_since(rid, job.sent)
             job.sent = [n + len(t) for n, t in zip(job.sent, tokens)]
-            if done:  # an n > 1 request aborted before it sampled has fewer completions than n
-                reasons = [c.finish_reason for c in self.engine.output(rid, text=False).outputs]
-                update.finish_reasons = reasons + [reasons[0]] * (job.params.n - len(reasons))
+            job.ended = ended
+            if update.done:
                 self.engine.release(rid)
                 del self._jobs[rid]
             job.push(update)

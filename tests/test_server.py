@@ -239,6 +239,14 @@ def test_a_completion_that_hits_a_stop_string_stops_generating(server, client, e
     assert by_index[0].text == first[:first.find(stop)] and by_index[0].finish_reason == "stop"
     assert by_index[1].text == second and by_index[1].finish_reason == "length"
     assert metric(server, "glint_generated_tokens_total") - generated < 2 * 40  # the stopped one stopped
+    # streamed, its "stop" comes with its last tokens, while its sibling still generates
+    chunks = [c.choices[0] for c in client.completions.create(
+        model="llama", prompt=PROMPTS[3], n=2, stop=stop, max_tokens=40, seed=11, temperature=1.0, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices]
+    ended = next(i for i, c in enumerate(chunks) if c.index == 0 and c.finish_reason is not None)
+    assert chunks[ended].finish_reason == "stop" and chunks[ended].model_extra["token_ids"]
+    assert any(c.index == 1 and c.model_extra["token_ids"] for c in chunks[ended + 1:])
+    assert "".join(c.text for c in chunks if c.index == 0) == by_index[0].text
 
 
 BAD = [  # (body or raw bytes, headers, status, part of the message)
