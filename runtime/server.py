@@ -114,8 +114,9 @@ class Api:
                 temperature=get("temperature", 1.0), top_p=get("top_p", 1.0), top_k=get("top_k", 0),
                 n=get("n", 1), seed=body.get("seed"), stop_token_ids=get("stop_token_ids", ()),
                 ignore_eos=get("ignore_eos", False), logprobs=logprobs, stop=tuple(stop))
-        except (ValueError, TypeError) as e:
-            raise ApiError(400, str(e)) from None
+        except (ValueError, TypeError) as e:  # SamplingParams' messages begin with the field's name
+            name = str(e).split(" ", 1)[0].rstrip(":")
+            raise ApiError(400, str(e), param=name if name in body else None) from None
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer is not None else str(token)

@@ -294,6 +294,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
         assert message in error["message"] and error["type"], (message, error)
         got = client.completions.create(model="llama", prompt=PROMPTS[2], **openai_args(GREEDY))
         assert got.choices[0].text == want
+    for body, param in [({"prompt": "hi", "temperature": -1}, "temperature"), ({"prompt": "hi", "stop": 5}, "stop"),
+                        ({"prompt": "hi", "stop": ["x"] * (MAX_STOP + 1)}, "stop")]:
+        assert httpx.post(server + "/v1/completions", json=body, headers=auth).json()["error"]["param"] == param
     r = httpx.post(server + "/v1/chat/completions", json={"messages": "hi"}, headers=auth)
     assert r.status_code == 400 and "messages must be" in r.json()["error"]["message"]
     args = openai_args(GREEDY)
