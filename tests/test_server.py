@@ -419,3 +419,27 @@ def test_logprobs_streamed_and_whole_agree_and_match_the_engine(client, engine):
                                           extra_body={"ignore_eos": True})
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) in (2, 3) and c.logprob <= 0 for c in content)
+
+
+def test_a_delivery_wakes_each_event_loop_once_for_all_its_jobs():
+    """The engine thread hands a step's updates to each event loop in one thread-safe call, in job order."""
+    from glint.runtime.worker import Job, Update, push_all
+
+    async def receive():
+        loop, queues = asyncio.get_running_loop(), [asyncio.Queue(), asyncio.Queue()]
+        calls = []
+        real = loop.call_soon_threadsafe
+
+        def counted(*args):
+            calls.append(args)
+            return real(*args)
+
+        loop.call_soon_threadsafe = counted
+        jobs = [Job([1], SamplingParams(), loop, queues[i % 2], index=i) for i in range(5)]
+        push_all([(job, Update(tokens=[[job.index]])) for job in jobs])
+        got = [[(await q.get()) for _ in range(n)] for q, n in zip(queues, (3, 2))]
+        return len(calls), [[(i, u.tokens) for i, u in g] for g in got]
+
+    wakeups, got = asyncio.run(receive())
+    assert wakeups == 1
+    assert got == [[(0, [[0]]), (2, [[2]]), (4, [[4]])], [(1, [[1]]), (3, [[3]])]]
