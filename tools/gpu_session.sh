@@ -240,6 +240,12 @@ print('$alloc', {k: s.get(k) for k in ('bytes_limit', 'bytes_in_use')}, 'free_de
     tail -20 "$out/serve_bench.log"
     kill $server; wait $server
     ;;&
+  serve-load)  # the same 256 x 512 -> 128 in process and over HTTP, one engine (tools/serve_load.py, ~6 min; the
+    #   server's packages ride in .gpu/pylib as for `serve`, with httpx==0.28.1 for the load generator)
+    PYTHONPATH=$PWD/.gpu/pylib timeout 540 python3 tools/serve_load.py llama3-8b --requests 256 --prompt-len 512 \
+      --gen-len 128 ${SERVE_LOAD_ARGS:-} > "$out/serve_load.log" 2>&1
+    echo "serve-load rc=$?"; grep -E "^(in process|over HTTP|llama)|Error" "$out/serve_load.log" | tail -8
+    ;;&
   prefix)  # prefix cache on and off: 256 requests sharing a 2,048-token system prompt, and sharing nothing (~4 min)
     timeout 330 python3 -m glint.runtime.cli bench llama3-8b --shared-prefix 2048 --prompt-len 128 --gen-len 128 \
       --requests 256 --batch 256 --json "$out/prefix.json" > "$out/prefix.log" 2>&1
