@@ -95,10 +95,11 @@ def main():
             run = subprocess.run([sys.executable, "-m", "glint.runtime.cli", "bench", args.model, "--server",
                                   f"http://127.0.0.1:{port}", "--requests", str(args.requests), "--prompt-len",
                                   str(args.prompt_len), "--gen-len", str(args.gen_len), "--json", out.name],
-                                 capture_output=True, text=True)
+                                 capture_output=True, text=True, check=False)
             if run.returncode:
                 raise SystemExit(f"the load generator failed:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
-            result = json.load(open(out.name))
+            with open(out.name) as f:
+                result = json.load(f)
         http.append(result["output_tokens_per_s"])
         steps = max(spent["steps"], 1)
         print(f"over HTTP: {http[-1]:,.0f} tok/s, {result['completed']}/{args.requests} requests, ITL p50 "
