@@ -400,9 +400,9 @@ class Engine:
         completions = self._completions(rid)
         out = []
         for r in completions:
-            known = r.known_tokens
-            out.append(known[r.num_read:])
-            r.num_read = len(known)
+            known = r.num_known
+            out.append(r.generated[r.num_read:known])
+            r.num_read = known
         return out + [[] for _ in range(completions[0].params.n - len(completions))]
 
     def finish_reasons(self, rid: int) -> list[str | None]:

@@ -37,12 +37,19 @@ class Request:
     stop_state: tuple = (None, 0, "")
 
     @property
+    def num_known(self) -> int:
+        """How many generated tokens the host has the values of: the steps still in flight leave placeholders
+        (negative) at the end, one each, so this looks at those only, not at every token."""
+        n = len(self.generated)
+        while n and self.generated[n - 1] < 0:
+            n -= 1
+        return n
+
+    @property
     def known_tokens(self) -> list[int]:
-        """Generated tokens whose values the host has (a step still in flight leaves placeholders at the end)."""
-        for i, t in enumerate(self.generated):
-            if t < 0:
-                return self.generated[:i]
-        return self.generated
+        """Generated tokens whose values the host has."""
+        n = self.num_known
+        return self.generated if n == len(self.generated) else self.generated[:n]
 
     def token_slice(self, start: int, count: int) -> list[int]:
         """tokens[start:start + count] without building prompt + generated."""
