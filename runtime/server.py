@@ -313,7 +313,7 @@ def create_app(worker: EngineWorker, model_name: str, *, api_key: str | None = N
     api = Api(worker, model_name, chat, metrics)
     app = FastAPI(title="glint", docs_url=None, redoc_url=None, openapi_url=None)
 
-    def require_key(request: Request) -> None:
+    async def require_key(request: Request) -> None:  # async: a plain def would run on a worker thread
         if api_key is not None and not hmac.compare_digest(request.headers.get("authorization", "").encode(),
                                                            f"Bearer {api_key}".encode()):
             raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
