@@ -164,13 +164,16 @@ class Run:
         self._watcher = asyncio.create_task(watch())
         try:
             while self.remaining:
-                i, update = self.early.pop(0) if self.early else await self.updates.get()
-                if update is None:
+                queued, self.early = self.early or [await self.updates.get()], []
+                while not self.updates.empty():
+                    queued.append(self.updates.get_nowait())
+                if any(update is None for _, update in queued):
                     raise ClientGone(499, "the client closed the connection")
-                if update.error is not None:
-                    raise ApiError(500, update.error, kind="server_error")
-                self.remaining -= update.done
-                yield i, update
+                for i, update in merged(queued):
+                    if update.error is not None:
+                        raise ApiError(500, update.error, kind="server_error")
+                    self.remaining -= update.done
+                    yield i, update
         finally:
             self.close()
 
@@ -184,6 +187,16 @@ class Run:
         if self.remaining:
             for job in self.jobs:  # finished jobs are released already: cancelling them does nothing
                 self.worker.cancel(job, client_gone=True)
+
+
+def merged(queued: list[tuple[int, Update]]) -> list[tuple[int, Update]]:
+    """The updates waiting for one job as one, jobs in the order they first came: a stream that fell behind the
+    engine sends one chunk a job for all the steps it missed, not one a step (as vLLM merges a request's outputs
+    that its consumer has not taken yet)."""
+    out: dict[int, Update] = {}
+    for i, update in queued:
+        out[i] = out[i].merge(update) if i in out and update.error is None else update
+    return list(out.items())
 
 
 class ClientGone(ApiError):

@@ -29,6 +29,15 @@ class Update:
     error: str | None = None
     accepted: bool = False  # the first update of a request the engine took
 
+    def merge(self, later: Update) -> Update:
+        """This update followed by `later`, as one."""
+        def joined(a: list[list], b: list[list]) -> list[list]:
+            return [x + y for x, y in zip(a, b)] if a and b else a or b
+
+        return Update(joined(self.tokens, later.tokens), joined(self.logprobs, later.logprobs),
+                      later.finish_reasons if later.finish_reasons is not None else self.finish_reasons,
+                      self.done or later.done, later.error, self.accepted or later.accepted)
+
 
 class Job:
     """One prompt of an HTTP request; its updates go, tagged with `index`, onto the request's asyncio queue."""

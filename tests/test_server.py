@@ -443,3 +443,22 @@ def test_a_delivery_wakes_each_event_loop_once_for_all_its_jobs():
     wakeups, got = asyncio.run(receive())
     assert wakeups == 1
     assert got == [[(0, [[0]]), (2, [[2]]), (4, [[4]])], [(1, [[1]]), (3, [[3]])]]
+
+
+def test_updates_a_stream_has_not_taken_yet_are_merged_per_job():
+    """A stream behind the engine gets one update a job: its tokens and logprobs in order, its latest finish
+    reasons, done if any part was."""
+    from glint.runtime.server import merged
+    from glint.runtime.worker import Update
+
+    lp = [{t: -0.5 * t} for t in range(7)]
+    queued = [(1, Update(tokens=[[1], [2]], logprobs=[[lp[1]], [lp[2]]])),
+              (0, Update(tokens=[[5]], logprobs=[[lp[5]]])),
+              (1, Update(tokens=[[3], []], logprobs=[[lp[3]], []], finish_reasons=[None, "stop"])),
+              (1, Update(tokens=[[4], []], logprobs=[[lp[4]], []], finish_reasons=["length", "stop"], done=True))]
+    (first, a), (second, b) = merged(queued)
+    assert (first, second) == (1, 0)
+    assert a.tokens == [[1, 3, 4], [2]] and a.logprobs == [[lp[1], lp[3], lp[4]], [lp[2]]]
+    assert a.finish_reasons == ["length", "stop"] and a.done
+    assert b.tokens == [[5]] and b.finish_reasons is None and not b.done
+    assert merged(queued[:1])[0][1] is queued[0][1]
