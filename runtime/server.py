@@ -195,7 +195,10 @@ def merged(queued: list[tuple[int, Update]]) -> list[tuple[int, Update]]:
     that its consumer has not taken yet)."""
     out: dict[int, Update] = {}
     for i, update in queued:
-        out[i] = out[i].merge(update) if i in out and update.error is None else update
+        if i not in out or update.error is not None:  # an error is raised: what came before it no longer matters
+            out[i] = update
+        elif out[i].error is None:  # nor what comes after it
+            out[i] = out[i].merge(update)
     return list(out.items())
 
 

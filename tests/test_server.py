@@ -462,3 +462,23 @@ def test_updates_a_stream_has_not_taken_yet_are_merged_per_job():
     assert a.finish_reasons == ["length", "stop"] and a.done
     assert b.tokens == [[5]] and b.finish_reasons is None and not b.done
     assert merged(queued[:1])[0][1] is queued[0][1]
+    failed = Update(error="the engine failed")
+    assert merged([queued[1], (0, failed), queued[1]]) == [(0, failed)]
+
+
+def test_a_run_takes_every_queued_update_at_once():
+    """Run.events drains its queue and yields the merged updates: three steps queued for one job, one event."""
+    from glint.runtime.server import Run
+    from glint.runtime.worker import Update
+
+    class Connection:  # the client stays
+        async def receive(self):
+            await asyncio.Event().wait()
+
+    async def events():
+        updates = asyncio.Queue()
+        for tokens, done in (([[1]], False), ([[2]], False), ([[3]], True)):
+            updates.put_nowait((0, Update(tokens=tokens, finish_reasons=["length"] if done else None, done=done)))
+        return [(i, u.tokens, u.done) async for i, u in Run(None, [None], updates, []).events(Connection())]
+
+    assert asyncio.run(events()) == [(0, [[1, 2, 3]], True)]

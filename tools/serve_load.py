@@ -51,7 +51,8 @@ def main():
     from glint.runtime.server import create_app
     from glint.runtime.worker import EngineWorker
 
-    config = dict(max_seqs=args.requests, capacity=args.capacity, quantize=args.quantize)
+    # the prefix cache off: the load generator draws its prompts as the first in-process round does (seed 0)
+    config = dict(max_seqs=args.requests, capacity=args.capacity, quantize=args.quantize, prefix_cache=False)
     if args.max_step_tokens:
         config["max_step_tokens"] = args.max_step_tokens
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, **config)
@@ -85,8 +86,11 @@ def main():
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(worker, args.model, metrics=metrics), host="127.0.0.1",
                                            port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
     while not server.started:
+        if not thread.is_alive():
+            raise SystemExit("the server did not start")
         time.sleep(0.1)
     http = []
     for _ in range(args.repeats):
