@@ -47,13 +47,13 @@ SIGNATURES = {
                               "table_changes i32[C_W, 3] (sequence, page index, page; each (sequence, index) once; "
                               "pads name sequence max_seqs) for each "
                               "group g, rows i32[R], draft_rows "
-                              "i32[R] (zeros), temperature f32[R], top_k i32[R], top_p f32[R], seed u32[R], "
-                              "position i32[R]"),
+                              "i32[R] (zeros), temperature f32[R], top_k i32[R], top_p f32[R], min_p f32[R], "
+                              "seed u32[R], position i32[R]"),
                              "prev_tokens i32[R]"],
-                  "outputs": ["tokens i32[R] (argmax, or drawn without top-k/top-p)", "logits f32[R, V]", "kv",
+                  "outputs": ["tokens i32[R] (argmax, or drawn without min-p/top-k/top-p)", "logits f32[R, V]", "kv",
                               "tables (the changes applied)"],
                   "donated": ["kv", "tables"]},
-    "sample": {"inputs": ["logits f32[R, V]", "sampler"], "outputs": ["tokens i32[R] (top-k/top-p applied)"]},
+    "sample": {"inputs": ["logits f32[R, V]", "sampler"], "outputs": ["tokens i32[R] (min-p/top-k/top-p applied)"]},
     "sample_argmax": {"inputs": ["logits f32[R, V]"], "outputs": ["tokens i32[R]"]},
     "logprobs": {"inputs": ["logits f32[R, V]", "tokens i32[R]"],
                  "outputs": ["chosen f32[R]", f"top f32[R, {MAX_LOGPROBS}]", f"top_ids i32[R, {MAX_LOGPROBS}]"]},

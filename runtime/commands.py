@@ -121,7 +121,7 @@ def _cmd_generate(args) -> int:
         raise ValueError("give exactly one of --prompt TEXT or --prompt-ids '1 2 3'")
     prompt = args.prompt if args.prompt is not None else [int(t) for t in args.prompt_ids.replace(",", " ").split()]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, n=args.n, ignore_eos=args.ignore_eos,
+                            top_p=args.top_p, min_p=args.min_p, seed=args.seed, n=args.n, ignore_eos=args.ignore_eos,
                             stop=tuple(args.stop or ()), stop_token_ids=tuple(args.stop_token_ids or ()))
     engine = Engine.from_pretrained(args.checkpoint, dtype=args.dtype, **_engine_config(args))
     rid = engine.add_request(prompt, params)
@@ -259,6 +259,8 @@ def register(sub) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 or -1: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (1: all)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep the tokens at least this times as likely as the likeliest (0: all)")
     p.add_argument("--seed", type=int, default=None, help="the request's seed (default: drawn from the OS)")
     p.add_argument("--n", type=int, default=1, help="completions to sample")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the model's EOS tokens")

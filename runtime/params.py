@@ -44,6 +44,8 @@ class SamplingParams:
     top_k: keep the k most likely tokens; 0 (or -1, as in vLLM) keeps all.
     top_p: nucleus: keep the smallest set of most likely tokens whose mass is
       >= top_p (always at least one); 1 keeps all.
+    min_p: keep the tokens at least min_p times as likely as the most likely one (after temperature, before
+      top_k and top_p, as vLLM applies it); 0 keeps all.
     seed: uint32 seed of the request's random stream, or None to let the engine
       draw one. A token's randomness depends only on (seed, position).
     stop_token_ids: generation stops after emitting any of these.
@@ -59,6 +61,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
@@ -81,6 +84,10 @@ class SamplingParams:
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         store("top_p", top_p)
+        min_p = _check_float("min_p", self.min_p)
+        if not 0 <= min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        store("min_p", min_p)
         if self.seed is not None:
             store("seed", _check_int("seed", self.seed, 0, SEED_LIMIT - 1))
         if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(
@@ -107,5 +114,5 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """True when tokens are the argmax (temperature <= 0); top_k, top_p and seed are moot."""
+        """True when tokens are the argmax (temperature <= 0); top_k, top_p, min_p and seed are moot."""
         return self.temperature <= 0

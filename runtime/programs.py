@@ -28,6 +28,7 @@ import numpy as np
 from glint.kvcache import CacheConfig, KVState, StepMetadata
 from glint.pallas_kernels.reference import scale_pool_shape
 from glint.runtime import executables
+from glint.runtime.sampling import SAMPLER_COLUMNS
 
 COPY_ROWS = 64  # page copies per `copy` call; a step needing more runs it again
 TABLE_ROWS = 1024  # page-table entries per `tables` call (per group)
@@ -76,7 +77,7 @@ class StepLayout:
     Per token row (width W): tokens, token_src, positions, slots [G, W]; per segment (S): seq_info [S, 4]; per
     layer group, up to `changes` page-table entries set since the last step, table_changes_g [changes, 3]
     (seq, index, page; pads name sequence `max_seqs`, past the table); per sampled row (R): rows, draft_rows (the
-    DFlash drafting program's output rows), then the sampler's temperature, top_k, top_p, seed and position.
+    DFlash drafting program's output rows), then the sampler's columns (`sampling.SAMPLER_COLUMNS`).
     """
 
     width: int
@@ -94,12 +95,12 @@ class StepLayout:
     @property
     def parts(self) -> tuple[tuple[str, tuple[int, ...], np.dtype], ...]:
         w, s, r = self.width, self.segments, self.rows
-        i32, f32, u32 = np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.uint32)
+        i32 = np.dtype(np.int32)
         return (("tokens", (w,), i32), ("token_src", (w,), i32), ("positions", (w,), i32),
                 ("slots", (self.groups, w), i32), ("seq_info", (s, 4), i32),
                 *((f"table_changes_{g}", (self.changes, 3), i32) for g in range(self.groups)),
-                ("rows", (r,), i32), ("draft_rows", (r,), i32), ("temperature", (r,), f32), ("top_k", (r,), i32),
-                ("top_p", (r,), f32), ("seed", (r,), u32), ("position", (r,), i32))
+                ("rows", (r,), i32), ("draft_rows", (r,), i32),
+                *((name, (r,), np.dtype(dtype)) for name, dtype in SAMPLER_COLUMNS))
 
     @functools.cached_property
     def spans(self) -> tuple[tuple[str, int, int, tuple[int, ...], np.dtype], ...]:
@@ -122,8 +123,7 @@ class StepLayout:
     def pack(self, tokens, token_src, meta: DeviceMeta, rows, sampler=None, draft_rows=None) -> np.ndarray:
         """The host arrays of one step as one i32[size] (a missing sampler or draft_rows: zeros); each group's
         table changes (at most `changes`) padded with entries past the tables."""
-        fields = ((sampler.temperature, sampler.top_k, sampler.top_p, sampler.seed, sampler.position)
-                  if sampler is not None else (None,) * 5)
+        fields = _fields(sampler) if sampler is not None else (None,) * len(SAMPLER_COLUMNS)
         if len(meta.slots) != self.groups or len(meta.table_changes) != self.groups:
             raise ValueError(f"step inputs for {len(meta.slots)} slot and {len(meta.table_changes)} table-change "
                              f"groups; the width-{self.width} layout holds {self.groups}")
@@ -164,7 +164,7 @@ class StepLayout:
         return tuple(parts[f"table_changes_{g}"] for g in range(self.groups))
 
     def sampler(self, parts: dict[str, jax.Array]) -> tuple:
-        return tuple(parts[k] for k in ("temperature", "top_k", "top_p", "seed", "position"))
+        return tuple(parts[name] for name, _ in SAMPLER_COLUMNS)
 
 
 def forward_name(width: int) -> str:
@@ -237,7 +237,7 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
                KVState.parts(), (k, v) or in a scaled cache (k, v, k_scale, v_scale); tables: per layer group
                the page table i32[max_seqs, P_g]; host: the step's inputs packed by `StepLayout.of(W, ...)`:
                tokens, token_src, the metadata (positions, slots, seq_info, page-table changes), the sampled
-               rows and the sampler (temperature, top_k, top_p, seed, position)
+               rows and the sampler (`sampling.SAMPLER_COLUMNS`)
     sample:    (logits f32[R, V], sampler tuple)
     sample_argmax: (logits f32[R, V],)
     logprobs:  (logits f32[R, V], tokens i32[R])
@@ -259,7 +259,7 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
     if cache.scaled:
         kv += tuple(tuple(_spec(scale_pool_shape(*shape), np.float32, placed[part]) for shape in pages)
                     for part in (2, 3))
-    sampler = (_spec((rows,), np.float32), i32(rows), _spec((rows,), np.float32), _spec((rows,), np.uint32), i32(rows))
+    sampler = tuple(_spec((rows,), dtype) for _, dtype in SAMPLER_COLUMNS)
     logits = _spec((rows, vocab_size), np.float32)
     if name == "sample":
         return logits, sampler

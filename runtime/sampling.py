@@ -1,4 +1,4 @@
-"""Device samplers: greedy argmax, and per-row temperature / top-k / top-p draws.
+"""Device samplers: greedy argmax, and per-row temperature / min-p / top-k / top-p draws.
 
 Every function here is pure and jittable with static shapes (R rows, V vocab);
 the engine jits them once at start (or fuses them into the step) and the token
@@ -28,6 +28,12 @@ _POSITION_LIMIT = 2**31  # positions are int32 on the device
 _INT32_MAX = 2**31 - 1
 
 
+# SamplerInputs' per-row arrays with their dtypes, in the order the programs take them (programs.StepLayout, the
+# `sample` program)
+SAMPLER_COLUMNS = (("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32), ("min_p", np.float32),
+                   ("seed", np.uint32), ("position", np.int32))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplerInputs:
@@ -36,6 +42,7 @@ class SamplerInputs:
     temperature: f32[R]; <= 0 makes the row greedy.
     top_k: i32[R]; 0 (or >= V) keeps every token.
     top_p: f32[R]; in (0, 1], 1 keeps every token.
+    min_p: f32[R]; in [0, 1], 0 keeps every token.
     seed: u32[R]; the request's seed.
     position: i32[R]; position of the token being sampled (the key is
       `fold_in(key(seed), position)`).
@@ -44,6 +51,7 @@ class SamplerInputs:
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
+    min_p: jax.Array
     seed: jax.Array
     position: jax.Array
 
@@ -99,17 +107,18 @@ class SamplerInputs:
             top_k = [min(k, _INT32_MAX) for k in top_k]
         top_k = column(top_k, np.int32, 0)
         top_p = column([p.top_p for p in params_list], np.float32, 1.0)
+        min_p = column([p.min_p for p in params_list], np.float32, 0.0)
         seed = column(row_seeds, np.uint32, 0)
         position = column(positions, np.int32, 0)
-        return cls(temperature, top_k, top_p, seed, position)
+        return cls(temperature, top_k, top_p, min_p, seed, position)
 
 
 def uses_filters(params_list: Sequence[SamplingParams]) -> bool:
-    """Host-side: whether any sampled (non-greedy) request sets top_k or top_p.
+    """Host-side: whether any sampled (non-greedy) request sets top_k, top_p or min_p.
 
     When False, `sample(..., is_filtered=False)` skips the per-row sort.
     """
-    return any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1) for p in params_list)
+    return any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params_list)
 
 
 def sample_argmax(logits: jax.Array) -> jax.Array:
@@ -129,10 +138,11 @@ def _gumbel_noise(seed: jax.Array, position: jax.Array, vocab_size: int) -> jax.
     return jax.vmap(row_noise)(seed, position)
 
 
-def _filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """The tokens each row keeps: its top-k, then of those its top-p nucleus.
+def _filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """The tokens each row keeps: those at least min_p times as likely as its most likely token and among its
+    top-k (both cut the ranking at a place, so their order does not matter), then of those its top-p nucleus.
 
-    scaled: f32[R, V] (temperature applied); top_k: i32[R]; top_p: f32[R] -> bool[R, V], by token id.
+    scaled: f32[R, V] (temperature applied); top_k: i32[R]; top_p, min_p: f32[R] -> bool[R, V], by token id.
     """
     vocab_size = scaled.shape[1]
     token_ids = lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
@@ -142,6 +152,8 @@ def _filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.A
     rank = token_ids  # rank j of sorted column j
     k = jnp.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)
     keep = rank < k[:, None]
+    # p_i >= min_p * p_max, in logits (softmax's normaliser cancels); the most likely token always stays
+    keep &= (-neg_sorted >= -neg_sorted[:, :1] + jnp.log(min_p)[:, None]) | (rank == 0)
     probs = jax.nn.softmax(jnp.where(keep, -neg_sorted, -jnp.inf), axis=-1)
     # Keep a token while the mass ranked strictly above it is < top_p: the smallest
     # prefix reaching top_p, never empty. top_p == 1 keeps all, whatever the rounding.
@@ -155,11 +167,11 @@ def sample(logits: jax.Array, inputs: SamplerInputs, *, is_filtered: bool = True
     """Samples one token per row.
 
     logits: f32/bf16[R, V]. inputs: `SamplerInputs` of [R] arrays.
-    is_filtered (static): False promises that no sampled row sets top_k / top_p
+    is_filtered (static): False promises that no sampled row sets top_k / top_p / min_p
       (see `uses_filters`) and skips the [R, V] sort; rows then get the very tokens
       the filtered path would give them, so it is purely a speed switch.
     Returns i32[R]: argmax for rows with temperature <= 0; otherwise a draw from
-    softmax(logits / temperature) (in float32) restricted to the top_k tokens, then
+    softmax(logits / temperature) (in float32) restricted to the tokens min_p keeps and the top_k tokens, then
     to the top_p nucleus, with the key `fold_in(key(seed), position)`.
     """
     if logits.ndim != 2:
@@ -174,7 +186,7 @@ def sample(logits: jax.Array, inputs: SamplerInputs, *, is_filtered: bool = True
     scaled = logits.astype(jnp.float32) / temperature[:, None]
     perturbed = scaled + _gumbel_noise(inputs.seed.astype(jnp.uint32), inputs.position, vocab_size)
     if is_filtered:  # noise is looked up by token id, so an unfiltered row draws the same token either way
-        perturbed = jnp.where(_filter_mask(scaled, inputs.top_k, inputs.top_p), perturbed, -jnp.inf)
+        perturbed = jnp.where(_filter_mask(scaled, inputs.top_k, inputs.top_p, inputs.min_p), perturbed, -jnp.inf)
     return jnp.where(is_sampled, jnp.argmax(perturbed, axis=-1).astype(jnp.int32), sample_argmax(logits))
 
 

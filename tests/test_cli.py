@@ -50,6 +50,23 @@ def test_generate_streams_tokens(capsys):
     assert [int(t) for t in printed[:6]] == case["greedy"][:6] and printed[6] == "[length]"
 
 
+def test_generate_samples_with_the_engines_filters(capsys):
+    """--top-k, --top-p, --min-p and --seed reach the engine: the same tokens as Engine.generate with them."""
+    case = reference_case()
+    filters = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05, seed=3)
+    argv = ["generate", str(LLAMA), "--prompt-ids", " ".join(map(str, case["prompt"])), "--max-tokens", "10",
+            "--ignore-eos", "--json", "--dtype", "float32", *SMALL,
+            *(x for k, v in filters.items() for x in (f"--{k.replace('_', '-')}", str(v)))]
+    assert main(argv) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["outputs"][0]["token_ids"]
+    engine = Engine.from_pretrained(str(LLAMA), dtype="float32", max_seqs=4, page_size=8, max_step_tokens=64,
+                                    num_pages=64, capacity=128)
+    params = SamplingParams(max_tokens=10, ignore_eos=True, **filters)
+    assert got == engine.generate([case["prompt"]], params)[0].token_ids
+    assert got != engine.generate([case["prompt"]], SamplingParams(max_tokens=10, ignore_eos=True, seed=3,
+                                                                     temperature=0.9))[0].token_ids
+
+
 def test_bad_cli_input_is_a_clear_error(capsys):
     assert main(["generate", str(LLAMA), "--prompt-ids", f"1 2 {VOCAB}", "--max-tokens", "4", *SMALL]) == 2
     assert f"token id {VOCAB} is outside the vocabulary [0, {VOCAB})" in capsys.readouterr().err

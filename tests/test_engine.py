@@ -328,6 +328,7 @@ def test_a_step_uploads_its_host_inputs_as_one_array():
     meta = DeviceMeta(ints(6), (ints(6), ints(6)), ints(4, 4), table_changes=changes)
     sampler = SamplerInputs(rng.standard_normal(5).astype(np.float32), ints(5),
                             np.array([np.nan, -0.0, 1.0, 1e-38, np.inf], np.float32),
+                            rng.random(5).astype(np.float32),
                             rng.integers(0, 2**32, 5, dtype=np.uint64).astype(np.uint32), ints(5))
     tokens, token_src, rows = ints(6), ints(6), ints(5)
     host = layout.pack(tokens, token_src, meta, rows, sampler)
@@ -342,8 +343,8 @@ def test_a_step_uploads_its_host_inputs_as_one_array():
                       (back.positions, meta.positions), (back.seq_info, meta.seq_info),
                       *zip(back.slots, meta.slots), (back.page_tables[1], tables[1]),
                       *zip(layout.table_changes(parts), (changes[0], np.concatenate([changes[1], pads]))),
-                      *zip(layout.sampler(parts), (sampler.temperature, sampler.top_k, sampler.top_p, sampler.seed,
-                                                   sampler.position))]:
+                      *zip(layout.sampler(parts), (sampler.temperature, sampler.top_k, sampler.top_p, sampler.min_p,
+                                                   sampler.seed, sampler.position))]:
         assert got.dtype == want.dtype and got.shape == want.shape
         assert np.array_equal(got.view(np.uint8), want.view(np.uint8))  # bit for bit, NaN and -0.0 included
     assert not parts["draft_rows"].any()  # not given: zeros

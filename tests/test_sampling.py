@@ -53,6 +53,9 @@ def draw(logits: np.ndarray, params: list[SamplingParams], positions, **kwargs) 
         ("top_p", -0.25),
         ("top_p", 1.5),
         ("top_p", float("nan")),
+        ("min_p", -0.25),
+        ("min_p", 1.5),
+        ("min_p", float("nan")),
         ("seed", -1),
         ("seed", 2**32),
         ("seed", 1.0),
@@ -100,22 +103,25 @@ def test_uses_filters():
     assert not uses_filters([SamplingParams(), SamplingParams(temperature=0, top_k=5)])
     assert uses_filters([SamplingParams(), SamplingParams(top_k=5)])
     assert uses_filters([SamplingParams(top_p=0.9)])
+    assert uses_filters([SamplingParams(min_p=0.1)])
+    assert not uses_filters([SamplingParams(temperature=0, min_p=0.1)])
 
 
 # --- SamplerInputs.from_params ----------------------------------------------------------
 
 
 def test_from_params_pads_greedy():
-    params = [SamplingParams(temperature=0.7, top_k=4, top_p=0.8, seed=2**32 - 1)]
+    params = [SamplingParams(temperature=0.7, top_k=4, top_p=0.8, min_p=0.05, seed=2**32 - 1)]
     params.append(SamplingParams(temperature=0.0))  # greedy: seed not needed
     inputs = SamplerInputs.from_params(params, [11, 12], rows=4)
     np.testing.assert_array_equal(inputs.temperature, np.float32([0.7, 0, 0, 0]))
     np.testing.assert_array_equal(inputs.top_k, [4, 0, 0, 0])
     np.testing.assert_array_equal(inputs.top_p, np.float32([0.8, 1, 1, 1]))
+    np.testing.assert_array_equal(inputs.min_p, np.float32([0.05, 0, 0, 0]))
     np.testing.assert_array_equal(inputs.seed, [2**32 - 1, 0, 0, 0])
     np.testing.assert_array_equal(inputs.position, [11, 12, 0, 0])
     dtypes = [leaf.dtype for leaf in jax.tree_util.tree_leaves(inputs)]
-    assert dtypes == [np.float32, np.int32, np.float32, np.uint32, np.int32]
+    assert dtypes == [np.float32, np.int32, np.float32, np.float32, np.uint32, np.int32]
 
 
 def test_from_params_seeds_override_and_errors():
@@ -288,13 +294,19 @@ def test_positions_and_seeds_give_independent_streams():
 
 
 def target_distribution(
-    logits: np.ndarray, temperature: float, top_k: int, top_p: float
+    logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float = 0.0
 ) -> np.ndarray:
-    """Independent float64 reference: softmax(l / T) over the top_k, then the top_p nucleus."""
+    """Independent float64 reference: softmax(l / T), the tokens at least min_p times as likely as the likeliest
+    (vLLM's min-p) and among the top_k, then the top_p nucleus of those."""
     scaled = logits.astype(np.float64) / temperature
     order = np.lexsort((np.arange(len(scaled)), -scaled))  # descending, ties by id
     keep = np.zeros(len(scaled), bool)
     keep[order[: top_k or len(scaled)]] = True
+    full = np.exp(scaled - scaled.max())
+    full /= full.sum()
+    # Keep the case well-posed: float32 rounding must not move the min-p edge.
+    assert min_p == 0 or np.abs(full / full.max() - min_p).min() > 1e-4
+    keep &= full >= min_p * full.max()
     probs = np.where(keep, np.exp(scaled - scaled.max()), 0.0)
     probs /= probs.sum()
     mass_above = np.cumsum(probs[order]) - probs[order]
@@ -307,25 +319,29 @@ def target_distribution(
 
 
 @pytest.mark.parametrize(
-    "temperature, top_k, top_p",
-    [(1.0, 0, 1.0), (0.7, 10, 1.0), (1.3, 0, 0.8), (0.6, 20, 0.9), (2.0, 6, 0.5), (1.0, 64, 0.95)],
+    "temperature, top_k, top_p, min_p",
+    [(1.0, 0, 1.0, 0.0), (0.7, 10, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (0.6, 20, 0.9, 0.0), (2.0, 6, 0.5, 0.0),
+     (1.0, 64, 0.95, 0.0), (1.0, 0, 1.0, 0.1), (0.5, 0, 1.0, 0.02), (1.4, 12, 1.0, 0.2), (1.0, 0, 0.7, 0.05)],
 )
-def test_draws_match_target_distribution(temperature, top_k, top_p):
-    rng = case_rng(f"chi2-{temperature}-{top_k}-{top_p}")
+def test_draws_match_target_distribution(temperature, top_k, top_p, min_p):
+    rng = case_rng(f"chi2-{temperature}-{top_k}-{top_p}" + (f"-{min_p}" if min_p else ""))
     num_draws, vocab_size = 20_000, 48
     logits = (rng.normal(size=vocab_size) * 1.5).astype(np.float32)
-    target = target_distribution(logits, temperature, top_k, top_p)
+    target = target_distribution(logits, temperature, top_k, top_p, min_p)
+    if min_p:
+        assert 0 < (target > 0).sum() < vocab_size  # min_p cuts something here
     # One request, fixed seed, drawn at 20k positions.
     inputs = SamplerInputs(
         temperature=np.full(num_draws, temperature, np.float32),
         top_k=np.full(num_draws, top_k, np.int32),
         top_p=np.full(num_draws, top_p, np.float32),
+        min_p=np.full(num_draws, min_p, np.float32),
         seed=np.full(num_draws, 20240611, np.uint32),
         position=np.arange(num_draws, dtype=np.int32),
     )
     tokens = np.asarray(sample_jit(jnp.asarray(np.tile(logits, (num_draws, 1))), inputs))
     counts = np.bincount(tokens, minlength=vocab_size)
-    assert counts[target == 0].sum() == 0, "a token outside top_k / the nucleus was drawn"
+    assert counts[target == 0].sum() == 0, "a token outside min_p / top_k / the nucleus was drawn"
     expected = target * num_draws
     # Pool the rare tokens so every chi-square bin expects >= 5 draws.
     is_rare = (expected < 5) & (target > 0)

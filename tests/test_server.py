@@ -74,12 +74,13 @@ SEEDED = dict(max_tokens=16, temperature=0.8, top_k=20, top_p=0.9, seed=7, ignor
 
 
 def openai_args(params: dict) -> dict:
-    extra = {"ignore_eos": params["ignore_eos"], **({"top_k": params["top_k"]} if "top_k" in params else {})}
+    extra = {"ignore_eos": params["ignore_eos"], **{k: params[k] for k in ("top_k", "min_p") if k in params}}
     return dict(max_tokens=params["max_tokens"], temperature=params["temperature"], top_p=params.get("top_p", 1.0),
                 seed=params.get("seed"), extra_body=extra)
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED, dict(SEEDED, top_k=0, top_p=1.0, min_p=0.05)],
+                         ids=["greedy", "seeded", "min_p"])
 def test_completions_equal_engine_generate(client, engine, params):
     for prompt in PROMPTS[:2]:
         want = generate(engine, prompt, **params)
@@ -273,11 +274,12 @@ BAD = [  # (body or raw bytes, headers, status, part of the message)
     ({"prompt": "hi", "response_format": {"type": "json_object"}}, None, 400, "response_format="),
     ({"prompt": "hi", "prompt_logprobs": 0}, None, 400, "prompt_logprobs=0 is not supported by this server (only leaving"),
     ({"prompt": "hi", "stop": 5}, None, 400, "stop must be a string or a list of strings"),
+    ({"prompt": "hi", "min_p": 1.5}, None, 400, "min_p must be in [0, 1], got 1.5"),
     ({"prompt": "hi", "stop": ["x"] * (MAX_STOP + 1)}, None, 400, f"at most {MAX_STOP} strings"),
     ({"prompt": "hi", "stop": ["x" * (MAX_STOP_CHARS + 1)]}, None, 400, f"of at most {MAX_STOP_CHARS} characters"),
 ]
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {},
-           "min_tokens": 0, "best_of": 1, "response_format": {"type": "text"}, "stop": [""]}  # "off": accepted
+           "min_tokens": 0, "best_of": 1, "response_format": {"type": "text"}, "stop": [""], "min_p": 0}  # "off"
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, engine):
