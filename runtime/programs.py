@@ -123,7 +123,7 @@ class StepLayout:
     def pack(self, tokens, token_src, meta: DeviceMeta, rows, sampler=None, draft_rows=None) -> np.ndarray:
         """The host arrays of one step as one i32[size] (a missing sampler or draft_rows: zeros); each group's
         table changes (at most `changes`) padded with entries past the tables."""
-        fields = _fields(sampler) if sampler is not None else (None,) * len(SAMPLER_COLUMNS)
+        fields = tuple(None if sampler is None else getattr(sampler, name) for name, _ in SAMPLER_COLUMNS)
         if len(meta.slots) != self.groups or len(meta.table_changes) != self.groups:
             raise ValueError(f"step inputs for {len(meta.slots)} slot and {len(meta.table_changes)} table-change "
                              f"groups; the width-{self.width} layout holds {self.groups}")
@@ -197,11 +197,6 @@ def _chunks(groups, size: int, pad_row: tuple[int, ...]):
     groups = [np.asarray(c, np.int32).reshape(-1, len(pad_row)) for c in groups]
     for start in range(0, max((len(c) for c in groups), default=0), size):
         yield tuple(_padded(c[start:start + size], size, pad_row) for c in groups)
-
-
-def _fields(x) -> tuple:
-    """A dataclass's fields as a plain tuple (the programs' argument convention)."""
-    return tuple(getattr(x, f.name) for f in dataclasses.fields(x))
 
 
 def num_segments(width: int, max_seqs: int) -> int:
@@ -411,7 +406,7 @@ class Runner:
 
     def sample(self, logits, sampler) -> jax.Array:
         """Tokens i32[R] with every row's top-k / top-p applied."""
-        return self.programs["sample"](logits, _fields(sampler))
+        return self.programs["sample"](logits, tuple(getattr(sampler, name) for name, _ in SAMPLER_COLUMNS))
 
     def run_draft(self, width: int, params: dict, kv: KVState, host: np.ndarray):
         """DFlash drafting before a verifying step, on the step packed with `draft_rows` as both its rows and its

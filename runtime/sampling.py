@@ -152,8 +152,9 @@ def _filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: j
     rank = token_ids  # rank j of sorted column j
     k = jnp.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)
     keep = rank < k[:, None]
-    # p_i >= min_p * p_max, in logits (softmax's normaliser cancels); the most likely token always stays
-    keep &= (-neg_sorted >= -neg_sorted[:, :1] + jnp.log(min_p)[:, None]) | (rank == 0)
+    # drop p_i < min_p * p_max, in logits (softmax's normaliser cancels), as vLLM masks: the most likely token
+    # always stays, and a NaN compares False, so min_p 0 keeps every token as no filter would
+    keep &= ~(-neg_sorted < -neg_sorted[:, :1] + jnp.log(min_p)[:, None])
     probs = jax.nn.softmax(jnp.where(keep, -neg_sorted, -jnp.inf), axis=-1)
     # Keep a token while the mass ranked strictly above it is < top_p: the smallest
     # prefix reaching top_p, never empty. top_p == 1 keeps all, whatever the rounding.

@@ -199,8 +199,20 @@ def test_degenerate_filters_are_argmax():
     logits = rng.normal(size=(64, 500)).astype(np.float32)
     greedy = np.asarray(sample_argmax(jnp.asarray(logits)))
     positions = np.arange(64)
-    for params in (SamplingParams(top_k=1, seed=9), SamplingParams(top_p=1e-6, seed=9)):
+    for params in (SamplingParams(top_k=1, seed=9), SamplingParams(top_p=1e-6, seed=9),
+                   SamplingParams(min_p=1.0, seed=9)):
         np.testing.assert_array_equal(draw(logits, [params] * 64, positions), greedy)
+
+
+def test_the_filtered_path_draws_what_the_plain_one_does_for_unfiltered_rows():
+    """A row without filters gets the same token on either path, even with NaN or infinite logits beside it
+    (is_filtered is a speed switch only)."""
+    rng = case_rng("nan-rows")
+    logits = rng.normal(size=(32, 64)).astype(np.float32)
+    logits[:, 5], logits[:, 9] = np.nan, -np.inf
+    inputs = SamplerInputs.from_params([SamplingParams(seed=4)] * 32, list(range(32)), rows=32)
+    np.testing.assert_array_equal(np.asarray(sample_jit(jnp.asarray(logits), inputs, is_filtered=True)),
+                                  np.asarray(sample_jit(jnp.asarray(logits), inputs, is_filtered=False)))
 
 
 # --- the random stream --------------------------------------------------------------
