@@ -123,7 +123,7 @@ class StepLayout:
     def pack(self, tokens, token_src, meta: DeviceMeta, rows, sampler=None, draft_rows=None) -> np.ndarray:
         """The host arrays of one step as one i32[size] (a missing sampler or draft_rows: zeros); each group's
         table changes (at most `changes`) padded with entries past the tables."""
-        fields = tuple(None if sampler is None else getattr(sampler, name) for name, _ in SAMPLER_COLUMNS)
+        fields = (None,) * len(SAMPLER_COLUMNS) if sampler is None else sampler.columns()
         if len(meta.slots) != self.groups or len(meta.table_changes) != self.groups:
             raise ValueError(f"step inputs for {len(meta.slots)} slot and {len(meta.table_changes)} table-change "
                              f"groups; the width-{self.width} layout holds {self.groups}")
@@ -406,7 +406,7 @@ class Runner:
 
     def sample(self, logits, sampler) -> jax.Array:
         """Tokens i32[R] with every row's top-k / top-p applied."""
-        return self.programs["sample"](logits, tuple(getattr(sampler, name) for name, _ in SAMPLER_COLUMNS))
+        return self.programs["sample"](logits, sampler.columns())
 
     def run_draft(self, width: int, params: dict, kv: KVState, host: np.ndarray):
         """DFlash drafting before a verifying step, on the step packed with `draft_rows` as both its rows and its

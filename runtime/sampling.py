@@ -55,6 +55,15 @@ class SamplerInputs:
     seed: jax.Array
     position: jax.Array
 
+    def columns(self) -> tuple:
+        """The arrays in `SAMPLER_COLUMNS`' order: the programs' argument convention."""
+        return tuple(getattr(self, name) for name, _ in SAMPLER_COLUMNS)
+
+    @classmethod
+    def from_columns(cls, values) -> SamplerInputs:
+        """The inverse of `columns`."""
+        return cls(**{name: value for (name, _), value in zip(SAMPLER_COLUMNS, values, strict=True)})
+
     @classmethod
     def from_params(
         cls,

@@ -167,7 +167,7 @@ def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str, layout: Step
         logits, kv = run_model(graphdef, backend, unflatten(params, like), KVState(*kv), tokens,
                                layout.meta(parts, tables), parts["rows"], draft, params, axis)
         logits = logits[:, :model.vocab_size]  # under tensor parallelism, the vocabulary's padding cut off
-        tokens = sample(logits, SamplerInputs(*layout.sampler(parts)), is_filtered=False)
+        tokens = sample(logits, SamplerInputs.from_columns(layout.sampler(parts)), is_filtered=False)
         return tokens, logits, kv.parts(), tables
 
     if n > 1:
@@ -185,7 +185,7 @@ def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str, layout: Step
 
 @jax.jit
 def _sample_filtered(logits, sampler):
-    return sample(logits, SamplerInputs(*sampler), is_filtered=True)
+    return sample(logits, SamplerInputs.from_columns(sampler), is_filtered=True)
 
 
 @jax.jit

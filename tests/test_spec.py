@@ -211,8 +211,8 @@ def test_verification_is_the_rejection_rule_for_a_deterministic_draft():
         p = np.exp(z - z.max())
         p /= p.sum()
         sampler = SamplerInputs(jnp.full(rows, temperature, jnp.float32), jnp.full(rows, top_k, jnp.int32),
-                                jnp.ones(rows, jnp.float32), jnp.zeros(rows, jnp.float32), jnp.arange(rows, dtype=jnp.uint32),
-                                jnp.full(rows, 7, jnp.int32))
+                                jnp.ones(rows, jnp.float32), jnp.zeros(rows, jnp.float32),
+                                jnp.arange(rows, dtype=jnp.uint32), jnp.full(rows, 7, jnp.int32))
         drawn = np.asarray(jax.jit(sample, static_argnames="is_filtered")(
             jnp.tile(logits, (rows, 1)), sampler, is_filtered=top_k > 0))
         blocks = [committed(np.array([t, 5]), np.array([proposal, -1]), 0, 2) for t in drawn]
