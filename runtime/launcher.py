@@ -71,14 +71,23 @@ _LAUNCHERS: weakref.WeakSet[Launcher] = weakref.WeakSet()  # the threaded ones a
 
 def _launch_loop(jobs: queue.SimpleQueue) -> None:
     """The launch thread: runs (future, job) pairs until it is handed None. Holds no reference to its launcher,
-    which may then be collected (and hand it None)."""
+    which may then be collected (and hand it None).
+
+    Once a job's future is resolved, whoever waited on it may be leaving the interpreter, so this thread frees
+    nothing after that: a job's captures go before, its future and result when the next job comes. (Freeing a jax
+    array may give the GIL up inside C++; a daemon thread taking it back while the interpreter finalizes is ended
+    by a forced unwind, which aborts the process there: "FATAL: exception not rethrown".)"""
     while (item := jobs.get()) is not None:
         done, job = item
+        del item
         try:
-            done.set_result(job())
+            result = job()
         except BaseException as e:  # noqa: BLE001 - the future carries it to whoever takes the result
+            del job  # the exception's traceback holds the job's frames; the launcher's `error` keeps it too
             done.set_exception(e)
-        del item, done, job
+        else:
+            del job
+            done.set_result(result)
 
 
 def _finish_launches() -> None:
