@@ -123,11 +123,11 @@ class SamplerInputs:
 
 
 def uses_filters(params_list: Sequence[SamplingParams]) -> bool:
-    """Host-side: whether any sampled (non-greedy) request sets top_k, top_p or min_p.
-
-    When False, `sample(..., is_filtered=False)` skips the per-row sort.
+    """Host-side: whether any sampled (non-greedy) request sets top_k or top_p, the filters that rank the
+    vocabulary. When False, `sample(..., is_filtered=False)` skips the per-row sort; min_p needs none (only each
+    row's largest logit), so both paths apply it.
     """
-    return any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params_list)
+    return any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1) for p in params_list)
 
 
 def sample_argmax(logits: jax.Array) -> jax.Array:
@@ -147,6 +147,13 @@ def _gumbel_noise(seed: jax.Array, position: jax.Array, vocab_size: int) -> jax.
     return jax.vmap(row_noise)(seed, position)
 
 
+def _min_p_mask(scaled: jax.Array, largest: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Drop p_i < min_p * p_max, in logits (softmax's normaliser cancels), as vLLM masks: the most likely token
+    always stays, and a NaN compares False, so min_p 0 keeps every token as no filter would.
+    scaled: f32[R, V]; largest: f32[R, 1], each row's largest; min_p: f32[R] -> bool[R, V]."""
+    return ~(scaled < largest + jnp.log(min_p)[:, None])
+
+
 def _filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
     """The tokens each row keeps: those at least min_p times as likely as its most likely token and among its
     top-k (both cut the ranking at a place, so their order does not matter), then of those its top-p nucleus.
@@ -161,9 +168,7 @@ def _filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: j
     rank = token_ids  # rank j of sorted column j
     k = jnp.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)
     keep = rank < k[:, None]
-    # drop p_i < min_p * p_max, in logits (softmax's normaliser cancels), as vLLM masks: the most likely token
-    # always stays, and a NaN compares False, so min_p 0 keeps every token as no filter would
-    keep &= ~(-neg_sorted < -neg_sorted[:, :1] + jnp.log(min_p)[:, None])
+    keep &= _min_p_mask(-neg_sorted, -neg_sorted[:, :1], min_p)
     probs = jax.nn.softmax(jnp.where(keep, -neg_sorted, -jnp.inf), axis=-1)
     # Keep a token while the mass ranked strictly above it is < top_p: the smallest
     # prefix reaching top_p, never empty. top_p == 1 keeps all, whatever the rounding.
@@ -177,9 +182,9 @@ def sample(logits: jax.Array, inputs: SamplerInputs, *, is_filtered: bool = True
     """Samples one token per row.
 
     logits: f32/bf16[R, V]. inputs: `SamplerInputs` of [R] arrays.
-    is_filtered (static): False promises that no sampled row sets top_k / top_p / min_p
-      (see `uses_filters`) and skips the [R, V] sort; rows then get the very tokens
-      the filtered path would give them, so it is purely a speed switch.
+    is_filtered (static): False promises that no sampled row sets top_k / top_p (see `uses_filters`)
+      and skips the [R, V] sort (min_p, which needs none, applies either way); rows then get the very
+      tokens the filtered path would give them, so it is purely a speed switch.
     Returns i32[R]: argmax for rows with temperature <= 0; otherwise a draw from
     softmax(logits / temperature) (in float32) restricted to the tokens min_p keeps and the top_k tokens, then
     to the top_p nucleus, with the key `fold_in(key(seed), position)`.
@@ -195,8 +200,10 @@ def sample(logits: jax.Array, inputs: SamplerInputs, *, is_filtered: bool = True
     temperature = jnp.where(is_sampled, inputs.temperature, 1.0).astype(jnp.float32)
     scaled = logits.astype(jnp.float32) / temperature[:, None]
     perturbed = scaled + _gumbel_noise(inputs.seed.astype(jnp.uint32), inputs.position, vocab_size)
-    if is_filtered:  # noise is looked up by token id, so an unfiltered row draws the same token either way
-        perturbed = jnp.where(_filter_mask(scaled, inputs.top_k, inputs.top_p, inputs.min_p), perturbed, -jnp.inf)
+    # noise is looked up by token id, so a row draws the same token on either path
+    keep = _filter_mask(scaled, inputs.top_k, inputs.top_p, inputs.min_p) if is_filtered \
+        else _min_p_mask(scaled, jnp.max(scaled, axis=-1, keepdims=True), inputs.min_p)
+    perturbed = jnp.where(keep, perturbed, -jnp.inf)
     return jnp.where(is_sampled, jnp.argmax(perturbed, axis=-1).astype(jnp.int32), sample_argmax(logits))
 
 

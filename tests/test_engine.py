@@ -113,6 +113,24 @@ def test_batched_equals_solo_equals_with_other_traffic():
     assert engine.generate(prompts, params)[1].token_ids == together[1]  # seeded: reproducible
 
 
+def test_min_p_alone_draws_what_it_draws_beside_a_ranked_request():
+    """min_p alone is applied by the forward's own draw (no sort); beside a top-k request the step's rows are
+    redrawn by the `sample` program, which sorts: the same tokens either way."""
+    engine = tiny_engine()
+    min_p = SamplingParams(max_tokens=16, temperature=1.5, min_p=0.5, seed=7, ignore_eos=True)
+    ranked = SamplingParams(max_tokens=16, temperature=0.9, top_k=5, seed=8, ignore_eos=True)
+    sampled = []
+    run_sample = engine.runner.sample
+    engine.runner.sample = lambda *args: sampled.append(1) or run_sample(*args)
+    alone = engine.generate([[3, 4, 5]], min_p)[0].token_ids
+    assert not sampled  # no `sample` program: the forward drew them
+    beside = engine.generate([[3, 4, 5], [6, 7]], [min_p, ranked])[0].token_ids
+    assert sampled
+    assert alone == beside
+    plain = SamplingParams(max_tokens=16, temperature=1.5, seed=7, ignore_eos=True)
+    assert engine.generate([[3, 4, 5]], plain)[0].token_ids != alone  # and min_p did cut what it drew
+
+
 def test_page_pressure_preempts_and_recovers():
     roomy = tiny_engine(capacity=64)
     tight = tiny_engine(capacity=64, num_pages=12)  # 11 usable pages of 8 rows: far fewer than 10 requests need

@@ -103,7 +103,7 @@ def test_uses_filters():
     assert not uses_filters([SamplingParams(), SamplingParams(temperature=0, top_k=5)])
     assert uses_filters([SamplingParams(), SamplingParams(top_k=5)])
     assert uses_filters([SamplingParams(top_p=0.9)])
-    assert uses_filters([SamplingParams(min_p=0.1)])
+    assert not uses_filters([SamplingParams(min_p=0.1)])  # no ranking: the forward's own draw applies it
     assert not uses_filters([SamplingParams(temperature=0, min_p=0.1)])
 
 
@@ -202,17 +202,22 @@ def test_degenerate_filters_are_argmax():
     for params in (SamplingParams(top_k=1, seed=9), SamplingParams(top_p=1e-6, seed=9),
                    SamplingParams(min_p=1.0, seed=9)):
         np.testing.assert_array_equal(draw(logits, [params] * 64, positions), greedy)
+    np.testing.assert_array_equal(draw(logits, [SamplingParams(min_p=1.0, seed=9)] * 64, positions,
+                                       is_filtered=False), greedy)
 
 
-def test_the_filtered_path_draws_what_the_plain_one_does_for_unfiltered_rows():
-    """A row without filters gets the same token on either path, even with NaN or infinite logits beside it
-    (is_filtered is a speed switch only)."""
-    rng = case_rng("nan-rows")
-    logits = rng.normal(size=(32, 64)).astype(np.float32)
-    logits[:, 5], logits[:, 9] = np.nan, -np.inf
-    inputs = SamplerInputs.from_params([SamplingParams(seed=4)] * 32, list(range(32)), rows=32)
-    np.testing.assert_array_equal(np.asarray(sample_jit(jnp.asarray(logits), inputs, is_filtered=True)),
-                                  np.asarray(sample_jit(jnp.asarray(logits), inputs, is_filtered=False)))
+@pytest.mark.parametrize("min_p", [0.0, 0.05, 0.3])
+def test_the_filtered_path_draws_what_the_plain_one_does_for_unranked_rows(min_p):
+    """A row without top-k/top-p gets the same token on either path, min_p or not, even with NaN or infinite
+    logits beside it (is_filtered is a speed switch only; min_p, needing no sort, applies on both)."""
+    rng = case_rng(f"nan-rows-{min_p}")
+    logits = (rng.normal(size=(64, 64)) * 2).astype(np.float32)
+    logits[:32, 5], logits[:32, 9], logits[40, 7] = np.nan, -np.inf, np.inf
+    params = [SamplingParams(seed=4, min_p=min_p, temperature=0.5 + i % 3) for i in range(64)]
+    inputs = SamplerInputs.from_params(params, list(range(64)), rows=64)
+    filtered = np.asarray(sample_jit(jnp.asarray(logits), inputs, is_filtered=True))
+    np.testing.assert_array_equal(filtered, np.asarray(sample_jit(jnp.asarray(logits), inputs, is_filtered=False)))
+    assert filtered[40] == 7  # an infinite logit leaves min_p nothing else (min_p 0: it wins the draw anyway)
 
 
 # --- the random stream --------------------------------------------------------------
@@ -352,6 +357,9 @@ def test_draws_match_target_distribution(temperature, top_k, top_p, min_p):
         position=np.arange(num_draws, dtype=np.int32),
     )
     tokens = np.asarray(sample_jit(jnp.asarray(np.tile(logits, (num_draws, 1))), inputs))
+    if top_k == 0 and top_p == 1:  # nothing ranks: the step's own draw (no sort) gives these very tokens
+        np.testing.assert_array_equal(
+            np.asarray(sample_jit(jnp.asarray(np.tile(logits, (num_draws, 1))), inputs, is_filtered=False)), tokens)
     counts = np.bincount(tokens, minlength=vocab_size)
     assert counts[target == 0].sum() == 0, "a token outside min_p / top_k / the nucleus was drawn"
     expected = target * num_draws
