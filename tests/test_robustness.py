@@ -292,21 +292,24 @@ def test_a_launch_that_never_returns_does_not_keep_the_process_alive(tmp_path):
     assert done.stdout.strip() == "stuck"  # the launch did hang, and the process exited anyway
 
 
+EXIT_HOOK_GENERATES = """
+    import atexit
+    from glint.runtime.params import SamplingParams
+
+    @atexit.register
+    def last():
+        print(len(eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))[0].token_ids),
+              flush=True)
+
+    from test_robustness import engine
+    eng = engine()
+"""  # an exit hook, registered before the engine's launch thread starts, generates 3 tokens
+
+
 def test_an_exit_hook_may_still_generate(tmp_path):
     """The launch thread outlives the interpreter's exit hooks registered before it: one of them can still
     generate (it would wait forever on a launch thread already told to end)."""
-    done = run_script(tmp_path, """
-        import atexit
-        from glint.runtime.params import SamplingParams
-
-        @atexit.register
-        def last():
-            print(len(eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))[0].token_ids),
-                  flush=True)
-
-        from test_robustness import engine
-        eng = engine()
-    """)
+    done = run_script(tmp_path, EXIT_HOOK_GENERATES)
     assert done.returncode == 0 and done.stdout.strip() == "3", done.stderr[-2000:]
 
 
@@ -314,35 +317,26 @@ def test_the_launch_thread_frees_nothing_once_an_exit_hook_has_its_tokens(tmp_pa
     """What a job captured is freed before its future resolves, not after: here freeing it runs a jax program (a
     C++ call that gives the GIL up, then takes it back). Freed after, it ran while the interpreter finalized, and
     the launch thread's forced unwind aborted the process ("FATAL: exception not rethrown")."""
-    done = run_script(tmp_path, """
-        import atexit
-        import jax
-        import jax.numpy as jnp
-        from glint.runtime.params import SamplingParams
+    done = run_script(tmp_path, EXIT_HOOK_GENERATES + """
+    import jax
+    import jax.numpy as jnp
 
-        @atexit.register
-        def last():
-            print(len(eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))[0].token_ids),
-                  flush=True)
+    x = jnp.ones((1024, 1024))
+    slow = jax.jit(lambda a: (a @ a) @ a)
+    slow(x).block_until_ready()
 
-        from test_robustness import engine
-        eng = engine()
-        x = jnp.ones((1024, 1024))
-        slow = jax.jit(lambda a: (a @ a) @ a)
-        slow(x).block_until_ready()
+    class Freed:
+        def __del__(self):
+            slow(x).block_until_ready()
 
-        class Freed:
-            def __del__(self):
-                slow(x).block_until_ready()
+    launcher, submit = eng._launcher, eng._launcher.submit
 
-        launcher, submit = eng._launcher, eng._launcher.submit
+    def with_capture(job):
+        freed = Freed()
+        return submit(lambda: (freed, job())[1])
 
-        def with_capture(job):
-            freed = Freed()
-            return submit(lambda: (freed, job())[1])
-
-        launcher.submit = with_capture
-    """)
+    launcher.submit = with_capture
+""")
     assert done.returncode == 0 and done.stdout.strip() == "3", done.stderr[-2000:]
 
 
