@@ -200,11 +200,14 @@ def sample(logits: jax.Array, inputs: SamplerInputs, *, is_filtered: bool = True
     temperature = jnp.where(is_sampled, inputs.temperature, 1.0).astype(jnp.float32)
     scaled = logits.astype(jnp.float32) / temperature[:, None]
     perturbed = scaled + _gumbel_noise(inputs.seed.astype(jnp.uint32), inputs.position, vocab_size)
+    greedy = sample_argmax(logits)
+    if is_filtered:
+        keep = _filter_mask(scaled, inputs.top_k, inputs.top_p, inputs.min_p)
+    else:  # the row's largest scaled logit is at its argmax (dividing by temperature > 0 keeps the order): no pass
+        keep = _min_p_mask(scaled, jnp.take_along_axis(scaled, greedy[:, None], axis=1), inputs.min_p)
     # noise is looked up by token id, so a row draws the same token on either path
-    keep = _filter_mask(scaled, inputs.top_k, inputs.top_p, inputs.min_p) if is_filtered \
-        else _min_p_mask(scaled, jnp.max(scaled, axis=-1, keepdims=True), inputs.min_p)
     perturbed = jnp.where(keep, perturbed, -jnp.inf)
-    return jnp.where(is_sampled, jnp.argmax(perturbed, axis=-1).astype(jnp.int32), sample_argmax(logits))
+    return jnp.where(is_sampled, jnp.argmax(perturbed, axis=-1).astype(jnp.int32), greedy)
 
 
 class Logprobs(NamedTuple):
