@@ -23,7 +23,9 @@ class Launcher:
     the failed one may have consumed).
 
     The thread is a daemon, so a launch that never returns (a hung driver) cannot keep the process from exiting;
-    at exit a launch under way gets EXIT_WAIT_S to finish first. It ends with its launcher.
+    at exit a launch under way gets EXIT_WAIT_S to finish first, and jobs submitted after that (by an exit hook
+    that runs later) run in the caller: nothing is left running on the thread when the interpreter finalizes.
+    It ends with its launcher.
     """
 
     EXIT_WAIT_S = 10.0
@@ -46,6 +48,14 @@ class Launcher:
         if self._jobs is None:
             done.set_result(job())
             return done
+        if _exiting:  # after the exit hook: in the caller, once the thread has run what it was given
+            self.drain()
+            try:
+                done.set_result(self._guarded(job))
+            except BaseException as e:  # noqa: BLE001 - the future carries it to whoever takes the result
+                done.set_exception(e)
+            self._last = done
+            return done
         self._last = done
         self._jobs.put((done, functools.partial(self._guarded, job)))
         time.sleep(0)  # let the launch thread take the GIL now, not after this thread's next switch interval
@@ -67,6 +77,7 @@ class Launcher:
 
 
 _LAUNCHERS: weakref.WeakSet[Launcher] = weakref.WeakSet()  # the threaded ones alive, for the exit hook
+_exiting = False  # set by the exit hook: launches run in the caller from then on
 
 
 def _launch_loop(jobs: queue.SimpleQueue) -> None:
@@ -83,14 +94,20 @@ def _launch_loop(jobs: queue.SimpleQueue) -> None:
         try:
             result = job()
         except BaseException as e:  # noqa: BLE001 - the future carries it to whoever takes the result
-            del job  # the exception's traceback holds the job's frames; the launcher's `error` keeps it too
+            del job
             done.set_exception(e)
+            # Not kept: the exception's traceback holds the launcher and the engine (their frames), which this
+            # frame would keep alive for good (no next job comes to a failed engine). The launcher's `error`
+            # holds the exception, so only the future's shell is freed here.
+            del done
         else:
             del job
             done.set_result(result)
 
 
 def _finish_launches() -> None:
+    global _exiting
+    _exiting = True
     for launcher in list(_LAUNCHERS):
         launcher.drain(timeout=Launcher.EXIT_WAIT_S)
 

@@ -1,6 +1,7 @@
 """Interrupts and exceptions anywhere in a step lose nothing; a failed generate() leaves no orphan; prompts are
 taken only as integer ids, with messages that say what was wrong."""
 import dataclasses
+import gc
 import json
 import os
 import pathlib
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -338,6 +340,60 @@ def test_the_launch_thread_frees_nothing_once_an_exit_hook_has_its_tokens(tmp_pa
     launcher.submit = with_capture
 """)
     assert done.returncode == 0 and done.stdout.strip() == "3", done.stderr[-2000:]
+
+
+def test_an_exit_hook_whose_request_stops_on_a_token_leaves_nothing_launching(tmp_path):
+    """A request that ends on a stop token leaves the step after it dispatched when `generate` returns. From an exit
+    hook that runs after the launcher's own, that launch runs in the caller: on the launch thread it ran (here, slowly
+    in a jax program) while the interpreter finalized, and the thread's forced unwind aborted the process."""
+    done = run_script(tmp_path, """
+    import atexit
+    import jax
+    import jax.numpy as jnp
+    from glint.runtime.params import SamplingParams
+
+    @atexit.register
+    def last():
+        params = SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[greedy[2]])
+        got = eng.generate([[5, 6, 7]], params)[0].token_ids
+        print(len(got), greedy.index(greedy[2]) + 1, eng._inflight is not None, flush=True)
+
+    from test_robustness import engine
+    eng = engine()
+    greedy = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0].token_ids
+    x = jnp.ones((1024, 1024))
+    slow = jax.jit(lambda a: (a @ a) @ a)
+    slow(x).block_until_ready()
+    launcher, submit = eng._launcher, eng._launcher.submit
+    launcher.submit = lambda job: submit(lambda: (job(), slow(x).block_until_ready())[0])
+""")
+    assert done.returncode == 0, done.stderr[-2000:]
+    got, want, in_flight = done.stdout.split()
+    assert got == want and in_flight == "True"  # it stopped on the token, with the next step dispatched
+
+
+def test_a_failed_engine_is_freed_with_its_launch_thread():
+    """After a launch failed on the launch thread, dropping the engine frees it and ends its thread: an engine
+    built in its place (as EngineFailed says to) does not sit beside the failed one's weights and pools."""
+    before = {t for t in threading.enumerate() if t.name == "glint-launch"}
+    eng = engine()
+    thread, = {t for t in threading.enumerate() if t.name == "glint-launch"} - before
+    fail_launch(eng, 2, "the device failed")
+    eng.add_request([5, 6, 7], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    failed = False
+    for _ in range(10):
+        try:
+            eng.step()
+        except EngineFailed:
+            failed = True
+            break
+    assert failed
+    freed = weakref.ref(eng)
+    del eng
+    gc.collect()
+    assert freed() is None
+    thread.join(5.0)
+    assert not thread.is_alive()
 
 
 def test_a_sigint_handler_that_does_not_raise_gets_every_token_once():
