@@ -50,8 +50,8 @@ SIGNATURES = {
                               "i32[R] (zeros), temperature f32[R], top_k i32[R], top_p f32[R], min_p f32[R], "
                               "seed u32[R], position i32[R]"),
                              "prev_tokens i32[R]"],
-                  "outputs": ["tokens i32[R] (argmax, or drawn with min-p, without top-k/top-p)", "logits f32[R, V]", "kv",
-                              "tables (the changes applied)"],
+                  "outputs": ["tokens i32[R] (argmax, or drawn with min-p, without top-k/top-p)", "logits f32[R, V]",
+                              "kv", "tables (the changes applied)"],
                   "donated": ["kv", "tables"]},
     "sample": {"inputs": ["logits f32[R, V]", "sampler"], "outputs": ["tokens i32[R] (min-p/top-k/top-p applied)"]},
     "sample_argmax": {"inputs": ["logits f32[R, V]"], "outputs": ["tokens i32[R]"]},

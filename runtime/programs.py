@@ -390,8 +390,8 @@ class Runner:
 
     def forward(self, width: int, params: dict, kv: KVState, tokens, token_src, prev_tokens, meta: DeviceMeta, rows,
                 sampler) -> tuple[jax.Array, jax.Array, KVState]:
-        """-> (tokens i32[R] drawn without top-k/top-p, logits f32[R, V], kv); the tables updated in place (table
-        changes past the width's upload go first, TABLE_ROWS at a time: the `tables` program)."""
+        """-> (tokens i32[R] drawn with min-p, without top-k/top-p, logits f32[R, V], kv); the tables updated in
+        place (table changes past the width's upload go first, TABLE_ROWS at a time: the `tables` program)."""
         meta, earlier = self.split_changes(width, meta)
         if earlier is not None:
             self.update_tables(earlier)

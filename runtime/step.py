@@ -150,9 +150,9 @@ def make_step_fn(model: ModelConfig, cache: CacheConfig, impl: str, layout: Step
 
     Token t is `prev_tokens[token_src[t]]` where token_src[t] >= 0 (a token sampled by the previous
     step, still on the device), else `tokens[t]`. The returned tokens are drawn with min-p but without
-    top-k/top-p (greedy rows: argmax); rows that rank (top-k/top-p) are redrawn from the logits by the `sample` program, so no
-    sampler variant needs a program of its own. Cached, so engines of one model and cache geometry
-    share their programs.
+    top-k/top-p (greedy rows: argmax); rows that rank (top-k/top-p) are redrawn from the logits by the
+    `sample` program, so no sampler variant needs a program of its own. Cached, so engines of one model and
+    cache geometry share their programs.
     """
     backend = PagedAttention(cache, impl)
     n = tensor_parallel

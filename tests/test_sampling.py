@@ -208,11 +208,12 @@ def test_degenerate_filters_are_argmax():
 
 @pytest.mark.parametrize("min_p", [0.0, 0.05, 0.3])
 def test_the_filtered_path_draws_what_the_plain_one_does_for_unranked_rows(min_p):
-    """A row without top-k/top-p gets the same token on either path, min_p or not, even with NaN or infinite
-    logits beside it (is_filtered is a speed switch only; min_p, needing no sort, applies on both)."""
+    """A row without top-k/top-p gets the same token on either path, min_p or not, with -inf and +inf logits in
+    it (is_filtered is a speed switch only; min_p, needing no sort, applies on both). Rows with a NaN logit draw
+    that token on both paths, whatever their masks."""
     rng = case_rng(f"nan-rows-{min_p}")
     logits = (rng.normal(size=(64, 64)) * 2).astype(np.float32)
-    logits[:32, 5], logits[:32, 9], logits[40, 7] = np.nan, -np.inf, np.inf
+    logits[:16, 5], logits[:, 9], logits[40, 7] = np.nan, -np.inf, np.inf
     params = [SamplingParams(seed=4, min_p=min_p, temperature=0.5 + i % 3) for i in range(64)]
     inputs = SamplerInputs.from_params(params, list(range(64)), rows=64)
     filtered = np.asarray(sample_jit(jnp.asarray(logits), inputs, is_filtered=True))
