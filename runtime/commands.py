@@ -122,7 +122,9 @@ def _cmd_generate(args) -> int:
     prompt = args.prompt if args.prompt is not None else [int(t) for t in args.prompt_ids.replace(",", " ").split()]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, min_p=args.min_p, seed=args.seed, n=args.n, ignore_eos=args.ignore_eos,
-                            stop=tuple(args.stop or ()), stop_token_ids=tuple(args.stop_token_ids or ()))
+                            stop=tuple(args.stop or ()), stop_token_ids=tuple(args.stop_token_ids or ()),
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                            repetition_penalty=args.repetition_penalty)
     engine = Engine.from_pretrained(args.checkpoint, dtype=args.dtype, **_engine_config(args))
     rid = engine.add_request(prompt, params)
     stream = None
@@ -261,6 +263,13 @@ def register(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (1: all)")
     p.add_argument("--min-p", type=float, default=0.0,
                    help="keep the tokens at least this times as likely as the likeliest (0: all)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from the logit of each token already generated ([-2, 2]; 0: off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted per time a token was generated ([-2, 2]; 0: off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divides the positive logits of the prompt's and the output's tokens, multiplies the "
+                        "negative ones (> 0; 1: off)")
     p.add_argument("--seed", type=int, default=None, help="the request's seed (default: drawn from the OS)")
     p.add_argument("--n", type=int, default=1, help="completions to sample")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the model's EOS tokens")

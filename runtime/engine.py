@@ -20,7 +20,7 @@ from glint.runtime.params import SamplingParams
 from glint.runtime.programs import (RUNTIME_PROGRAMS, DeviceMeta, ProgramSet, Runner, draft_name, forward_name,
                                     num_segments)
 from glint.runtime.request import Completion, Request, RequestOutput, Status
-from glint.runtime.sampling import SamplerInputs, uses_filters
+from glint.runtime.sampling import PenaltyInputs, SamplerInputs, uses_filters
 from glint.runtime.scheduler import Entry, Scheduler
 
 DEFAULT_MAX_CAPACITY = 32768
@@ -342,6 +342,10 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {list(params.stop)} need a tokenizer, and this checkpoint has none "
                              "(use stop_token_ids)")
+        if params.has_penalties and self.drafter is not None:
+            raise ValueError(f"presence_penalty {params.presence_penalty}, frequency_penalty "
+                             f"{params.frequency_penalty}, repetition_penalty {params.repetition_penalty}: penalties "
+                             "are not supported with speculative decoding (leave them at 0, 0 and 1)")
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
         req = Request(self._new_rid(), tokens, params, seed, num_children=params.n - 1)
         self._extend_keys(req, len(tokens))
@@ -596,8 +600,8 @@ class Engine:
     def _dispatch(self, entries: list[Entry]) -> InFlight:
         width = self.config.bucket_for(sum(e.count for e in entries))
         meta = self.control.prepare_step(width=width, num_segments=num_segments(width, self.config.max_seqs))
-        tokens, token_src, rows, samples, proposed, draft_rows = self._pack(entries, width)
-        launched = self._run(width, meta, tokens, token_src, rows, samples, draft_rows)
+        tokens, token_src, rows, samples, proposed, draft_rows, penalties = self._pack(entries, width)
+        launched = self._run(width, meta, tokens, token_src, rows, samples, draft_rows, penalties)
         self.control.commit_step()
         self.stats.steps_per_bucket[width] += 1
         sampled, row = [], 0
@@ -618,9 +622,11 @@ class Engine:
                 row += e.samples
         return InFlight(width, sampled, launched, proposed)
 
-    def _run(self, width: int, meta, tokens, token_src, rows, samples, draft_rows) -> concurrent.futures.Future:
+    def _run(self, width: int, meta, tokens, token_src, rows, samples, draft_rows,
+             penalties: PenaltyInputs | None) -> concurrent.futures.Future:
         """Pack the step's host inputs, then launch its programs (`Launcher`): page copies, the page-table
-        changes its upload cannot hold, drafting, the forward, and top-k/top-p or logprobs when asked. -> a
+        changes its upload cannot hold, drafting, the forward, penalties (then every row is drawn again from the
+        penalized logits), and top-k/top-p or logprobs when asked (logprobs of the raw logits, as vLLM's). -> a
         future of (tokens, logprobs, the device drafter's tokens or None). Whatever can fail on the host (packing,
         compiling a program) fails here, before the step is committed."""
         runner, rows_out, prev_step = self.runner, self.config.max_sample_rows, self._inflight
@@ -629,7 +635,7 @@ class Engine:
         params, seeds, positions = samples
         sampler = SamplerInputs.from_params(params, positions, rows=rows_out, seeds=seeds)
         params = list({id(p): p for p in params}.values())  # a block's rows share their request's
-        filters, logprobs = uses_filters(params), any(p.logprobs for p in params)
+        filters, logprobs = uses_filters(params) or penalties is not None, any(p.logprobs for p in params)
         padded_rows = np.zeros(rows_out, np.int32)
         padded_rows[:len(rows)] = rows
         host = runner.pack(width, tokens, token_src, device_meta, padded_rows, sampler)
@@ -637,7 +643,8 @@ class Engine:
         draft_host = None if draft_rows is None else runner.pack(width, tokens, token_src, device_meta, draft_rows,
                                                                  draft_rows=draft_rows)
         used = [forward_name(width)] + ["copy"] * (copies is not None) + ["tables"] * (earlier is not None) + \
-            [draft_name(width)] * (draft_host is not None) + ["sample"] * filters + ["logprobs"] * logprobs
+            [draft_name(width)] * (draft_host is not None) + ["penalize"] * (penalties is not None) + \
+            ["sample"] * filters + ["logprobs"] * logprobs
         for name in used:
             self.programs[name]  # compiled here if it is not yet (an error undoes the step)
         stats = self.stats  # the window the step was dispatched in, whenever it launches
@@ -656,19 +663,24 @@ class Engine:
                 drafted, self._kv = runner.run_draft(width, self.params, self._kv, draft_host)
                 prev = drafted
             t0 = time.perf_counter()
-            next_tokens, logits, self._kv = runner.run_forward(width, self.params, self._kv, host, prev)
+            next_tokens, raw, self._kv = runner.run_forward(width, self.params, self._kv, host, prev)
             stats.launch_seconds += time.perf_counter() - t0
+            logits = raw if penalties is None else runner.penalize(raw, penalties, prev)
             if filters:
                 next_tokens = runner.sample(logits, sampler)
-            return next_tokens, runner.logprobs(logits, next_tokens) if logprobs else None, drafted
+            return next_tokens, runner.logprobs(raw, next_tokens) if logprobs else None, drafted
 
         return self._launcher.submit(launch)
 
     def _pack(self, entries: list[Entry], width: int):
         """Token ids (from the host, or `token_src` rows of the previous step's output), the sampled rows and
-        their (params, seed, position) lists, the draft token each row verifies (None: no speculative block), and
-        the step row whose draft the device drafter puts in each output row (None: no device drafts)."""
+        their (params, seed, position) lists, the draft token each row verifies (None: no speculative block), the
+        step row whose draft the device drafter puts in each output row (None: no device drafts), and the sampled
+        rows' `PenaltyInputs` (None: no request sets a penalty)."""
         chunks, rows, start = [], [], 0
+        # each penalized row's prompt and completion so far (a token still on the device as its placeholder: a row
+        # of the previous step's output, which the penalize program reads); speculative engines take no penalties
+        histories = [] if any(e.samples and e.req.params.has_penalties for e in entries) else None
         params, seeds, positions = samples = [], [], []
         rows_out = self.config.max_sample_rows
         proposed = np.full(rows_out, -1, np.int32) if any(e.draft for e in entries) else None
@@ -691,6 +703,8 @@ class Engine:
                 continue
             chunks.append(e.req.token_slice(e.req.num_cached, e.count))
             start += e.count
+            if histories is not None and e.samples:
+                histories += [(e.req.prompt + e.req.generated, len(e.req.prompt))] * e.samples
             rows += [start - 1] * e.samples
             params += [e.req.params] * e.samples
             seeds += [e.req.seed] if e.samples == 1 else [self._child_seed(e.req, i) for i in range(e.samples)]
@@ -699,7 +713,9 @@ class Engine:
         ids[:start] = [t for chunk in chunks for t in chunk]
         tokens, token_src = np.maximum(ids, 0), np.where(ids < 0, -ids - 1, -1).astype(np.int32)
         token_src[start:] = -1
-        return tokens, token_src, rows, samples, proposed, draft_rows
+        penalties = None if histories is None else PenaltyInputs.from_rows(
+            [h for h, _ in histories], [n for _, n in histories], params, rows_out, self.cache.capacity)
+        return tokens, token_src, rows, samples, proposed, draft_rows, penalties
 
     def _postprocess(self, step: InFlight, next_tokens: np.ndarray, lp, proposed) -> None:
         """Apply a step's tokens (into `_undelivered`); resumable: a request already applied is skipped."""

@@ -52,6 +52,12 @@ class SamplingParams:
     stop: strings that end generation where the text first contains one (needs the checkpoint's tokenizer); the
       text returned stops before it, the token ids include the one that completed it (as vLLM's).
     ignore_eos: keep generating past the model's EOS token.
+    presence_penalty: subtracted from the logit of every token the completion has generated (OpenAI's), in
+      [-2, 2]; 0 is off.
+    frequency_penalty: subtracted once per time the completion has generated the token (OpenAI's), in [-2, 2].
+    repetition_penalty: the logit of every token in the prompt or the completion is divided by it where
+      positive and multiplied where negative (the CTRL paper's, as in transformers, vLLM and llama.cpp); > 0,
+      1 is off. The three apply to the raw logits, before temperature and the filters, greedy rows included.
     n: completions to sample for the prompt.
     logprobs: top alternatives to report per token with their log-probabilities
       (0 = none, at most MAX_LOGPROBS).
@@ -66,6 +72,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     n: int = 1
     logprobs: int = 0
 
@@ -109,8 +118,22 @@ class SamplingParams:
         store("stop", tuple(stop))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+            store(name, value)
+        repetition = _check_float("repetition_penalty", self.repetition_penalty)
+        if not repetition > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        store("repetition_penalty", repetition)
         store("n", _check_int("n", self.n, 1))
         store("logprobs", _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS))
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a presence, frequency or repetition penalty changes the logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def is_greedy(self) -> bool:

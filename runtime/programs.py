@@ -35,7 +35,7 @@ TABLE_ROWS = 1024  # page-table entries per `tables` call (per group)
 # Arguments a program donates (the KV state and the page tables), so XLA updates them in place: the live jit and
 # the exported call.
 FORWARD_DONATE_ARGNUMS, DRAFT_DONATE_ARGNUMS, COPY_DONATE_ARGNUMS, TABLES_DONATE_ARGNUMS = (1, 2), (1,), (0,), (0,)
-RUNTIME_PROGRAMS = ("sample", "logprobs", "copy", "tables")  # besides one forward per width, what an engine runs
+RUNTIME_PROGRAMS = ("sample", "logprobs", "penalize", "copy", "tables")  # what an engine runs besides its forwards
 START_PROGRAMS = ("kv_init",)  # run once, when an engine starts
 
 
@@ -234,6 +234,8 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
                tokens, token_src, the metadata (positions, slots, seq_info, page-table changes), the sampled
                rows and the sampler (`sampling.SAMPLER_COLUMNS`)
     sample:    (logits f32[R, V], sampler tuple)
+    penalize:  (logits f32[R, V], penalties (history i32[R, capacity], prompt_len i32[R], presence, frequency,
+               repetition f32[R]), prev_tokens i32[R]) -> f32[R, V] (sampling.PenaltyInputs, sampling.penalize)
     sample_argmax: (logits f32[R, V],)
     logprobs:  (logits f32[R, V], tokens i32[R])
     draft_W:   (params, kv, tables, host i32[N]): the same layout, its draft_rows the output rows
@@ -260,6 +262,9 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
         return logits, sampler
     if name == "sample_argmax":
         return (logits,)
+    if name == "penalize":
+        strengths = (_spec((rows,), np.float32),) * 3  # presence, frequency, repetition
+        return logits, (i32(rows, cache.capacity), i32(rows), *strengths), i32(rows)
     if name == "logprobs":
         return logits, i32(rows)
     tables = tuple(i32(max_seqs, cache.group_pages_per_seq(g)) for g in range(cache.num_groups))
@@ -407,6 +412,11 @@ class Runner:
     def sample(self, logits, sampler) -> jax.Array:
         """Tokens i32[R] with every row's top-k / top-p applied."""
         return self.programs["sample"](logits, sampler.columns())
+
+    def penalize(self, logits, penalties, prev_tokens) -> jax.Array:
+        """The logits f32[R, V] with each row's presence / frequency / repetition penalty applied
+        (`sampling.PenaltyInputs`; prev_tokens: the previous step's output, which placeholders in it index)."""
+        return self.programs["penalize"](logits, penalties.columns(), prev_tokens)
 
     def run_draft(self, width: int, params: dict, kv: KVState, host: np.ndarray):
         """DFlash drafting before a verifying step, on the step packed with `draft_rows` as both its rows and its

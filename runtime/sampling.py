@@ -130,6 +130,77 @@ def uses_filters(params_list: Sequence[SamplingParams]) -> bool:
     return any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1) for p in params_list)
 
 
+def uses_penalties(params_list: Sequence[SamplingParams]) -> bool:
+    """Host-side: whether any request sets a presence, frequency or repetition penalty (greedy ones too)."""
+    return any(p.has_penalties for p in params_list)
+
+
+HISTORY_PAD = 2**31 - 1  # a history entry past the row's tokens: out of any vocabulary, so it counts nowhere
+
+
+@dataclasses.dataclass(frozen=True)
+class PenaltyInputs:
+    """Per sampled row: the tokens its penalties look at and their strengths (host numpy arrays, R rows).
+
+    history: i32[R, C]; the row's prompt then its completion so far, HISTORY_PAD after; an entry < 0 is a token
+      the previous step drew, still on the device: its row -(entry + 1) of that step's output.
+    prompt_len: i32[R]; the history's first prompt_len entries are the prompt.
+    presence, frequency, repetition: f32[R]; padding rows 0, 0, 1 (off).
+    """
+
+    history: np.ndarray
+    prompt_len: np.ndarray
+    presence: np.ndarray
+    frequency: np.ndarray
+    repetition: np.ndarray
+
+    def columns(self) -> tuple:
+        return self.history, self.prompt_len, self.presence, self.frequency, self.repetition
+
+    @classmethod
+    def from_rows(cls, histories: Sequence[Sequence[int]], prompt_lens: Sequence[int],
+                  params_list: Sequence[SamplingParams], rows: int, capacity: int) -> PenaltyInputs:
+        """One (history, prompt length, params) per sampled row, padded to `rows` rows of `capacity` entries."""
+        if not len(histories) == len(prompt_lens) == len(params_list) <= rows:
+            raise ValueError(f"{len(histories)} histories, {len(prompt_lens)} prompt lengths and {len(params_list)} "
+                             f"params for at most {rows} rows")
+        history = np.full((rows, capacity), HISTORY_PAD, np.int32)
+        for i, tokens in enumerate(histories):
+            if len(tokens) > capacity:
+                raise ValueError(f"row {i}: {len(tokens)} tokens exceed the capacity {capacity}")
+            history[i, :len(tokens)] = tokens
+
+        def column(values, dtype, pad):
+            out = np.full(rows, pad, dtype)
+            out[:len(values)] = values
+            return out
+
+        return cls(history, column(prompt_lens, np.int32, 0),
+                   column([p.presence_penalty for p in params_list], np.float32, 0.0),
+                   column([p.frequency_penalty for p in params_list], np.float32, 0.0),
+                   column([p.repetition_penalty for p in params_list], np.float32, 1.0))
+
+
+def penalize(logits: jax.Array, history: jax.Array, prompt_len: jax.Array, presence: jax.Array,
+             frequency: jax.Array, repetition: jax.Array, prev_tokens: jax.Array) -> jax.Array:
+    """The logits with each row's penalties applied (`PenaltyInputs`'s columns; prev_tokens i32[R]: the previous
+    step's output, which the history's negative entries index), as vLLM applies them: a token in the prompt or
+    the completion has its logit divided by `repetition` if positive, else multiplied; then `frequency` times its
+    count in the completion and `presence` if it occurs there at all are subtracted. -> f32[R, V]."""
+    num_rows, vocab_size = logits.shape
+    rows_of_prev = jnp.clip(-history - 1, 0, prev_tokens.shape[0] - 1)
+    tokens = jnp.where(history >= 0, history, prev_tokens[rows_of_prev])
+    in_completion = lax.broadcasted_iota(jnp.int32, history.shape, 1) >= prompt_len[:, None]
+    rows = lax.broadcasted_iota(jnp.int32, history.shape, 0)
+    counts = jnp.zeros((num_rows, vocab_size), jnp.int32).at[rows, tokens].add(in_completion.astype(jnp.int32),
+                                                                                   mode="drop")
+    seen = jnp.zeros((num_rows, vocab_size), bool).at[rows, tokens].set(True, mode="drop")
+    logits = logits.astype(jnp.float32)
+    repetition = repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / repetition, logits * repetition), logits)
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
 def sample_argmax(logits: jax.Array) -> jax.Array:
     """Greedy tokens: logits f32/bf16[R, V] -> i32[R]; ties go to the lower id."""
     if logits.ndim != 2:

@@ -29,7 +29,6 @@ MAX_PROMPTS = 256  # prompts in one completions request
 # Request fields of OpenAI's API (and vLLM's) that glint does not implement, with the values that mean "off":
 # any other value is refused with a 400, not silently ignored.
 UNSUPPORTED = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
     "logit_bias": ({},), "min_tokens": (0,), "best_of": (1,), "suffix": ("",),
     "use_beam_search": (False,), "prompt_logprobs": (), "tools": ([],), "tool_choice": ("none", "auto"),
     "functions": ([],), "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
@@ -112,7 +111,8 @@ class Api:
             return SamplingParams(
                 max_tokens=get("max_tokens", get("max_completion_tokens", default_max_tokens)),
                 temperature=get("temperature", 1.0), top_p=get("top_p", 1.0), top_k=get("top_k", 0),
-                min_p=get("min_p", 0.0),
+                min_p=get("min_p", 0.0), presence_penalty=get("presence_penalty", 0.0),
+                frequency_penalty=get("frequency_penalty", 0.0), repetition_penalty=get("repetition_penalty", 1.0),
                 n=get("n", 1), seed=body.get("seed"), stop_token_ids=get("stop_token_ids", ()),
                 ignore_eos=get("ignore_eos", False), logprobs=logprobs, stop=tuple(stop))
         except (ValueError, TypeError) as e:  # SamplingParams' messages begin with the field's name

@@ -24,7 +24,7 @@ from glint.runtime.params import MAX_LOGPROBS
 from glint.runtime.programs import (COPY_DONATE_ARGNUMS, DRAFT_DONATE_ARGNUMS, FORWARD_DONATE_ARGNUMS,
                                     TABLES_DONATE_ARGNUMS, DeviceMeta, Program, ProgramSet, StepLayout, abstract_args,
                                     apply_table_changes, draft_name, forward_name, kv_sharding)
-from glint.runtime.sampling import SamplerInputs, logprobs, sample, sample_argmax
+from glint.runtime.sampling import SamplerInputs, logprobs, penalize, sample, sample_argmax
 
 
 @dataclass(frozen=True)
@@ -189,6 +189,11 @@ def _sample_filtered(logits, sampler):
 
 
 @jax.jit
+def _penalize(logits, penalties, prev_tokens):
+    return penalize(logits, *penalties, prev_tokens)
+
+
+@jax.jit
 def _sample_argmax(logits):
     return sample_argmax(logits)
 
@@ -262,7 +267,7 @@ def live_programs(model: ModelConfig, params: dict, cache: CacheConfig, impl: st
                          "use tensor_parallel=1, or an n-gram drafter")
     layouts = {w: StepLayout.of(w, cache, max_seqs, rows) for w in widths}
     fns = {forward_name(w): make_step_fn(model, cache, impl, layouts[w], draft, n) for w in widths}
-    fns.update(sample=_sample_filtered, sample_argmax=_sample_argmax, logprobs=_logprobs,
+    fns.update(sample=_sample_filtered, sample_argmax=_sample_argmax, logprobs=_logprobs, penalize=_penalize,
                copy=make_copy_fn(cache, n), tables=make_tables_fn(cache, n),
                kv_init=make_kv_init_fn(cache, max_seqs, n))
     if draft is not None:

@@ -51,9 +51,11 @@ def test_generate_streams_tokens(capsys):
 
 
 def test_generate_samples_with_the_engines_filters(capsys):
-    """--top-k, --top-p, --min-p and --seed reach the engine: the same tokens as Engine.generate with them."""
+    """--top-k, --top-p, --min-p, the penalties and --seed reach the engine: the same tokens as Engine.generate
+    with them."""
     case = reference_case()
-    filters = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05, seed=3)
+    filters = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05, seed=3, presence_penalty=0.4,
+                   frequency_penalty=0.2, repetition_penalty=1.1)
     argv = ["generate", str(LLAMA), "--prompt-ids", " ".join(map(str, case["prompt"])), "--max-tokens", "10",
             "--ignore-eos", "--json", "--dtype", "float32", *SMALL,
             *(x for k, v in filters.items() for x in (f"--{k.replace('_', '-')}", str(v)))]

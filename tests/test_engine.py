@@ -5,7 +5,9 @@ import jax
 import numpy as np
 import pytest
 from conftest import PALLAS, STORIES
+from test_sampling import penalized_reference
 
+from glint.export.checkpoint import load_checkpoint
 from glint.model import transformer
 from glint.model.presets import preset
 from glint.runtime.engine import Engine
@@ -129,6 +131,36 @@ def test_min_p_alone_draws_what_it_draws_beside_a_ranked_request():
     assert alone == beside
     plain = SamplingParams(max_tokens=16, temperature=1.5, seed=7, ignore_eos=True)
     assert engine.generate([[3, 4, 5]], plain)[0].token_ids != alone  # and min_p did cut what it drew
+
+
+def test_penalties_through_the_engine_match_full_forwards():
+    """Greedy with the three penalties through the engine's pipelined paged steps (each step's history ends in the
+    token the step before drew, still on the device) equals greedy by full forwards with the penalties applied
+    by an independent reference; batched with other requests it is the same; without them it differs."""
+    prompt = json.loads((STORIES / "reference.json").read_text())["cases"][0]["prompt"]
+    steps, width = 24, 64
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.3}
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True, **penalties)
+    engine = Engine.from_pretrained(str(STORIES), dtype="float32", **SMALL)
+    got = engine.generate([prompt], params)[0].token_ids
+
+    cfg, weights = load_checkpoint(STORIES, dtype="float32")
+    graphdef = transformer.split(transformer.abstract_model(cfg))[0]
+    logits_of = jax.jit(lambda tokens: transformer.full_sequence_logits(graphdef, weights, tokens))
+    completion = []
+    for _ in range(steps):
+        tokens = np.zeros(width, np.int32)  # causal: the padding after the sequence changes none of its logits
+        tokens[:len(prompt) + len(completion)] = prompt + completion
+        logits = np.asarray(logits_of(tokens))[len(prompt) + len(completion) - 1]
+        completion.append(int(np.argmax(penalized_reference(logits, prompt, completion, *penalties.values()))))
+    assert got == completion
+    others = [[1, 5, 9], list(range(2, 30))]
+    beside = engine.generate([others[0], prompt, others[1]],
+                             [SamplingParams(max_tokens=30, temperature=0.8, seed=3), params,
+                              SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.1)])
+    assert beside[1].token_ids == got
+    assert engine.generate([prompt], SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+                           )[0].token_ids != got
 
 
 def test_page_pressure_preempts_and_recovers():

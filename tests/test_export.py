@@ -21,10 +21,14 @@ SMALL = dict(max_seqs=4, page_size=8, max_step_tokens=32, forward_sizes=(1, 8), 
 
 
 def workload(vocab: int, prompts: list[list[int]]):
-    """Greedy and seeded requests (top-k/top-p, logprobs, n > 1) over the given prompts."""
+    """Greedy requests (every fourth with penalties) and seeded ones (top-k/top-p, logprobs, n > 1) over the
+    given prompts."""
     params = []
     for i, _ in enumerate(prompts):
-        if i % 2 == 0:
+        if i % 4 == 2:
+            params.append(SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, presence_penalty=0.5,
+                                         frequency_penalty=0.5, repetition_penalty=1.3))
+        elif i % 2 == 0:
             params.append(SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
         else:
             params.append(SamplingParams(max_tokens=12, temperature=0.8, top_k=40, top_p=0.9, seed=100 + i,
@@ -63,7 +67,7 @@ def test_exported_artifact_gives_the_live_engines_tokens(source, tmp_path):
     assert all(len(c[0]) == 12 for o in want for c in o)
     assert meta["widths"] == [1, 8, 16, 32] and meta["vocab_size"] == live.model.vocab_size
     assert set(meta["programs"]) == {"forward_1", "forward_8", "forward_16", "forward_32", "sample", "sample_argmax",
-                                     "kv_init", "logprobs", "copy", "tables"}
+                                     "kv_init", "logprobs", "penalize", "copy", "tables"}
 
 
 def test_a_quantized_artifact_with_an_fp8_cache_gives_the_live_engines_tokens(tmp_path):
@@ -101,7 +105,8 @@ def test_metadata_describes_the_build(llama_artifact):
     assert meta["engine"]["min_prefill_chunk"] == SMALL["min_prefill_chunk"]
     assert meta["cache"]["kv_heads"] == [hf["num_key_value_heads"]] * hf["num_hidden_layers"]
     assert meta["decode_widths"] == [1, 8] and meta["platform"] == "cpu" and meta["engine"]["attention"] == "reference"
-    assert set(meta["signatures"]) == {"forward_W", "sample", "sample_argmax", "logprobs", "copy", "tables", "kv_init"}
+    assert set(meta["signatures"]) == {"forward_W", "sample", "sample_argmax", "logprobs", "penalize", "copy", "tables",
+                                       "kv_init"}
     import jax
 
     assert meta["jax"] == jax.__version__ and meta["created"].startswith("20")
@@ -246,7 +251,7 @@ def test_cli_export_then_generate(tmp_path, capsys):
     geometry = dict(SMALL, max_step_tokens=64)
     args = [f"--{k.replace('_', '-')}={v}" for k, v in geometry.items() if k not in ("forward_sizes", "min_prefill_chunk")]
     assert main(["export", str(HF_FIXTURES / "llama"), str(out), "--dtype", "float32", *args]) == 0
-    assert "13 programs (widths [1, 2, 4, 8, 16, 32, 64])" in capsys.readouterr().out
+    assert "14 programs (widths [1, 2, 4, 8, 16, 32, 64])" in capsys.readouterr().out
     assert main(["generate", str(out), "--prompt-ids", " ".join(map(str, case["prompt"])), "--max-tokens", "8",
                  "--temperature", "0", "--ignore-eos", "--json"]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -12,11 +12,15 @@ from scipy import stats
 
 from glint.runtime.params import MAX_LOGPROBS, SamplingParams
 from glint.runtime.sampling import (
+    HISTORY_PAD,
+    PenaltyInputs,
     SamplerInputs,
     logprobs,
+    penalize,
     sample,
     sample_argmax,
     uses_filters,
+    uses_penalties,
 )
 
 sample_jit = jax.jit(sample, static_argnames="is_filtered")
@@ -66,6 +70,12 @@ def draw(logits: np.ndarray, params: list[SamplingParams], positions, **kwargs) 
         ("stop_token_ids", ("eos",)),
         ("stop_token_ids", 5),
         ("ignore_eos", 1),
+        ("presence_penalty", 2.5),
+        ("presence_penalty", float("nan")),
+        ("frequency_penalty", -2.01),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("repetition_penalty", float("inf")),
     ],
 )
 def test_params_reject_bad_values(field, value):
@@ -444,3 +454,53 @@ def test_logprobs_ties_and_validation():
 def test_top_k_minus_one_keeps_all():
     """vLLM's spelling of "no top-k": the same as 0, filters off."""
     assert SamplingParams(top_k=-1).top_k == 0 and not uses_filters([SamplingParams(top_k=-1)])
+
+
+# --- penalties ----------------------------------------------------------------------
+
+
+def penalized_reference(logits: np.ndarray, prompt: list[int], completion: list[int], presence: float,
+                        frequency: float, repetition: float) -> np.ndarray:
+    """Independent float64 reference, token by token: the CTRL repetition penalty over the prompt and the
+    completion, then OpenAI's frequency (per occurrence) and presence (once) penalties over the completion."""
+    out = logits.astype(np.float64).copy()
+    for token in set(prompt) | set(completion):
+        out[token] = out[token] / repetition if out[token] > 0 else out[token] * repetition
+    for token in set(completion):
+        out[token] -= frequency * completion.count(token) + presence
+    return out
+
+
+def test_penalties_match_a_reference_token_by_token():
+    """Rows of other lengths and strengths, prompt tokens repeated in the completion, negative logits, a token
+    still on the device (a placeholder naming a row of the previous step's output), padding rows."""
+    rng = case_rng("penalties")
+    num_rows, vocab_size, capacity = 6, 40, 24
+    logits = (rng.normal(size=(num_rows, vocab_size)) * 3).astype(np.float32)
+    prev_tokens = rng.integers(0, vocab_size, num_rows).astype(np.int32)
+    cases = [  # (prompt, completion, params); -(r + 1) in a completion: prev_tokens[r]
+        ([1, 2, 3, 2], [4, 4, 1, -(3 + 1)], SamplingParams(presence_penalty=0.7, frequency_penalty=0.4,
+                                                          repetition_penalty=1.3)),
+        ([5] * 10, [5, 6, 5], SamplingParams(frequency_penalty=-1.5, repetition_penalty=0.6, temperature=0)),
+        ([7, 8], [], SamplingParams(repetition_penalty=2.0)),
+        (list(range(20)), [39, 38, -(0 + 1)], SamplingParams(presence_penalty=-2.0)),
+        ([9], [10, 11, 10], SamplingParams()),  # no penalty of its own: logits unchanged
+    ]
+    inputs = PenaltyInputs.from_rows([p + c for p, c, _ in cases], [len(p) for p, _, _ in cases],
+                                     [sp for _, _, sp in cases], num_rows, capacity)
+    assert inputs.history[0, 7] == -(3 + 1) and (inputs.history[len(cases):] == HISTORY_PAD).all()
+    got = np.asarray(jax.jit(penalize)(jnp.asarray(logits), *inputs.columns(), jnp.asarray(prev_tokens)))
+    for row, (prompt, completion, sp) in enumerate(cases):
+        known = [t if t >= 0 else int(prev_tokens[-t - 1]) for t in completion]
+        want = penalized_reference(logits[row], prompt, known, sp.presence_penalty, sp.frequency_penalty,
+                                   sp.repetition_penalty)
+        np.testing.assert_allclose(got[row], want, rtol=1e-6, atol=1e-5)
+    np.testing.assert_array_equal(got[len(cases):], logits[len(cases):])  # padding rows: off
+    assert uses_penalties([cases[0][2]]) and not uses_penalties([SamplingParams(), cases[4][2]])
+
+
+def test_penalty_inputs_refuse_what_does_not_fit():
+    with pytest.raises(ValueError, match="row 0: 9 tokens exceed the capacity 8"):
+        PenaltyInputs.from_rows([list(range(9))], [3], [SamplingParams()], 2, 8)
+    with pytest.raises(ValueError, match="for at most 1 rows"):
+        PenaltyInputs.from_rows([[1], [2]], [1, 1], [SamplingParams()] * 2, 1, 8)

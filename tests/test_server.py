@@ -74,13 +74,16 @@ SEEDED = dict(max_tokens=16, temperature=0.8, top_k=20, top_p=0.9, seed=7, ignor
 
 
 def openai_args(params: dict) -> dict:
-    extra = {"ignore_eos": params["ignore_eos"], **{k: params[k] for k in ("top_k", "min_p") if k in params}}
+    extra = {"ignore_eos": params["ignore_eos"],
+             **{k: params[k] for k in ("top_k", "min_p", "repetition_penalty") if k in params}}
+    openai = {k: params[k] for k in ("presence_penalty", "frequency_penalty") if k in params}
     return dict(max_tokens=params["max_tokens"], temperature=params["temperature"], top_p=params.get("top_p", 1.0),
-                seed=params.get("seed"), extra_body=extra)
+                seed=params.get("seed"), extra_body=extra, **openai)
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED, dict(SEEDED, top_k=0, top_p=1.0, min_p=0.05)],
-                         ids=["greedy", "seeded", "min_p"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED, dict(SEEDED, top_k=0, top_p=1.0, min_p=0.05),
+                                    dict(GREEDY, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)],
+                         ids=["greedy", "seeded", "min_p", "penalties"])
 def test_completions_equal_engine_generate(client, engine, params):
     for prompt in PROMPTS[:2]:
         want = generate(engine, prompt, **params)
@@ -268,8 +271,8 @@ BAD = [  # (body or raw bytes, headers, status, part of the message)
     ({"prompt": "hi", "echo": True}, None, 400, "echo is not supported"),
     ({"prompt": "hi", "logprobs": 99}, None, 400, "logprobs must be an int"),
     ({"prompt": "hi", "logit_bias": {"5": 100}}, None, 400, 'logit_bias={"5": 100} is not supported'),
-    ({"prompt": "hi", "presence_penalty": 0.5}, None, 400, "presence_penalty=0.5 is not supported"),
-    ({"prompt": "hi", "repetition_penalty": 1.2}, None, 400, "repetition_penalty=1.2 is not supported"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, None, 400, "presence_penalty must be in [-2, 2], got 2.5"),
+    ({"prompt": "hi", "repetition_penalty": 0}, None, 400, "repetition_penalty must be > 0 (1 = off), got 0"),
     ({"prompt": "hi", "best_of": 3}, None, 400, "best_of=3 is not supported"),
     ({"prompt": "hi", "response_format": {"type": "json_object"}}, None, 400, "response_format="),
     ({"prompt": "hi", "prompt_logprobs": 0}, None, 400, "prompt_logprobs=0 is not supported by this server (only leaving"),

@@ -275,6 +275,10 @@ def test_bad_draft_settings_are_clear_errors(tmp_path):
         EngineConfig(num_speculative_tokens=-1)
     with pytest.raises(ValueError, match="draft 'medusa' is not a drafter kind"):
         Engine.from_pretrained("tiny", draft="medusa")
+    spec = Engine(cfg, graphdef, params, EngineConfig(**SMALL, num_speculative_tokens=3), drafter=NgramDrafter(3))
+    with pytest.raises(ValueError, match="repetition_penalty 1.2: penalties are not supported with speculative"):
+        spec.add_request([1, 2, 3], SamplingParams(repetition_penalty=1.2))
+    assert not spec.has_unfinished()  # nothing queued
 
 
 DFLASH = STORIES.parents[1] / "fixtures" / "dflash"
