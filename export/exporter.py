@@ -58,8 +58,9 @@ SIGNATURES = {
                             ("history i32[R, capacity] (prompt, then completion; < 0: row -(h + 1) of prev_tokens; "
                              "2^31 - 1 pads)"),
                             "prompt_len i32[R]", "presence f32[R]", "frequency f32[R]", "repetition f32[R]",
-                            "prev_tokens i32[R]"],
-                 "outputs": ["logits f32[R, V] (penalties applied)"]},
+                            "prev_tokens i32[R]", "sampler"],
+                 "outputs": ["logits f32[R, V] (penalties applied)",
+                             "tokens i32[R] (drawn from them with min-p, without top-k/top-p)"]},
     "sample_argmax": {"inputs": ["logits f32[R, V]"], "outputs": ["tokens i32[R]"]},
     "logprobs": {"inputs": ["logits f32[R, V]", "tokens i32[R]"],
                  "outputs": ["chosen f32[R]", f"top f32[R, {MAX_LOGPROBS}]", f"top_ids i32[R, {MAX_LOGPROBS}]"]},

@@ -20,7 +20,7 @@ from glint.runtime.params import SamplingParams
 from glint.runtime.programs import (RUNTIME_PROGRAMS, DeviceMeta, ProgramSet, Runner, draft_name, forward_name,
                                     num_segments)
 from glint.runtime.request import Completion, Request, RequestOutput, Status
-from glint.runtime.sampling import PenaltyInputs, SamplerInputs, uses_filters
+from glint.runtime.sampling import PenaltyInputs, SamplerInputs, uses_filters, uses_penalties
 from glint.runtime.scheduler import Entry, Scheduler
 
 DEFAULT_MAX_CAPACITY = 32768
@@ -625,8 +625,8 @@ class Engine:
     def _run(self, width: int, meta, tokens, token_src, rows, samples, draft_rows,
              penalties: PenaltyInputs | None) -> concurrent.futures.Future:
         """Pack the step's host inputs, then launch its programs (`Launcher`): page copies, the page-table
-        changes its upload cannot hold, drafting, the forward, penalties (then every row is drawn again from the
-        penalized logits), and top-k/top-p or logprobs when asked (logprobs of the raw logits, as vLLM's). -> a
+        changes its upload cannot hold, drafting, the forward, penalties (every row drawn again from the penalized
+        logits), and top-k/top-p or logprobs when asked (logprobs of the raw logits, as vLLM's). -> a
         future of (tokens, logprobs, the device drafter's tokens or None). Whatever can fail on the host (packing,
         compiling a program) fails here, before the step is committed."""
         runner, rows_out, prev_step = self.runner, self.config.max_sample_rows, self._inflight
@@ -635,7 +635,7 @@ class Engine:
         params, seeds, positions = samples
         sampler = SamplerInputs.from_params(params, positions, rows=rows_out, seeds=seeds)
         params = list({id(p): p for p in params}.values())  # a block's rows share their request's
-        filters, logprobs = uses_filters(params) or penalties is not None, any(p.logprobs for p in params)
+        filters, logprobs = uses_filters(params), any(p.logprobs for p in params)
         padded_rows = np.zeros(rows_out, np.int32)
         padded_rows[:len(rows)] = rows
         host = runner.pack(width, tokens, token_src, device_meta, padded_rows, sampler)
@@ -665,7 +665,9 @@ class Engine:
             t0 = time.perf_counter()
             next_tokens, raw, self._kv = runner.run_forward(width, self.params, self._kv, host, prev)
             stats.launch_seconds += time.perf_counter() - t0
-            logits = raw if penalties is None else runner.penalize(raw, penalties, prev)
+            logits = raw
+            if penalties is not None:
+                logits, next_tokens = runner.penalize(raw, penalties, prev, sampler)
             if filters:
                 next_tokens = runner.sample(logits, sampler)
             return next_tokens, runner.logprobs(raw, next_tokens) if logprobs else None, drafted
@@ -680,7 +682,7 @@ class Engine:
         chunks, rows, start = [], [], 0
         # each penalized row's prompt and completion so far (a token still on the device as its placeholder: a row
         # of the previous step's output, which the penalize program reads); speculative engines take no penalties
-        histories = [] if any(e.samples and e.req.params.has_penalties for e in entries) else None
+        histories = [] if uses_penalties([e.req.params for e in entries if e.samples]) else None
         params, seeds, positions = samples = [], [], []
         rows_out = self.config.max_sample_rows
         proposed = np.full(rows_out, -1, np.int32) if any(e.draft for e in entries) else None
@@ -703,8 +705,9 @@ class Engine:
                 continue
             chunks.append(e.req.token_slice(e.req.num_cached, e.count))
             start += e.count
-            if histories is not None and e.samples:
-                histories += [(e.req.prompt + e.req.generated, len(e.req.prompt))] * e.samples
+            if histories is not None and e.samples:  # a row without penalties passes unchanged: none to upload
+                known = e.req.prompt + e.req.generated if e.req.params.has_penalties else []
+                histories += [(known, len(e.req.prompt))] * e.samples
             rows += [start - 1] * e.samples
             params += [e.req.params] * e.samples
             seeds += [e.req.seed] if e.samples == 1 else [self._child_seed(e.req, i) for i in range(e.samples)]

@@ -14,6 +14,7 @@ import numbers
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token
 SEED_LIMIT = 2**32  # seeds are uint32 on the device
 MAX_STOP, MAX_STOP_CHARS = 16, 1000  # stop strings a request may give, and their length
+FLOAT32_TINY, FLOAT32_MAX = 2.0**-126, (2 - 2.0**-23) * 2.0**127  # float32's smallest normal and largest finite
 
 
 def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
@@ -126,6 +127,9 @@ class SamplingParams:
         repetition = _check_float("repetition_penalty", self.repetition_penalty)
         if not repetition > 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        if not FLOAT32_TINY <= repetition <= FLOAT32_MAX:  # the device's float32: 0 or inf would make NaN / inf
+            raise ValueError(f"repetition_penalty must be in [{FLOAT32_TINY:.3g}, {FLOAT32_MAX:.3g}] (float32), got "
+                             f"{self.repetition_penalty!r}")
         store("repetition_penalty", repetition)
         store("n", _check_int("n", self.n, 1))
         store("logprobs", _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS))

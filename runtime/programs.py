@@ -235,7 +235,8 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
                rows and the sampler (`sampling.SAMPLER_COLUMNS`)
     sample:    (logits f32[R, V], sampler tuple)
     penalize:  (logits f32[R, V], penalties (history i32[R, capacity], prompt_len i32[R], presence, frequency,
-               repetition f32[R]), prev_tokens i32[R]) -> f32[R, V] (sampling.PenaltyInputs, sampling.penalize)
+               repetition f32[R]), prev_tokens i32[R], sampler tuple) -> (logits f32[R, V] penalized, tokens
+               i32[R] drawn from them without top-k/top-p) (sampling.PenaltyInputs, sampling.penalize)
     sample_argmax: (logits f32[R, V],)
     logprobs:  (logits f32[R, V], tokens i32[R])
     draft_W:   (params, kv, tables, host i32[N]): the same layout, its draft_rows the output rows
@@ -264,7 +265,7 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
         return (logits,)
     if name == "penalize":
         strengths = (_spec((rows,), np.float32),) * 3  # presence, frequency, repetition
-        return logits, (i32(rows, cache.capacity), i32(rows), *strengths), i32(rows)
+        return logits, (i32(rows, cache.capacity), i32(rows), *strengths), i32(rows), sampler
     if name == "logprobs":
         return logits, i32(rows)
     tables = tuple(i32(max_seqs, cache.group_pages_per_seq(g)) for g in range(cache.num_groups))
@@ -413,10 +414,11 @@ class Runner:
         """Tokens i32[R] with every row's top-k / top-p applied."""
         return self.programs["sample"](logits, sampler.columns())
 
-    def penalize(self, logits, penalties, prev_tokens) -> jax.Array:
-        """The logits f32[R, V] with each row's presence / frequency / repetition penalty applied
-        (`sampling.PenaltyInputs`; prev_tokens: the previous step's output, which placeholders in it index)."""
-        return self.programs["penalize"](logits, penalties.columns(), prev_tokens)
+    def penalize(self, logits, penalties, prev_tokens, sampler) -> tuple[jax.Array, jax.Array]:
+        """(The logits f32[R, V] with each row's presence / frequency / repetition penalty applied, the tokens
+        i32[R] drawn from them without top-k/top-p) (`sampling.PenaltyInputs`; prev_tokens: the previous step's
+        output, which placeholders in it index)."""
+        return self.programs["penalize"](logits, penalties.columns(), prev_tokens, sampler.columns())
 
     def run_draft(self, width: int, params: dict, kv: KVState, host: np.ndarray):
         """DFlash drafting before a verifying step, on the step packed with `draft_rows` as both its rows and its

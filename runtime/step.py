@@ -189,8 +189,9 @@ def _sample_filtered(logits, sampler):
 
 
 @jax.jit
-def _penalize(logits, penalties, prev_tokens):
-    return penalize(logits, *penalties, prev_tokens)
+def _penalize(logits, penalties, prev_tokens, sampler):
+    logits = penalize(logits, *penalties, prev_tokens)
+    return logits, sample(logits, SamplerInputs.from_columns(sampler), is_filtered=False)
 
 
 @jax.jit

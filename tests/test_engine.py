@@ -2,6 +2,7 @@
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import PALLAS, STORIES
@@ -12,6 +13,7 @@ from glint.model import transformer
 from glint.model.presets import preset
 from glint.runtime.engine import Engine
 from glint.runtime.params import SamplingParams
+from glint.runtime.sampling import SamplerInputs, sample
 
 SMALL = dict(max_seqs=8, page_size=8, max_step_tokens=64, forward_sizes=(1, 2, 4, 8, 16, 32), num_pages=160,
              capacity=256, min_prefill_chunk=4)
@@ -133,14 +135,17 @@ def test_min_p_alone_draws_what_it_draws_beside_a_ranked_request():
     assert engine.generate([[3, 4, 5]], plain)[0].token_ids != alone  # and min_p did cut what it drew
 
 
-def test_penalties_through_the_engine_match_full_forwards():
-    """Greedy with the three penalties through the engine's pipelined paged steps (each step's history ends in the
-    token the step before drew, still on the device) equals greedy by full forwards with the penalties applied
-    by an independent reference; batched with other requests it is the same; without them it differs."""
-    prompt = json.loads((STORIES / "reference.json").read_text())["cases"][0]["prompt"]
-    steps, width = 24, 64
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-top-k"])
+def test_penalties_through_the_engine_match_full_forwards(sampled):
+    """Requests with the three penalties through the engine's pipelined paged steps (each step's history ends in
+    the token the step before drew, still on the device; the prompt, a story's start, repeats tokens of its own)
+    draw what full forwards draw with the penalties applied by an independent reference; batched beside other
+    requests the same, and those others what they draw alone; without penalties the tokens differ."""
+    case = json.loads((STORIES / "reference.json").read_text())["cases"][0]
+    prompt, steps, width = case["prompt"] + case["greedy"][:12], 24, 64
     penalties = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.3}
-    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True, **penalties)
+    drawing = {"temperature": 0.8, "top_k": 20, "seed": 5} if sampled else {"temperature": 0.0}
+    params = SamplingParams(max_tokens=steps, ignore_eos=True, **drawing, **penalties)
     engine = Engine.from_pretrained(str(STORIES), dtype="float32", **SMALL)
     got = engine.generate([prompt], params)[0].token_ids
 
@@ -152,15 +157,20 @@ def test_penalties_through_the_engine_match_full_forwards():
         tokens = np.zeros(width, np.int32)  # causal: the padding after the sequence changes none of its logits
         tokens[:len(prompt) + len(completion)] = prompt + completion
         logits = np.asarray(logits_of(tokens))[len(prompt) + len(completion) - 1]
-        completion.append(int(np.argmax(penalized_reference(logits, prompt, completion, *penalties.values()))))
+        penalized = penalized_reference(logits, prompt, completion, *penalties.values())
+        position = len(prompt) + len(completion)  # a sampled token's randomness: (seed, position)
+        inputs = SamplerInputs.from_params([params], [position], rows=1)
+        completion.append(int(sample(jnp.asarray(penalized[None], jnp.float32), inputs)[0]) if sampled
+                          else int(np.argmax(penalized)))
     assert got == completion
-    others = [[1, 5, 9], list(range(2, 30))]
-    beside = engine.generate([others[0], prompt, others[1]],
-                             [SamplingParams(max_tokens=30, temperature=0.8, seed=3), params,
-                              SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.1)])
-    assert beside[1].token_ids == got
-    assert engine.generate([prompt], SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-                           )[0].token_ids != got
+
+    others = [([1, 5, 9], SamplingParams(max_tokens=30, temperature=0.8, seed=3)),
+              (list(range(2, 30)), SamplingParams(max_tokens=10, temperature=0.0))]
+    alone = [engine.generate([p], sp)[0].token_ids for p, sp in others]
+    beside = engine.generate([others[0][0], prompt, others[1][0]], [others[0][1], params, others[1][1]])
+    assert [o.token_ids for o in beside] == [alone[0], got, alone[1]]
+    plain = SamplingParams(max_tokens=steps, ignore_eos=True, **drawing)
+    assert engine.generate([prompt], plain)[0].token_ids != got
 
 
 def test_page_pressure_preempts_and_recovers():

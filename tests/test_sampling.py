@@ -76,6 +76,8 @@ def draw(logits: np.ndarray, params: list[SamplingParams], positions, **kwargs) 
         ("repetition_penalty", 0.0),
         ("repetition_penalty", -1.0),
         ("repetition_penalty", float("inf")),
+        ("repetition_penalty", 1e39),  # inf in the device's float32
+        ("repetition_penalty", 1e-50),  # 0 there
     ],
 )
 def test_params_reject_bad_values(field, value):
