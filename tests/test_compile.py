@@ -37,12 +37,15 @@ def counting_compiles():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def mixed_workload(vocab: int, stop_token: int):
+def mixed_workload(vocab: int, stop_token: int, penalties: bool = True):
+    """Greedy, top-k/top-p, logprobs (with `penalties`, the three penalties on that request), n > 1, a stop
+    token."""
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, vocab, int(n)).tolist() for n in (5, 30, 12, 44, 9, 21)]
+    penalized = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2} if penalties else {}
     params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=20, temperature=0.9, top_k=20, top_p=0.8, seed=1, ignore_eos=True),
-              SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True, **penalized),
               SamplingParams(max_tokens=10, temperature=1.0, seed=2, n=3, ignore_eos=True),
               SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=(stop_token,), ignore_eos=True),
               SamplingParams(max_tokens=16, temperature=0.7, top_p=0.95, seed=3, logprobs=1, ignore_eos=True)]
@@ -62,12 +65,13 @@ def test_serving_never_compiles_after_warmup(source, tmp_path):
         engine = Engine.from_pretrained(llama, dtype="float32", **TIGHT, **spec)
     live = Engine.from_pretrained(llama, dtype="float32", **TIGHT, **spec)
     times = engine.warmup(progress=False)
-    assert set(times) == {f"forward_{w}" for w in (1, 2, 4, 8, 16, 32)} | {"sample", "logprobs", "copy", "tables"}
+    assert set(times) == {f"forward_{w}" for w in (1, 2, 4, 8, 16, 32)} | {"sample", "logprobs", "penalize", "copy",
+                                                                          "tables"}
     # A stop token the greedy request really meets: its 5th token when run alone.
     probe = Engine.from_pretrained(llama, dtype="float32", **TIGHT)
     prompts, params = mixed_workload(engine.model.vocab_size, 0)
     alone = probe.generate([prompts[4]], params[0])[0].token_ids
-    prompts, params = mixed_workload(engine.model.vocab_size, alone[4])
+    prompts, params = mixed_workload(engine.model.vocab_size, alone[4], penalties=not spec)  # spec: refused
     with counting_compiles() as counts:
         outs = engine.generate(prompts, params)
     assert counts == dict.fromkeys(EVENTS, 0), counts
@@ -89,7 +93,7 @@ def test_warmup_compiles_each_program_once_and_a_second_engine_loads_them(tmp_pa
     first = Engine.from_pretrained(llama, dtype="float32", **TIGHT)
     with counting_compiles() as counts:
         names = first.warmup(progress=False)
-    assert counts[EVENTS[1]] == len(names) == 10  # six widths, sample, logprobs, copy, tables: one compile each
+    assert counts[EVENTS[1]] == len(names) == 11  # six widths, sample, logprobs, penalize, copy, tables: once each
     assert len(list((tmp_path / "cache").glob("*-cache"))) >= len(names)
     jax.clear_caches()  # as a fresh process would be
     second = Engine.from_pretrained(llama, dtype="float32", **TIGHT)
