@@ -706,8 +706,8 @@ class Engine:
             chunks.append(e.req.token_slice(e.req.num_cached, e.count))
             start += e.count
             if histories is not None and e.samples:  # a row without penalties passes unchanged: none to upload
-                known = e.req.prompt + e.req.generated if e.req.params.has_penalties else []
-                histories += [(known, len(e.req.prompt))] * e.samples
+                histories += [(e.req.prompt_array, e.req.generated) if e.req.params.has_penalties else ((), ())
+                              ] * e.samples
             rows += [start - 1] * e.samples
             params += [e.req.params] * e.samples
             seeds += [e.req.seed] if e.samples == 1 else [self._child_seed(e.req, i) for i in range(e.samples)]
@@ -717,7 +717,7 @@ class Engine:
         tokens, token_src = np.maximum(ids, 0), np.where(ids < 0, -ids - 1, -1).astype(np.int32)
         token_src[start:] = -1
         penalties = None if histories is None else PenaltyInputs.from_rows(
-            [h for h, _ in histories], [n for _, n in histories], params, rows_out, self.cache.capacity)
+            [p for p, _ in histories], [c for _, c in histories], params, rows_out, self.cache.capacity)
         return tokens, token_src, rows, samples, proposed, draft_rows, penalties
 
     def _postprocess(self, step: InFlight, next_tokens: np.ndarray, lp, proposed) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from glint.runtime.params import SamplingParams
 
 
@@ -35,6 +37,14 @@ class Request:
     # tokens pushed, the text shown so far) as one value, so that an interrupt cannot leave one part updated
     # without the others. The text held back is what may begin a stop string.
     stop_state: tuple = (None, 0, "")
+    _prompt_array: np.ndarray | None = field(default=None, init=False, repr=False)
+
+    @property
+    def prompt_array(self) -> np.ndarray:
+        """The prompt as i32[len(prompt)], made once (penalties upload it every step)."""
+        if self._prompt_array is None:
+            self._prompt_array = np.asarray(self.prompt, np.int32)
+        return self._prompt_array
 
     @property
     def num_known(self) -> int:

@@ -158,17 +158,21 @@ class PenaltyInputs:
         return self.history, self.prompt_len, self.presence, self.frequency, self.repetition
 
     @classmethod
-    def from_rows(cls, histories: Sequence[Sequence[int]], prompt_lens: Sequence[int],
+    def from_rows(cls, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
                   params_list: Sequence[SamplingParams], rows: int, capacity: int) -> PenaltyInputs:
-        """One (history, prompt length, params) per sampled row, padded to `rows` rows of `capacity` entries."""
-        if not len(histories) == len(prompt_lens) == len(params_list) <= rows:
-            raise ValueError(f"{len(histories)} histories, {len(prompt_lens)} prompt lengths and {len(params_list)} "
+        """One (prompt, completion so far, params) per sampled row, padded to `rows` rows of `capacity` entries.
+        A prompt may be an i32 array (copied as a block: a long prompt is the bulk of a history)."""
+        if not len(prompts) == len(completions) == len(params_list) <= rows:
+            raise ValueError(f"{len(prompts)} prompts, {len(completions)} completions and {len(params_list)} "
                              f"params for at most {rows} rows")
         history = np.full((rows, capacity), HISTORY_PAD, np.int32)
-        for i, tokens in enumerate(histories):
-            if len(tokens) > capacity:
-                raise ValueError(f"row {i}: {len(tokens)} tokens exceed the capacity {capacity}")
-            history[i, :len(tokens)] = tokens
+        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+            n, total = len(prompt), len(prompt) + len(completion)
+            if total > capacity:
+                raise ValueError(f"row {i}: {total} tokens exceed the capacity {capacity}")
+            history[i, :n] = prompt
+            history[i, n:total] = completion
+        prompt_lens = [len(prompt) for prompt in prompts]
 
         def column(values, dtype, pad):
             out = np.full(rows, pad, dtype)
