@@ -716,8 +716,8 @@ class Engine:
         ids[:start] = [t for chunk in chunks for t in chunk]
         tokens, token_src = np.maximum(ids, 0), np.where(ids < 0, -ids - 1, -1).astype(np.int32)
         token_src[start:] = -1
-        penalties = None if histories is None else PenaltyInputs.from_rows(
-            [p for p, _ in histories], [c for _, c in histories], params, rows_out, self.cache.capacity)
+        penalties = None if histories is None else PenaltyInputs.from_rows(histories, params, rows_out,
+                                                                           self.cache.capacity)
         return tokens, token_src, rows, samples, proposed, draft_rows, penalties
 
     def _postprocess(self, step: InFlight, next_tokens: np.ndarray, lp, proposed) -> None:

@@ -105,21 +105,23 @@ class SamplerInputs:
                 i = int(bad[0])
                 raise ValueError(f"row {i}: {name} must be in [0, 2**{limit.bit_length() - 1}), got {values[i]!r}")
 
-        def column(values, dtype, pad):
-            out = np.full(rows, pad, dtype)
-            out[:num_used] = values
-            return out
-
-        temperature = column([p.temperature for p in params_list], np.float32, 0.0)
+        temperature = _column([p.temperature for p in params_list], np.float32, 0.0, rows)
         top_k = [p.top_k for p in params_list]
         if top_k and max(top_k) > _INT32_MAX:  # as good as keeping every token
             top_k = [min(k, _INT32_MAX) for k in top_k]
-        top_k = column(top_k, np.int32, 0)
-        top_p = column([p.top_p for p in params_list], np.float32, 1.0)
-        min_p = column([p.min_p for p in params_list], np.float32, 0.0)
-        seed = column(row_seeds, np.uint32, 0)
-        position = column(positions, np.int32, 0)
+        top_k = _column(top_k, np.int32, 0, rows)
+        top_p = _column([p.top_p for p in params_list], np.float32, 1.0, rows)
+        min_p = _column([p.min_p for p in params_list], np.float32, 0.0, rows)
+        seed = _column(row_seeds, np.uint32, 0, rows)
+        position = _column(positions, np.int32, 0, rows)
         return cls(temperature, top_k, top_p, min_p, seed, position)
+
+
+def _column(values: Sequence, dtype, pad, rows: int) -> np.ndarray:
+    """`values` as a [rows] array, `pad` after them."""
+    out = np.full(rows, pad, dtype)
+    out[:len(values)] = values
+    return out
 
 
 def uses_filters(params_list: Sequence[SamplingParams]) -> bool:
@@ -158,31 +160,23 @@ class PenaltyInputs:
         return self.history, self.prompt_len, self.presence, self.frequency, self.repetition
 
     @classmethod
-    def from_rows(cls, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+    def from_rows(cls, histories: Sequence[tuple[Sequence[int], Sequence[int]]],
                   params_list: Sequence[SamplingParams], rows: int, capacity: int) -> PenaltyInputs:
-        """One (prompt, completion so far, params) per sampled row, padded to `rows` rows of `capacity` entries.
-        A prompt may be an i32 array (copied as a block: a long prompt is the bulk of a history)."""
-        if not len(prompts) == len(completions) == len(params_list) <= rows:
-            raise ValueError(f"{len(prompts)} prompts, {len(completions)} completions and {len(params_list)} "
-                             f"params for at most {rows} rows")
+        """One (prompt, completion so far) and params per sampled row, padded to `rows` rows of `capacity`
+        entries. A prompt may be an i32 array (copied as a block: a long prompt is the bulk of a history)."""
+        if not len(histories) == len(params_list) <= rows:
+            raise ValueError(f"{len(histories)} histories and {len(params_list)} params for at most {rows} rows")
         history = np.full((rows, capacity), HISTORY_PAD, np.int32)
-        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+        for i, (prompt, completion) in enumerate(histories):
             n, total = len(prompt), len(prompt) + len(completion)
             if total > capacity:
                 raise ValueError(f"row {i}: {total} tokens exceed the capacity {capacity}")
             history[i, :n] = prompt
             history[i, n:total] = completion
-        prompt_lens = [len(prompt) for prompt in prompts]
-
-        def column(values, dtype, pad):
-            out = np.full(rows, pad, dtype)
-            out[:len(values)] = values
-            return out
-
-        return cls(history, column(prompt_lens, np.int32, 0),
-                   column([p.presence_penalty for p in params_list], np.float32, 0.0),
-                   column([p.frequency_penalty for p in params_list], np.float32, 0.0),
-                   column([p.repetition_penalty for p in params_list], np.float32, 1.0))
+        return cls(history, _column([len(prompt) for prompt, _ in histories], np.int32, 0, rows),
+                   _column([p.presence_penalty for p in params_list], np.float32, 0.0, rows),
+                   _column([p.frequency_penalty for p in params_list], np.float32, 0.0, rows),
+                   _column([p.repetition_penalty for p in params_list], np.float32, 1.0, rows))
 
 
 def penalize(logits: jax.Array, history: jax.Array, prompt_len: jax.Array, presence: jax.Array,

@@ -488,8 +488,8 @@ def test_penalties_match_a_reference_token_by_token():
         (list(range(20)), [39, 38, -(0 + 1)], SamplingParams(presence_penalty=-2.0)),
         ([9], [10, 11, 10], SamplingParams()),  # no penalty of its own: logits unchanged
     ]
-    inputs = PenaltyInputs.from_rows([np.asarray(p, np.int32) if i % 2 else p for i, (p, _, _) in enumerate(cases)],
-                                     [c for _, c, _ in cases], [sp for _, _, sp in cases], num_rows, capacity)
+    histories = [(np.asarray(p, np.int32) if i % 2 else p, c) for i, (p, c, _) in enumerate(cases)]
+    inputs = PenaltyInputs.from_rows(histories, [sp for _, _, sp in cases], num_rows, capacity)
     assert inputs.history[0, 7] == -(3 + 1) and (inputs.history[len(cases):] == HISTORY_PAD).all()
     got = np.asarray(jax.jit(penalize)(jnp.asarray(logits), *inputs.columns(), jnp.asarray(prev_tokens)))
     for row, (prompt, completion, sp) in enumerate(cases):
@@ -503,6 +503,6 @@ def test_penalties_match_a_reference_token_by_token():
 
 def test_penalty_inputs_refuse_what_does_not_fit():
     with pytest.raises(ValueError, match="row 0: 9 tokens exceed the capacity 8"):
-        PenaltyInputs.from_rows([list(range(3))], [list(range(6))], [SamplingParams()], 2, 8)
+        PenaltyInputs.from_rows([(list(range(3)), list(range(6)))], [SamplingParams()], 2, 8)
     with pytest.raises(ValueError, match="for at most 1 rows"):
-        PenaltyInputs.from_rows([[1], [2]], [[], []], [SamplingParams()] * 2, 1, 8)
+        PenaltyInputs.from_rows([([1], []), ([2], [])], [SamplingParams()] * 2, 1, 8)
