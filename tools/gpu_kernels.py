@@ -132,9 +132,11 @@ def variant_call(args: dict, kw: dict) -> tuple[dict, dict]:
     return args, kw
 
 
-def run_sweep(rng, *, interpret=False, max_cases=None, only=None, variant_names=None):
+def run_sweep(rng, *, interpret=False, max_cases=None, only=None, variant_names=None, shard=(0, 1)):
+    """Every sweep case (or those named in `only`) against the reference; shard (k, n): the k-th of every n cases."""
     results = []
-    for name, case, variants in sweep_cases()[:max_cases]:
+    k, n = shard
+    for name, case, variants in sweep_cases()[:max_cases][k::n]:
         if only and not any(o in name for o in only):
             continue
         inputs = make_attention_inputs(case, rng)
@@ -379,6 +381,7 @@ def main():
     parser.add_argument("--max-cases", type=int, default=None)
     parser.add_argument("--only", default="", help="comma-separated substrings of sweep case names")
     parser.add_argument("--variants", default="", help="comma-separated sweep variants to run (default all)")
+    parser.add_argument("--shard", default="0/1", help="K/N: run the K-th of every N sweep cases (0-based)")
     parser.add_argument("--quick", action="store_true", help="tiny timing shapes")
     parser.add_argument("--tables", default="decode,prefill", help="timing tables to run")
     flags = parser.parse_args()
@@ -387,8 +390,12 @@ def main():
     print(jax.__version__, jax.devices())
     t0 = time.time()
     if not flags.skip_sweep:
+        k, n = map(int, flags.shard.split("/"))
+        if not 0 <= k < n:
+            parser.error(f"--shard {flags.shard}: needs 0 <= K < N")
         run_sweep(np.random.default_rng(int(time.time())), interpret=flags.interpret, max_cases=flags.max_cases,
-                  only=[o for o in flags.only.split(",") if o], variant_names=[v for v in flags.variants.split(",") if v])
+                  only=[o for o in flags.only.split(",") if o], variant_names=[v for v in flags.variants.split(",") if v],
+                  shard=(k, n))
         print(f"sweep took {time.time() - t0:.0f}s")
     if not flags.skip_timing:
         run_timing(quick=flags.quick, interpret=flags.interpret, tables=flags.tables)
