@@ -141,10 +141,12 @@ class StepBench:
 
 
 @contextlib.contextmanager
-def decoding(engine: Engine, batch: int, context: int, steps: int, seed: int = 0, started: int = 2):
-    """`batch` greedy requests of `context` random tokens, all decoding (each has `started` generated tokens or
-    more) and none finishing within the next `steps` steps (of one token each: no speculative engine); their
-    ids. Aborted and released after.
+def decoding(engine: Engine, batch: int, context: int, steps: int, seed: int = 0, started: int = 2,
+             params: SamplingParams | None = None):
+    """`batch` requests of `context` random tokens, greedy or drawn with `params` (their max_tokens, ignore_eos
+    and seed are the loop's own), all decoding (each has `started` generated tokens or more) and none finishing
+    within the next `steps` steps (of one token each: no speculative engine); their ids. Aborted and released
+    after.
 
     A step decodes every running request, so one admitted early has generated more by the time the last prompt
     is in (256 prompts of 576 tokens at 4096 a step: 36 steps apart). With the prefix cache on, each prompt is
@@ -160,8 +162,9 @@ def decoding(engine: Engine, batch: int, context: int, steps: int, seed: int = 0
     prompts = [rng.integers(0, engine.model.vocab_size, context).tolist() for _ in range(batch)]
     if engine.prefix_cache_enabled:
         engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    params = SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True)
-    rids = [engine.add_request(prompt, params) for prompt in prompts]
+    drawn = dataclasses.replace(params or SamplingParams(temperature=0.0), max_tokens=room, ignore_eos=True)
+    rids = [engine.add_request(prompt, dataclasses.replace(drawn, seed=i) if not drawn.is_greedy else drawn)
+            for i, prompt in enumerate(prompts)]
     try:
         while min(generated := [len(engine.output(rid, text=False).token_ids) for rid in rids]) < started:
             if max(generated) == room:
@@ -182,14 +185,14 @@ def decoding(engine: Engine, batch: int, context: int, steps: int, seed: int = 0
             engine.release(rid)
 
 
-def pipelined_decode_ms(engine: Engine, batch: int, context: int, steps: int = 32, seed: int = 0
-                        ) -> tuple[float, dict]:
-    """Milliseconds per engine.step() while `batch` requests with `context` tokens each decode: the loop users
-    get (step n+1 dispatched before step n is read, host bookkeeping included), after prefill and two steps;
-    and the loop's host time per step (`host_ms`)."""
+def pipelined_decode_ms(engine: Engine, batch: int, context: int, steps: int = 32, seed: int = 0,
+                        params: SamplingParams | None = None) -> tuple[float, dict]:
+    """Milliseconds per engine.step() while `batch` requests with `context` tokens each decode (greedy, or drawn
+    with `params`: `decoding`): the loop users get (step n+1 dispatched before step n is read, host bookkeeping
+    included), after prefill and two steps; and the loop's host time per step (`host_ms`)."""
     kept = engine.stats  # the timed steps count on fresh stats; the engine's own come back after
     try:
-        with decoding(engine, batch, context, steps, seed):
+        with decoding(engine, batch, context, steps, seed, params=params):
             engine.stats = type(kept)()
             t0 = time.perf_counter()
             for _ in range(steps):

@@ -113,6 +113,20 @@ def _engine_config(args) -> dict:
     return given | {"compile_cache": args.compile_cache, "prefix_cache": args.prefix_cache, "draft": args.draft}
 
 
+def _logit_bias(entries: list[str] | None) -> tuple[tuple[int, float], ...]:
+    """--logit-bias ID=BIAS entries as (id, bias) pairs."""
+    pairs = []
+    for entry in entries or ():
+        token, sep, bias = entry.partition("=")
+        try:
+            pairs.append((int(token), float(bias)))
+        except ValueError:
+            raise ValueError(f"--logit-bias {entry!r}: expected TOKEN_ID=BIAS, e.g. 13=-100") from None
+        if not sep:
+            raise ValueError(f"--logit-bias {entry!r}: expected TOKEN_ID=BIAS, e.g. 13=-100")
+    return tuple(pairs)
+
+
 def _cmd_generate(args) -> int:
     from glint.runtime.engine import Engine
     from glint.runtime.params import SamplingParams
@@ -124,14 +138,16 @@ def _cmd_generate(args) -> int:
                             top_p=args.top_p, min_p=args.min_p, seed=args.seed, n=args.n, ignore_eos=args.ignore_eos,
                             stop=tuple(args.stop or ()), stop_token_ids=tuple(args.stop_token_ids or ()),
                             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                            repetition_penalty=args.repetition_penalty)
+                            repetition_penalty=args.repetition_penalty, logit_bias=_logit_bias(args.logit_bias),
+                            min_tokens=args.min_tokens)
     engine = Engine.from_pretrained(args.checkpoint, dtype=args.dtype, **_engine_config(args))
     rid = engine.add_request(prompt, params)
     stream = None
     if engine.tokenizer is not None:  # text as whole characters: a multi-byte one may span several tokens
         from glint.runtime.textstream import TextStream
 
-        stream = TextStream(engine.tokenizer, params.stop)  # what glint serve streams: special tokens skipped
+        # what glint serve streams: special tokens skipped
+        stream = TextStream(engine.tokenizer, params.stop, min_tokens=params.min_tokens)
     printed = ""
     while engine.has_unfinished():
         engine.step()
@@ -270,6 +286,10 @@ def register(sub) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="divides the positive logits of the prompt's and the output's tokens, multiplies the "
                         "negative ones (> 0; 1: off)")
+    p.add_argument("--logit-bias", action="append", metavar="ID=BIAS",
+                   help="add BIAS ([-100, 100]) to token ID's logit before the penalties (repeatable)")
+    p.add_argument("--min-tokens", type=int, default=0,
+                   help="generate at least this many tokens before a stop token or stop string may end the output")
     p.add_argument("--seed", type=int, default=None, help="the request's seed (default: drawn from the OS)")
     p.add_argument("--n", type=int, default=1, help="completions to sample")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the model's EOS tokens")

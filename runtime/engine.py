@@ -20,7 +20,7 @@ from glint.runtime.params import SamplingParams
 from glint.runtime.programs import (RUNTIME_PROGRAMS, DeviceMeta, ProgramSet, Runner, draft_name, forward_name,
                                     num_segments)
 from glint.runtime.request import Completion, Request, RequestOutput, Status
-from glint.runtime.sampling import PenaltyInputs, SamplerInputs, uses_filters, uses_penalties
+from glint.runtime.sampling import BIAS_WIDTH, PenaltyInputs, SamplerInputs, adjusts_logits, uses_filters
 from glint.runtime.scheduler import Entry, Scheduler
 
 DEFAULT_MAX_CAPACITY = 32768
@@ -342,10 +342,18 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {list(params.stop)} need a tokenizer, and this checkpoint has none "
                              "(use stop_token_ids)")
-        if params.has_penalties and self.drafter is not None:
+        if params.adjusts_logits and self.drafter is not None:
             raise ValueError(f"presence_penalty {params.presence_penalty}, frequency_penalty "
-                             f"{params.frequency_penalty}, repetition_penalty {params.repetition_penalty}: penalties "
-                             "are not supported with speculative decoding (leave them at 0, 0 and 1)")
+                             f"{params.frequency_penalty}, repetition_penalty {params.repetition_penalty}, "
+                             f"logit_bias of {len(params.logit_bias)} tokens, min_tokens {params.min_tokens}: "
+                             "penalties, logit biases and min_tokens are not supported with speculative decoding "
+                             "(leave them at 0, 0, 1, none and 0)")
+        vocab = self.model.vocab_size
+        if bad := [t for t, _ in params.logit_bias if t >= vocab]:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if params.min_tokens and len({t for t, _ in params.logit_bias} | set(self._stops(params))) > BIAS_WIDTH:
+            raise ValueError(f"logit_bias of {len(params.logit_bias)} tokens and min_tokens' ban of "
+                             f"{len(self._stops(params))} stop tokens exceed {BIAS_WIDTH} tokens a request")
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
         req = Request(self._new_rid(), tokens, params, seed, num_children=params.n - 1)
         self._extend_keys(req, len(tokens))
@@ -678,11 +686,13 @@ class Engine:
         """Token ids (from the host, or `token_src` rows of the previous step's output), the sampled rows and
         their (params, seed, position) lists, the draft token each row verifies (None: no speculative block), the
         step row whose draft the device drafter puts in each output row (None: no device drafts), and the sampled
-        rows' `PenaltyInputs` (None: no request sets a penalty)."""
+        rows' `PenaltyInputs` (None: no request adjusts its logits)."""
         chunks, rows, start = [], [], 0
         # each penalized row's prompt and completion so far (a token still on the device as its placeholder: a row
-        # of the previous step's output, which the penalize program reads); speculative engines take no penalties
-        histories = [] if uses_penalties([e.req.params for e in entries if e.samples]) else None
+        # of the previous step's output, which the penalize program reads), and the tokens each row may not draw
+        # yet (min_tokens); speculative engines take none of these
+        histories = [] if adjusts_logits([e.req.params for e in entries if e.samples]) else None
+        banned = []
         params, seeds, positions = samples = [], [], []
         rows_out = self.config.max_sample_rows
         proposed = np.full(rows_out, -1, np.int32) if any(e.draft for e in entries) else None
@@ -706,8 +716,9 @@ class Engine:
             chunks.append(e.req.token_slice(e.req.num_cached, e.count))
             start += e.count
             if histories is not None and e.samples:  # a row without penalties passes unchanged: none to upload
-                histories += [(e.req.prompt_array, e.req.generated) if e.req.params.has_penalties else ((), ())
-                              ] * e.samples
+                p = e.req.params
+                histories += [(e.req.prompt_array, e.req.generated) if p.has_penalties else ((), ())] * e.samples
+                banned += [self._stops(p) if len(e.req.generated) < p.min_tokens else ()] * e.samples
             rows += [start - 1] * e.samples
             params += [e.req.params] * e.samples
             seeds += [e.req.seed] if e.samples == 1 else [self._child_seed(e.req, i) for i in range(e.samples)]
@@ -717,7 +728,7 @@ class Engine:
         tokens, token_src = np.maximum(ids, 0), np.where(ids < 0, -ids - 1, -1).astype(np.int32)
         token_src[start:] = -1
         penalties = None if histories is None else PenaltyInputs.from_rows(histories, params, rows_out,
-                                                                           self.cache.capacity)
+                                                                           self.cache.capacity, banned)
         return tokens, token_src, rows, samples, proposed, draft_rows, penalties
 
     def _postprocess(self, step: InFlight, next_tokens: np.ndarray, lp, proposed) -> None:
@@ -781,9 +792,9 @@ class Engine:
         """How many of `tokens` (the first is the request's `num_generated`-th) the request keeps, up to the first
         the stop rules end it at, and the finish reason then (None: it goes on)."""
         params, n, reason = req.params, len(tokens), None
-        stops = params.stop_token_ids if params.ignore_eos else (*params.stop_token_ids, *self.model.eos_token_ids)
+        stops = self._stops(params)
         for i, token in enumerate(tokens):
-            if token in stops:
+            if token in stops and num_generated + i >= params.min_tokens:  # (min_tokens bans them before)
                 n, reason = i + 1, "stop"
                 break
         num_allowed = max(params.max_tokens - num_generated + 1, 1)  # tokens up to max_tokens
@@ -799,6 +810,10 @@ class Engine:
                 n, reason = stopped_at, "stop"
         return n, reason
 
+    def _stops(self, params: SamplingParams) -> tuple[int, ...]:
+        """The tokens that end a request: its stop_token_ids, and the model's EOS unless ignore_eos."""
+        return params.stop_token_ids if params.ignore_eos else (*params.stop_token_ids, *self.model.eos_token_ids)
+
     def _stop_stream(self, req: Request, num_generated: int):
         """`req`'s TextStream, given every token before its `num_generated`-th (a clone's from its parent). An
         interrupt inside a push leaves the stream ahead of the tokens `stop_state` counts: it is built again."""
@@ -806,7 +821,7 @@ class Engine:
 
         stream, pushed, _ = req.stop_state
         if stream is None or stream.num_tokens != pushed:
-            stream = TextStream(self.tokenizer, req.params.stop)
+            stream = TextStream(self.tokenizer, req.params.stop, min_tokens=req.params.min_tokens)
             text = stream.push(req.generated[:pushed])
             req.stop_state = (stream, stream.num_tokens, text)
         for token in req.generated[stream.num_tokens:num_generated - 1]:
@@ -920,7 +935,8 @@ class Engine:
     def program_names(self) -> list[str]:
         """Every program this engine may run: decode widths first (a server needs them first), then the rest."""
         drafts = [draft_name(w) for w in self.config.buckets] if self._drafts_on_device else []
-        return [forward_name(w) for w in self.config.buckets] + list(RUNTIME_PROGRAMS) + drafts
+        runtime = [n for n in RUNTIME_PROGRAMS if n != "penalize" or self.drafter is None]  # spec: refused
+        return [forward_name(w) for w in self.config.buckets] + runtime + drafts
 
     def warmup(self, progress: bool = True) -> dict[str, float]:
         """Compile every program (all step widths, top-k/top-p sampling, logprobs, page copies) in parallel

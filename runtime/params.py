@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Mapping
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token
 SEED_LIMIT = 2**32  # seeds are uint32 on the device
 MAX_STOP, MAX_STOP_CHARS = 16, 1000  # stop strings a request may give, and their length
+MAX_LOGIT_BIAS, LOGIT_BIAS_LIMIT = 300, 100.0  # logit_bias entries a request may give, and |bias| at most (OpenAI's)
 FLOAT32_TINY, FLOAT32_MAX = 2.0**-126, (2 - 2.0**-23) * 2.0**127  # float32's smallest normal and largest finite
 
 
@@ -34,6 +36,27 @@ def _check_float(name: str, value: object) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")
     return float(value)
+
+
+def _check_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """(token id, bias) pairs sorted by id, from a mapping or pairs; each id once."""
+    pairs = value.items() if isinstance(value, Mapping) else value
+    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, (tuple, list, type({}.items()))):
+        raise ValueError(f"logit_bias must map token ids to biases, got {value!r}")
+    out = {}
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"logit_bias must map token ids to biases, got the entry {pair!r}")
+        token, bias = _check_int("logit_bias token id", pair[0], 0), _check_float("logit_bias", pair[1])
+        if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise ValueError(f"logit_bias for token {token} must be in [-{LOGIT_BIAS_LIMIT:g}, "
+                             f"{LOGIT_BIAS_LIMIT:g}], got {pair[1]!r}")
+        if token in out:
+            raise ValueError(f"logit_bias gives token {token} twice")
+        out[token] = bias
+    if len(out) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(out)}")
+    return tuple(sorted(out.items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +82,11 @@ class SamplingParams:
     repetition_penalty: the logit of every token in the prompt or the completion is divided by it where
       positive and multiplied where negative (the CTRL paper's, as in transformers, vLLM and llama.cpp); > 0,
       1 is off. The three apply to the raw logits, before temperature and the filters, greedy rows included.
+    logit_bias: (token id, bias) pairs (a dict is taken too) added to those tokens' raw logits, before the
+      penalties (OpenAI's, as vLLM applies it); each bias in [-100, 100], at most MAX_LOGIT_BIAS tokens.
+    min_tokens: no stop token (stop_token_ids, and EOS unless ignore_eos) is drawn, and no stop string matched,
+      before the completion has this many tokens (vLLM's); stop strings are looked for in the text of the tokens
+      from the min_tokens-th on. <= max_tokens.
     n: completions to sample for the prompt.
     logprobs: top alternatives to report per token with their log-probabilities
       (0 = none, at most MAX_LOGPROBS).
@@ -76,6 +104,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
     n: int = 1
     logprobs: int = 0
 
@@ -131,6 +161,10 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in [{FLOAT32_TINY:.3g}, {FLOAT32_MAX:.3g}] (float32), got "
                              f"{self.repetition_penalty!r}")
         store("repetition_penalty", repetition)
+        store("logit_bias", _check_logit_bias(self.logit_bias))
+        store("min_tokens", _check_int("min_tokens", self.min_tokens, 0))
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         store("n", _check_int("n", self.n, 1))
         store("logprobs", _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS))
 
@@ -138,6 +172,11 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """True when a presence, frequency or repetition penalty changes the logits."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when the raw logits change before the draw: a penalty, a logit bias or min_tokens."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def is_greedy(self) -> bool:

@@ -28,7 +28,7 @@ import numpy as np
 from glint.kvcache import CacheConfig, KVState, StepMetadata
 from glint.pallas_kernels.reference import scale_pool_shape
 from glint.runtime import executables
-from glint.runtime.sampling import SAMPLER_COLUMNS
+from glint.runtime.sampling import BIAS_WIDTH, SAMPLER_COLUMNS
 
 COPY_ROWS = 64  # page copies per `copy` call; a step needing more runs it again
 TABLE_ROWS = 1024  # page-table entries per `tables` call (per group)
@@ -235,8 +235,9 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
                rows and the sampler (`sampling.SAMPLER_COLUMNS`)
     sample:    (logits f32[R, V], sampler tuple)
     penalize:  (logits f32[R, V], penalties (history i32[R, capacity], prompt_len i32[R], presence, frequency,
-               repetition f32[R]), prev_tokens i32[R], sampler tuple) -> (logits f32[R, V] penalized, tokens
-               i32[R] drawn from them without top-k/top-p) (sampling.PenaltyInputs, sampling.penalize)
+               repetition f32[R], bias_ids i32[R, BIAS_WIDTH], bias f32[R, BIAS_WIDTH]), prev_tokens i32[R],
+               sampler tuple) -> (logits f32[R, V] biased and penalized, tokens i32[R] drawn from them without
+               top-k/top-p) (sampling.PenaltyInputs, sampling.penalize)
     sample_argmax: (logits f32[R, V],)
     logprobs:  (logits f32[R, V], tokens i32[R])
     draft_W:   (params, kv, tables, host i32[N]): the same layout, its draft_rows the output rows
@@ -265,7 +266,8 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
         return (logits,)
     if name == "penalize":
         strengths = (_spec((rows,), np.float32),) * 3  # presence, frequency, repetition
-        return logits, (i32(rows, cache.capacity), i32(rows), *strengths), i32(rows), sampler
+        biases = i32(rows, BIAS_WIDTH), _spec((rows, BIAS_WIDTH), np.float32)
+        return logits, (i32(rows, cache.capacity), i32(rows), *strengths, *biases), i32(rows), sampler
     if name == "logprobs":
         return logits, i32(rows)
     tables = tuple(i32(max_seqs, cache.group_pages_per_seq(g)) for g in range(cache.num_groups))
@@ -415,9 +417,9 @@ class Runner:
         return self.programs["sample"](logits, sampler.columns())
 
     def penalize(self, logits, penalties, prev_tokens, sampler) -> tuple[jax.Array, jax.Array]:
-        """(The logits f32[R, V] with each row's presence / frequency / repetition penalty applied, the tokens
-        i32[R] drawn from them without top-k/top-p) (`sampling.PenaltyInputs`; prev_tokens: the previous step's
-        output, which placeholders in it index)."""
+        """(The logits f32[R, V] with each row's logit biases and presence / frequency / repetition penalties
+        applied, the tokens i32[R] drawn from them without top-k/top-p) (`sampling.PenaltyInputs`; prev_tokens: the
+        previous step's output, which placeholders in it index)."""
         return self.programs["penalize"](logits, penalties.columns(), prev_tokens, sampler.columns())
 
     def run_draft(self, width: int, params: dict, kv: KVState, host: np.ndarray):

@@ -132,12 +132,16 @@ def uses_filters(params_list: Sequence[SamplingParams]) -> bool:
     return any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1) for p in params_list)
 
 
-def uses_penalties(params_list: Sequence[SamplingParams]) -> bool:
-    """Host-side: whether any request sets a presence, frequency or repetition penalty (greedy ones too)."""
-    return any(p.has_penalties for p in params_list)
+def adjusts_logits(params_list: Sequence[SamplingParams]) -> bool:
+    """Host-side: whether any request sets a presence, frequency or repetition penalty, a logit bias or
+    min_tokens (greedy ones too): what the `penalize` program applies."""
+    return any(p.adjusts_logits for p in params_list)
 
 
 HISTORY_PAD = 2**31 - 1  # a history entry past the row's tokens: out of any vocabulary, so it counts nowhere
+# Logit biases a row may carry on the device: its logit_bias (at most params.MAX_LOGIT_BIAS) and, below min_tokens,
+# its stop tokens' bans; padding entries are HISTORY_PAD ids, dropped.
+BIAS_WIDTH = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +152,8 @@ class PenaltyInputs:
       the previous step drew, still on the device: its row -(entry + 1) of that step's output.
     prompt_len: i32[R]; the history's first prompt_len entries are the prompt.
     presence, frequency, repetition: f32[R]; padding rows 0, 0, 1 (off).
+    bias_ids: i32[R, BIAS_WIDTH]; the tokens whose logits `bias` f32[R, BIAS_WIDTH] shifts (-inf: banned), each
+      at most once a row; HISTORY_PAD after.
     """
 
     history: np.ndarray
@@ -155,17 +161,22 @@ class PenaltyInputs:
     presence: np.ndarray
     frequency: np.ndarray
     repetition: np.ndarray
+    bias_ids: np.ndarray
+    bias: np.ndarray
 
     def columns(self) -> tuple:
-        return self.history, self.prompt_len, self.presence, self.frequency, self.repetition
+        return self.history, self.prompt_len, self.presence, self.frequency, self.repetition, self.bias_ids, self.bias
 
     @classmethod
     def from_rows(cls, histories: Sequence[tuple[Sequence[int], Sequence[int]]],
-                  params_list: Sequence[SamplingParams], rows: int, capacity: int) -> PenaltyInputs:
+                  params_list: Sequence[SamplingParams], rows: int, capacity: int,
+                  banned: Sequence[Sequence[int]] | None = None) -> PenaltyInputs:
         """One (prompt, completion so far) and params per sampled row, padded to `rows` rows of `capacity`
-        entries. A prompt may be an i32 array (copied as a block: a long prompt is the bulk of a history)."""
-        if not len(histories) == len(params_list) <= rows:
-            raise ValueError(f"{len(histories)} histories and {len(params_list)} params for at most {rows} rows")
+        entries. A prompt may be an i32 array (copied as a block: a long prompt is the bulk of a history).
+        banned: per row, tokens it may not draw (a request below its min_tokens: its stop tokens), else none."""
+        if not len(histories) == len(params_list) <= rows or (banned is not None and len(banned) != len(histories)):
+            raise ValueError(f"{len(histories)} histories, {len(params_list)} params and "
+                             f"{'no' if banned is None else len(banned)} bans for at most {rows} rows")
         history = np.full((rows, capacity), HISTORY_PAD, np.int32)
         for i, (prompt, completion) in enumerate(histories):
             n, total = len(prompt), len(prompt) + len(completion)
@@ -173,19 +184,32 @@ class PenaltyInputs:
                 raise ValueError(f"row {i}: {total} tokens exceed the capacity {capacity}")
             history[i, :n] = prompt
             history[i, n:total] = completion
+        bias_ids = np.full((rows, BIAS_WIDTH), HISTORY_PAD, np.int32)
+        bias = np.zeros((rows, BIAS_WIDTH), np.float32)
+        for i, p in enumerate(params_list):
+            entries = dict(p.logit_bias)
+            entries.update(dict.fromkeys(() if banned is None else banned[i], -np.inf))  # a ban outranks a bias
+            if len(entries) > BIAS_WIDTH:
+                raise ValueError(f"row {i}: {len(entries)} logit biases and bans exceed {BIAS_WIDTH}")
+            bias_ids[i, :len(entries)] = list(entries)
+            bias[i, :len(entries)] = list(entries.values())
         return cls(history, _column([len(prompt) for prompt, _ in histories], np.int32, 0, rows),
                    _column([p.presence_penalty for p in params_list], np.float32, 0.0, rows),
                    _column([p.frequency_penalty for p in params_list], np.float32, 0.0, rows),
-                   _column([p.repetition_penalty for p in params_list], np.float32, 1.0, rows))
+                   _column([p.repetition_penalty for p in params_list], np.float32, 1.0, rows), bias_ids, bias)
 
 
 def penalize(logits: jax.Array, history: jax.Array, prompt_len: jax.Array, presence: jax.Array,
-             frequency: jax.Array, repetition: jax.Array, prev_tokens: jax.Array) -> jax.Array:
-    """The logits with each row's penalties applied (`PenaltyInputs`'s columns; prev_tokens i32[R]: the previous
-    step's output, which the history's negative entries index), as vLLM applies them: a token in the prompt or
-    the completion has its logit divided by `repetition` if positive, else multiplied; then `frequency` times its
-    count in the completion and `presence` if it occurs there at all are subtracted. -> f32[R, V]."""
+             frequency: jax.Array, repetition: jax.Array, bias_ids: jax.Array, bias: jax.Array,
+             prev_tokens: jax.Array) -> jax.Array:
+    """The logits with each row's biases and penalties applied (`PenaltyInputs`'s columns; prev_tokens i32[R]:
+    the previous step's output, which the history's negative entries index), as vLLM applies them: the biases are
+    added first; then a token in the prompt or the completion has its logit divided by `repetition` if positive,
+    else multiplied; then `frequency` times its count in the completion and `presence` if it occurs there at all
+    are subtracted. -> f32[R, V]."""
     num_rows, vocab_size = logits.shape
+    logits = logits.astype(jnp.float32).at[lax.broadcasted_iota(jnp.int32, bias_ids.shape, 0), bias_ids].add(
+        bias, mode="drop")
     rows_of_prev = jnp.clip(-history - 1, 0, prev_tokens.shape[0] - 1)
     tokens = jnp.where(history >= 0, history, prev_tokens[rows_of_prev])
     in_completion = lax.broadcasted_iota(jnp.int32, history.shape, 1) >= prompt_len[:, None]
@@ -193,7 +217,6 @@ def penalize(logits: jax.Array, history: jax.Array, prompt_len: jax.Array, prese
     counts = jnp.zeros((num_rows, vocab_size), jnp.int32).at[rows, tokens].add(in_completion.astype(jnp.int32),
                                                                                    mode="drop")
     seen = jnp.zeros((num_rows, vocab_size), bool).at[rows, tokens].set(True, mode="drop")
-    logits = logits.astype(jnp.float32)
     repetition = repetition[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / repetition, logits * repetition), logits)
     return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)

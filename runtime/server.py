@@ -29,13 +29,18 @@ MAX_PROMPTS = 256  # prompts in one completions request
 # Request fields of OpenAI's API (and vLLM's) that glint does not implement, with the values that mean "off":
 # any other value is refused with a 400, not silently ignored.
 UNSUPPORTED = {
-    "logit_bias": ({},), "min_tokens": (0,), "best_of": (1,), "suffix": ("",),
+    "best_of": (1,), "suffix": ("",),
     "use_beam_search": (False,), "prompt_logprobs": (), "tools": ([],), "tool_choice": ("none", "auto"),
     "functions": ([],), "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
     "allowed_token_ids": (), "bad_words": ([],), "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
 }
+
+
+# The fields that change the raw logits (SamplingParams.adjusts_logits), with their "off" values there.
+ADJUSTMENTS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": (),
+               "min_tokens": 0}
 
 
 class ApiError(Exception):
@@ -59,6 +64,7 @@ class Api:
         # What the handlers need of the engine, read once: only the worker thread touches the engine after this.
         engine = worker.engine
         self.tokenizer, self.vocab_size, self.capacity = engine.tokenizer, engine.model.vocab_size, engine.capacity
+        self.speculative = engine.drafter is not None
 
     # ---- parsing ----
 
@@ -107,17 +113,36 @@ class Api:
             value = body.get(name)
             return default if value is None else value
 
+        logit_bias = get("logit_bias", {})
+        if not isinstance(logit_bias, dict):
+            raise ApiError(400, f"logit_bias must map token ids to biases, got {json.dumps(logit_bias)[:80]}",
+                           param="logit_bias")
+        try:  # OpenAI's keys are token ids as strings
+            logit_bias = [(int(token), bias) for token, bias in logit_bias.items()]
+        except ValueError:
+            keys = json.dumps(list(body["logit_bias"]))[:80]
+            raise ApiError(400, f"logit_bias keys must be token ids, got {keys}", param="logit_bias") from None
+        if bad := [t for t, _ in logit_bias if not 0 <= t < self.vocab_size]:
+            raise ApiError(400, f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                           param="logit_bias")
+
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 max_tokens=get("max_tokens", get("max_completion_tokens", default_max_tokens)),
                 temperature=get("temperature", 1.0), top_p=get("top_p", 1.0), top_k=get("top_k", 0),
                 min_p=get("min_p", 0.0), presence_penalty=get("presence_penalty", 0.0),
                 frequency_penalty=get("frequency_penalty", 0.0), repetition_penalty=get("repetition_penalty", 1.0),
+                logit_bias=logit_bias, min_tokens=get("min_tokens", 0),
                 n=get("n", 1), seed=body.get("seed"), stop_token_ids=get("stop_token_ids", ()),
                 ignore_eos=get("ignore_eos", False), logprobs=logprobs, stop=tuple(stop))
         except (ValueError, TypeError) as e:  # SamplingParams' messages begin with the field's name
             name = str(e).split(" ", 1)[0].rstrip(":")
             raise ApiError(400, str(e), param=name if name in body else None) from None
+        if self.speculative and params.adjusts_logits:  # the engine refuses them too; this names the field
+            name = next(n for n, off in ADJUSTMENTS.items() if getattr(params, n) != off)
+            raise ApiError(400, f"{name}={json.dumps(body[name])[:80]} is not supported with speculative decoding "
+                                "(leave it out)", param=name)
+        return params
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer is not None else str(token)
@@ -238,7 +263,8 @@ class Choice:
 
 def make_choices(api: Api, jobs: list[Job]) -> list[list[Choice]]:
     return [[Choice(j * job.params.n + i,
-                    TextStream(api.tokenizer, job.params.stop) if api.tokenizer is not None else None)
+                    TextStream(api.tokenizer, job.params.stop, min_tokens=job.params.min_tokens)
+                    if api.tokenizer is not None else None)
              for i in range(job.params.n)] for j, job in enumerate(jobs)]
 
 

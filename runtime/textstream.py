@@ -14,10 +14,11 @@ class TextStream:
 
     After a stop string appears, `stopped` is True, the text before it has been returned, and the stop string and
     everything after it are dropped; `num_tokens` counts the tokens pushed up to and including the one that
-    completed the stop string.
+    completed the stop string. With `min_tokens` (SamplingParams'), stop strings are looked for only in the text
+    of the tokens from the min_tokens-th on: the text before is returned as it comes.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True, min_tokens: int = 0):
         from tokenizers.decoders import DecodeStream
 
         if isinstance(stop, str):
@@ -31,6 +32,7 @@ class TextStream:
         self._returned = 0  # characters returned so far
         self.stopped = False
         self.num_tokens = 0
+        self._min_tokens = min_tokens
 
     def push(self, token_ids: Sequence[int]) -> str:
         out = []
@@ -43,6 +45,10 @@ class TextStream:
             if not piece:
                 continue
             self._held += piece
+            if self.num_tokens < self._min_tokens:  # too early to stop: nothing to look for or hold back
+                out.append(self._held)
+                self._held = ""
+                continue
             hits = [i for i in (self._held.find(s) for s in self.stop) if i >= 0]
             if hits:
                 out.append(self._held[:min(hits)])

@@ -51,20 +51,24 @@ def test_generate_streams_tokens(capsys):
 
 
 def test_generate_samples_with_the_engines_filters(capsys):
-    """--top-k, --top-p, --min-p, the penalties and --seed reach the engine: the same tokens as Engine.generate
-    with them."""
+    """--top-k, --top-p, --min-p, the penalties, --logit-bias, --min-tokens and --seed reach the engine: the same
+    tokens as Engine.generate with them."""
     case = reference_case()
     filters = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05, seed=3, presence_penalty=0.4,
-                   frequency_penalty=0.2, repetition_penalty=1.1)
+                   frequency_penalty=0.2, repetition_penalty=1.1, min_tokens=4)
+    bias = {case["greedy"][0]: -100.0, case["greedy"][1]: 2.5}
     argv = ["generate", str(LLAMA), "--prompt-ids", " ".join(map(str, case["prompt"])), "--max-tokens", "10",
             "--ignore-eos", "--json", "--dtype", "float32", *SMALL,
-            *(x for k, v in filters.items() for x in (f"--{k.replace('_', '-')}", str(v)))]
+            *(x for k, v in filters.items() for x in (f"--{k.replace('_', '-')}", str(v))),
+            *(x for t, b in bias.items() for x in ("--logit-bias", f"{t}={b}"))]
     assert main(argv) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["outputs"][0]["token_ids"]
     engine = Engine.from_pretrained(str(LLAMA), dtype="float32", max_seqs=4, page_size=8, max_step_tokens=64,
                                     num_pages=64, capacity=128)
-    params = SamplingParams(max_tokens=10, ignore_eos=True, **filters)
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logit_bias=bias, **filters)
     assert got == engine.generate([case["prompt"]], params)[0].token_ids
+    params = SamplingParams(max_tokens=10, ignore_eos=True, **filters)
+    assert got != engine.generate([case["prompt"]], params)[0].token_ids  # the biases changed it
     assert got != engine.generate([case["prompt"]], SamplingParams(max_tokens=10, ignore_eos=True, seed=3,
                                                                      temperature=0.9))[0].token_ids
 
@@ -72,6 +76,10 @@ def test_generate_samples_with_the_engines_filters(capsys):
 def test_bad_cli_input_is_a_clear_error(capsys):
     assert main(["generate", str(LLAMA), "--prompt-ids", f"1 2 {VOCAB}", "--max-tokens", "4", *SMALL]) == 2
     assert f"token id {VOCAB} is outside the vocabulary [0, {VOCAB})" in capsys.readouterr().err
+    assert main(["generate", str(LLAMA), "--prompt-ids", "1 2", "--logit-bias", "5:3", *SMALL]) == 2
+    assert "--logit-bias '5:3': expected TOKEN_ID=BIAS" in capsys.readouterr().err
+    assert main(["generate", str(LLAMA), "--prompt-ids", "1 2", "--logit-bias", f"{VOCAB}=1", *SMALL]) == 2
+    assert f"logit_bias token id {VOCAB} is outside the vocabulary [0, {VOCAB})" in capsys.readouterr().err
     assert main(["info", "no-such-model"]) == 2
     assert main(["generate", str(LLAMA), "--prompt-ids", "1", "--memory-fraction", "1.5", *SMALL]) == 2
     assert "memory_fraction must be in (0, 1], got 1.5" in capsys.readouterr().err

@@ -10,17 +10,18 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from glint.runtime.params import MAX_LOGPROBS, SamplingParams
+from glint.runtime.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from glint.runtime.sampling import (
+    BIAS_WIDTH,
     HISTORY_PAD,
     PenaltyInputs,
     SamplerInputs,
+    adjusts_logits,
     logprobs,
     penalize,
     sample,
     sample_argmax,
     uses_filters,
-    uses_penalties,
 )
 
 sample_jit = jax.jit(sample, static_argnames="is_filtered")
@@ -78,6 +79,8 @@ def draw(logits: np.ndarray, params: list[SamplingParams], positions, **kwargs) 
         ("repetition_penalty", float("inf")),
         ("repetition_penalty", 1e39),  # inf in the device's float32
         ("repetition_penalty", 1e-50),  # 0 there
+        ("min_tokens", -1),
+        ("min_tokens", 17),  # above max_tokens (16)
     ],
 )
 def test_params_reject_bad_values(field, value):
@@ -86,6 +89,23 @@ def test_params_reject_bad_values(field, value):
         SamplingParams(**{field: value})
     shown = value[-1] if isinstance(value, tuple) else value
     assert repr(shown) in str(info.value)
+
+
+def test_logit_bias_normalised_and_limited():
+    """A dict or pairs, sorted by token; each token once; at most MAX_LOGIT_BIAS of them."""
+    assert SamplingParams(logit_bias={9: -1, 2: 100}).logit_bias == ((2, 100.0), (9, -1.0))
+    assert SamplingParams(logit_bias=[(9, -1), (2, 100)]) == SamplingParams(logit_bias={2: 100.0, 9: -1.0})
+    for bad, message in [({5: 100.5}, r"token 5 must be in \[-100, 100\], got 100.5"), ({5: float("nan")}, "finite"),
+                         ({-3: 1.0}, "token id must be >= 0, got -3"), ("5:1", "must map token ids to biases"),
+                         ([(1, 2, 3)], r"got the entry \(1, 2, 3\)")]:
+        with pytest.raises(ValueError, match=f"logit_bias.*{message}"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(ValueError, match="gives token 2 twice"):
+        SamplingParams(logit_bias=[(2, 1), (2, 3)])
+    with pytest.raises(ValueError, match=f"at most {MAX_LOGIT_BIAS} tokens, got {MAX_LOGIT_BIAS + 1}"):
+        SamplingParams(logit_bias={t: 1.0 for t in range(MAX_LOGIT_BIAS + 1)})
+    assert SamplingParams(logit_bias={1: 0.5}).adjusts_logits and SamplingParams(min_tokens=2).adjusts_logits
+    assert not SamplingParams().adjusts_logits
 
 
 def test_params_limits_named_in_errors():
@@ -498,7 +518,35 @@ def test_penalties_match_a_reference_token_by_token():
                                    sp.repetition_penalty)
         np.testing.assert_allclose(got[row], want, rtol=1e-6, atol=1e-5)
     np.testing.assert_array_equal(got[len(cases):], logits[len(cases):])  # padding rows: off
-    assert uses_penalties([cases[0][2]]) and not uses_penalties([SamplingParams(), cases[4][2]])
+    assert adjusts_logits([cases[0][2]]) and not adjusts_logits([SamplingParams(), cases[4][2]])
+
+
+def test_logit_biases_and_bans_match_a_reference():
+    """Biases are added to the raw logits before the penalties (as vLLM), a ban (a stop token below min_tokens)
+    makes a token undrawable and outranks a bias on it; rows without either are unchanged."""
+    rng = case_rng("logit-bias")
+    num_rows, vocab_size, capacity = 5, 30, 12
+    logits = (rng.normal(size=(num_rows, vocab_size)) * 3).astype(np.float32)
+    cases = [  # (prompt, completion, params, banned)
+        ([1, 2], [3], SamplingParams(logit_bias={3: 4.0, 7: -100.0, 29: 0.5}, repetition_penalty=1.5,
+                                     presence_penalty=0.25), ()),
+        ([], [], SamplingParams(logit_bias={4: 2.0, 5: -2.0}, min_tokens=3), (5, 6)),
+        ([], [], SamplingParams(min_tokens=1), (0,)),
+        ([8], [9], SamplingParams(frequency_penalty=1.0), ()),
+    ]
+    inputs = PenaltyInputs.from_rows([(p, c) for p, c, _, _ in cases], [sp for _, _, sp, _ in cases], num_rows,
+                                     capacity, [b for *_, b in cases])
+    got = np.asarray(jax.jit(penalize)(jnp.asarray(logits), *inputs.columns(), jnp.zeros(num_rows, jnp.int32)))
+    for row, (prompt, completion, sp, banned) in enumerate(cases):
+        biased = logits[row].astype(np.float64)
+        for token, bias in sp.logit_bias:
+            biased[token] += bias
+        biased[list(banned)] = -np.inf
+        want = penalized_reference(biased, prompt, completion, sp.presence_penalty, sp.frequency_penalty,
+                                   sp.repetition_penalty)
+        np.testing.assert_allclose(got[row], want, rtol=1e-6, atol=1e-5)
+    assert np.isneginf(got[1, [5, 6]]).all() and np.isneginf(got[2, 0]).all()
+    np.testing.assert_array_equal(got[len(cases):], logits[len(cases):])
 
 
 def test_penalty_inputs_refuse_what_does_not_fit():
@@ -506,3 +554,6 @@ def test_penalty_inputs_refuse_what_does_not_fit():
         PenaltyInputs.from_rows([(list(range(3)), list(range(6)))], [SamplingParams()], 2, 8)
     with pytest.raises(ValueError, match="for at most 1 rows"):
         PenaltyInputs.from_rows([([1], []), ([2], [])], [SamplingParams()] * 2, 1, 8)
+    with pytest.raises(ValueError, match=f"row 0: {BIAS_WIDTH + 2} logit biases and bans exceed {BIAS_WIDTH}"):
+        PenaltyInputs.from_rows([([], [])], [SamplingParams(logit_bias={1: 1.0, 2: 1.0})], 1, 8,
+                                [range(3, BIAS_WIDTH + 3)])

@@ -76,14 +76,18 @@ SEEDED = dict(max_tokens=16, temperature=0.8, top_k=20, top_p=0.9, seed=7, ignor
 def openai_args(params: dict) -> dict:
     extra = {"ignore_eos": params["ignore_eos"],
              **{k: params[k] for k in ("top_k", "min_p", "repetition_penalty") if k in params}}
+    extra |= {k: params[k] for k in ("min_tokens",) if k in params}
     openai = {k: params[k] for k in ("presence_penalty", "frequency_penalty") if k in params}
+    if "logit_bias" in params:  # OpenAI's keys: token ids as strings
+        openai["logit_bias"] = {str(token): bias for token, bias in params["logit_bias"].items()}
     return dict(max_tokens=params["max_tokens"], temperature=params["temperature"], top_p=params.get("top_p", 1.0),
                 seed=params.get("seed"), extra_body=extra, **openai)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED, dict(SEEDED, top_k=0, top_p=1.0, min_p=0.05),
-                                    dict(GREEDY, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)],
-                         ids=["greedy", "seeded", "min_p", "penalties"])
+                                    dict(GREEDY, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2),
+                                    dict(SEEDED, logit_bias={7: 5.0, 8: -100.0}, min_tokens=3)],
+                         ids=["greedy", "seeded", "min_p", "penalties", "logit-bias"])
 def test_completions_equal_engine_generate(client, engine, params):
     for prompt in PROMPTS[:2]:
         want = generate(engine, prompt, **params)
@@ -141,6 +145,26 @@ def test_stop_strings_cut_the_text_across_tokens(client, engine):
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert sum(len(c.choices[0].model_extra["token_ids"]) for c in chunks) == len(alone.token_ids)
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_min_tokens_looks_for_stop_strings_past_its_tokens(client, engine):
+    """A stop string in the text of the first min_tokens tokens does not end the completion (vLLM's min_tokens);
+    the server's text and tokens are the engine's, whole and streamed."""
+    plain = generate(engine, PROMPTS[1], max_tokens=32, temperature=0.0, ignore_eos=True)
+    # the first tokens whose text shows a character to stop at, and that character
+    k, stop = next((k, c) for k in range(1, 32) for c in engine.tokenizer.decode(plain.token_ids[:k])
+                   if c.strip() and c != "\ufffd")
+    first = engine.tokenizer.decode(plain.token_ids[:k])
+    params = dict(GREEDY, max_tokens=32, min_tokens=k + 4)
+    alone = generate(engine, PROMPTS[1], stop=(stop,), **params)
+    assert len(generate(engine, PROMPTS[1], stop=(stop,), **GREEDY).token_ids) <= k  # without min_tokens: at once
+    assert len(alone.token_ids) >= k + 4 and alone.token_ids == plain.token_ids[:len(alone.token_ids)]
+    assert alone.text.startswith(first)
+    args = dict(model="llama", prompt=PROMPTS[1], stop=[stop], **openai_args(params))
+    got = client.completions.create(**args).choices[0]
+    assert got.text == alone.text and got.model_extra["token_ids"] == alone.token_ids
+    assert got.finish_reason == alone.finish_reason
+    assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **args)) == alone.text
 
 
 def test_two_hundred_concurrent_streams(server, engine):
@@ -270,7 +294,11 @@ BAD = [  # (body or raw bytes, headers, status, part of the message)
     ({}, None, 400, "prompt is required"),
     ({"prompt": "hi", "echo": True}, None, 400, "echo is not supported"),
     ({"prompt": "hi", "logprobs": 99}, None, 400, "logprobs must be an int"),
-    ({"prompt": "hi", "logit_bias": {"5": 100}}, None, 400, 'logit_bias={"5": 100} is not supported'),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, None, 400, 'logit_bias keys must be token ids, got ["x"]'),
+    ({"prompt": "hi", "logit_bias": {"99999": 1}}, None, 400, "logit_bias token id 99999 is outside the vocabulary"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, None, 400, "logit_bias for token 5 must be in [-100, 100], got 101"),
+    ({"prompt": "hi", "logit_bias": [5]}, None, 400, "logit_bias must map token ids to biases"),
+    ({"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, None, 400, "min_tokens must be <= max_tokens (4), got 9"),
     ({"prompt": "hi", "presence_penalty": 2.5}, None, 400, "presence_penalty must be in [-2, 2], got 2.5"),
     ({"prompt": "hi", "repetition_penalty": 0}, None, 400, "repetition_penalty must be > 0 (1 = off), got 0"),
     ({"prompt": "hi", "best_of": 3}, None, 400, "best_of=3 is not supported"),
@@ -300,7 +328,10 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
         got = client.completions.create(model="llama", prompt=PROMPTS[2], **openai_args(GREEDY))
         assert got.choices[0].text == want
     for body, param in [({"prompt": "hi", "temperature": -1}, "temperature"), ({"prompt": "hi", "stop": 5}, "stop"),
-                        ({"prompt": "hi", "stop": ["x"] * (MAX_STOP + 1)}, "stop")]:
+                        ({"prompt": "hi", "stop": ["x"] * (MAX_STOP + 1)}, "stop"),
+                        ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+                        ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+                        ({"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, "min_tokens")]:
         assert httpx.post(server + "/v1/completions", json=body, headers=auth).json()["error"]["param"] == param
     r = httpx.post(server + "/v1/chat/completions", json={"messages": "hi"}, headers=auth)
     assert r.status_code == 400 and "messages must be" in r.json()["error"]["message"]
@@ -487,3 +518,27 @@ def test_a_run_takes_every_queued_update_at_once():
         return [(i, u.tokens, u.done) async for i, u in Run(None, [None], updates, []).events(Connection())]
 
     assert asyncio.run(events()) == [(0, [[1, 2, 3]], True)]
+
+
+def test_a_speculative_server_names_the_field_it_refuses():
+    """Penalties, logit biases and min_tokens are refused by a speculative engine: a 400 whose param names the
+    field, and the server keeps serving."""
+    from fastapi.testclient import TestClient
+
+    from glint.runtime.server import create_app
+    from glint.runtime.worker import EngineWorker
+
+    engine = Engine.from_pretrained(str(CHAT), dtype="float32", draft="ngram", num_speculative_tokens=3, **CONFIG)
+    worker = EngineWorker(engine).start()
+    try:
+        http = TestClient(create_app(worker, "llama"))
+        for field, value in [("presence_penalty", 0.5), ("repetition_penalty", 1.1), ("logit_bias", {"5": 1}),
+                             ("min_tokens", 2)]:
+            r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, field: value})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+            assert "not supported with speculative decoding" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                                               "presence_penalty": 0, "logit_bias": {}, "min_tokens": 0})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4
+    finally:
+        worker.stop()

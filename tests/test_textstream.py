@@ -48,3 +48,19 @@ def test_text_held_for_a_possible_stop_is_released():
     stream = TextStream(TOKENIZER, ["sat on the mat"])  # "sat" begins the stop string but it never completes
     text = "".join(stream.push([t]) for t in ids)
     assert not text.endswith("sat") and text + stream.finish() == TOKENIZER.decode(ids) and not stream.stopped
+
+
+def test_min_tokens_looks_for_stop_strings_only_from_its_token_on():
+    """SamplingParams.min_tokens: a stop string in the text of the first min_tokens - 1 tokens does not stop the
+    stream; the first one that begins in the text of the later tokens does, cut as before."""
+    rng = random.Random(2)
+    ids = TOKENIZER.encode("the cat sat on the mat and the cat ran to the cat flap", add_special_tokens=False).ids
+    full = TOKENIZER.decode(ids)
+    assert full.count("cat") == 3
+    for min_tokens in range(len(ids) + 1):
+        stream = TextStream(TOKENIZER, ["cat"], min_tokens=min_tokens)
+        got = "".join(pieces(stream, ids, rng))
+        start = len(TOKENIZER.decode(ids[:max(min_tokens - 1, 0)]))  # the text before the min_tokens-th token
+        hit = full.find("cat", start)
+        assert got == (full if hit < 0 else full[:hit]), min_tokens
+        assert stream.stopped == (hit >= 0) and (hit < 0 or stream.num_tokens >= min_tokens), min_tokens

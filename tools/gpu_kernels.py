@@ -394,8 +394,8 @@ def main():
         if not 0 <= k < n:
             parser.error(f"--shard {flags.shard}: needs 0 <= K < N")
         run_sweep(np.random.default_rng(int(time.time())), interpret=flags.interpret, max_cases=flags.max_cases,
-                  only=[o for o in flags.only.split(",") if o], variant_names=[v for v in flags.variants.split(",") if v],
-                  shard=(k, n))
+                  only=[o for o in flags.only.split(",") if o],
+                  variant_names=[v for v in flags.variants.split(",") if v], shard=(k, n))
         print(f"sweep took {time.time() - t0:.0f}s")
     if not flags.skip_timing:
         run_timing(quick=flags.quick, interpret=flags.interpret, tables=flags.tables)

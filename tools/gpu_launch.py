@@ -108,9 +108,11 @@ def loop_engine(model: str, batch: int, context: int, **config) -> Engine:
                                   allow_long_context=True, **config)
 
 
-def median_loop(engine: Engine, batch: int, context: int, repeats: int = 3, steps: int = 32):
-    """The median of `repeats` runs of `pipelined_decode_ms`: (ms per step, host ms per step), and every run's ms."""
-    runs = sorted((pipelined_decode_ms(engine, batch, context, steps) for _ in range(repeats)), key=lambda r: r[0])
+def median_loop(engine: Engine, batch: int, context: int, repeats: int = 3, steps: int = 32, params=None):
+    """The median of `repeats` runs of `pipelined_decode_ms` (its requests drawn with `params`, default greedy):
+    (ms per step, host ms per step), and every run's ms."""
+    runs = sorted((pipelined_decode_ms(engine, batch, context, steps, params=params) for _ in range(repeats)),
+                  key=lambda r: r[0])
     return (*runs[len(runs) // 2], [r[0] for r in runs])
 
 

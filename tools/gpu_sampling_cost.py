@@ -1,0 +1,81 @@
+"""What each sampling feature costs a decode step: the engine's pipelined loop at one width, per way of drawing.
+
+One engine (tools/gpu_launch.py's `loop_engine`: llama3-8b, random weights, batch 256 at 576 keys by default),
+warmed up once (every program compiled), then `pipelined_decode_ms` (median of 3 runs) with every request
+drawing the same way:
+- greedy: the forward's own argmax, nothing after it;
+- seeded: temperature 0.8, drawn in the forward (Gumbel-max), nothing after it;
+- min_p: the same with min_p 0.05, still in the forward;
+- top-k/top-p: top_k 50, top_p 0.9: the `sample` program's sort of each row after the forward;
+- penalties: presence, frequency and repetition penalties on greedy rows: the `penalize` program (each row's
+  prompt and completion uploaded as its history);
+- bias+min_tokens: a logit bias of 16 tokens and min_tokens over the whole loop (EOS banned every step) on greedy
+  rows: the `penalize` program with no history;
+- penalties+top-k: penalties and top-k/top-p together: `penalize`, then `sample`.
+Each way's ms per step against greedy's from the same process.
+
+    python3 tools/gpu_sampling_cost.py                       # llama3-8b bf16, batch 256 at 576 keys
+    JAX_PLATFORMS=cpu python3 tools/gpu_sampling_cost.py tiny --batch 8 --context 64   # a CPU dry run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_launch import loop_engine, median_loop  # noqa: E402
+
+from glint.runtime.params import SamplingParams  # noqa: E402
+
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)
+FILTERS = dict(temperature=0.8, top_k=50, top_p=0.9)
+
+
+def ways(vocab: int, room: int) -> dict[str, SamplingParams | None]:
+    bias = {t: (-1.0) ** t * 3.0 for t in range(3, vocab, max(1, vocab // 16))[:16]}
+    return {
+        "greedy": None,
+        "seeded": SamplingParams(temperature=0.8),
+        "min_p": SamplingParams(temperature=0.8, min_p=0.05),
+        "top-k/top-p": SamplingParams(**FILTERS),
+        "penalties": SamplingParams(temperature=0.0, **PENALTIES),
+        "bias+min_tokens": SamplingParams(temperature=0.0, logit_bias=bias, max_tokens=room, min_tokens=room),
+        "penalties+top-k": SamplingParams(**FILTERS, **PENALTIES),
+    }
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model", nargs="?", default="llama3-8b")
+    p.add_argument("--quantize", default=None)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--context", type=int, default=576)
+    p.add_argument("--ways", default="", help="comma-separated ways to time (default all)")
+    args = p.parse_args()
+    t0 = time.perf_counter()
+    engine = loop_engine(args.model, args.batch, args.context, quantize=args.quantize)
+    engine.warmup()
+    print(f"engine + warmup {time.perf_counter() - t0:.0f} s", flush=True)
+    chosen = [w for w in args.ways.split(",") if w]
+    rows, base = [], None
+    for name, params in ways(engine.model.vocab_size, engine.capacity - args.context).items():
+        if chosen and name not in chosen and name != "greedy":
+            continue
+        ms, host, runs = median_loop(engine, args.batch, args.context, params=params)
+        base = base or ms
+        rows.append(dict(way=name, loop_ms=ms, runs=runs, host_busy_ms=host["busy"], launch_ms=host["launch"]))
+        print(f"{name:16s} {ms:7.2f} ms/step ({ms / base:.2f}x greedy; runs "
+              f"{', '.join(f'{r:.2f}' for r in runs)}); host busy {host['busy']:.2f}, launch {host['launch']:.2f}",
+              flush=True)
+    print(f"| way | ms per step | x greedy | host busy ms |\n| --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['way']} | {r['loop_ms']:.2f} | {r['loop_ms'] / base:.2f} | {r['host_busy_ms']:.2f} |")
+    print(json.dumps({"model": args.model, "quantize": args.quantize, "batch": args.batch, "context": args.context,
+                      "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
