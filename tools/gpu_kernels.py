@@ -216,6 +216,19 @@ def bench(fn, args, *, iters=10, repeats=5):
     return statistics.median(times)
 
 
+def bench_separate(fn, args, *, calls=20):
+    """Median seconds of one jitted fn(*args) call, dispatched alone and waited for (what a lone call pays: its
+    launch and any per-call bookkeeping outside the kernel)."""
+    single = jax.jit(fn)
+    jax.block_until_ready(single(*args))
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        jax.block_until_ready(single(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def give_interpreter_threads():
     """Before the CPU client starts: Pallas' GPU interpreter runs each warpgroup on a thread of the client's pool,
     which on 2 cores is too small for a three-warpgroup kernel (tests/conftest.py); at least four threads."""
@@ -274,7 +287,7 @@ def run_timing(*, quick=False, interpret=False, tables="decode,prefill"):
         (256, 8192),
     ]
     variant_shapes = [(8, 32768), (64, 16384), (256, 4096)]
-    prefill_shapes = [(16, 512), (8, 1024), (4, 2048), (2, 4096)]
+    prefill_shapes = [(16, 512), (8, 1024), (4, 2048), (2, 4096), (1, 8192)]
     if quick:  # a dry run of the script itself
         decode_shapes, variant_shapes, prefill_shapes = [(2, 64)], [(2, 64)], [(1, 64)]
     scale = d**-0.5
@@ -348,10 +361,11 @@ def run_timing(*, quick=False, interpret=False, tables="decode,prefill"):
         print(line)
 
     print("\nPREFILL (causal, q_len = ctx, Hq 32 / Hkv 8, D 128, bf16, page 16): TFLOP/s; glint = the engine's choice; "
-          "x cuDNN = cudnn time / glint time (this call)")
+          "x cuDNN = cudnn time / glint time (this call); chained (in one jit) / separate (one waited call)")
     print(
         f"{'batch':>5} {'q_len':>6} | {'glint ms':>8} {'TF/s':>5} | {'triton ms':>9} {'TF/s':>5} | "
-        f"{'cudnn ms':>8} {'TF/s':>5} | {'err':>7} | {'x cuDNN':>7} | {'jnp ref ms':>10}"
+        f"{'cudnn ms':>8} {'TF/s':>5} | {'err':>7} | {'x cuDNN':>7} | {'jnp ref ms':>10} | "
+        f"{'glint sep':>9} {'cudnn sep':>9} {'x cuDNN':>7}"
     )
     for batch, q_len in prefill_shapes:
         flops = 2 * batch * hq * q_len * q_len * d  # QK^T and PV over the causal half
@@ -366,7 +380,9 @@ def run_timing(*, quick=False, interpret=False, tables="decode,prefill"):
             tc = bench(cudnn(True), dense)
             err = rel_err(glint()(*paged).reshape(batch, q_len, hq, d), cudnn(True)(*dense))
             line += f" {tc * 1e3:8.3f} {flops / tc / 1e12:5.0f} | {err:7.1e} | {tc / t:6.2f}x"
-            line += f" | {bench(reference, paged) * 1e3:10.3f}"
+            line += f" | {bench(reference, paged) * 1e3:10.3f}" if q_len <= 4096 else f" | {'-':>10}"
+            ts, tcs = bench_separate(glint(), paged), bench_separate(cudnn(True), dense)
+            line += f" | {ts * 1e3:9.3f} {tcs * 1e3:9.3f} {tcs / ts:6.2f}x"
             del paged, dense
         except Exception as e:
             line += f" ERROR {type(e).__name__}: {str(e)[:400]}"
