@@ -146,8 +146,7 @@ def _cmd_generate(args) -> int:
     if engine.tokenizer is not None:  # text as whole characters: a multi-byte one may span several tokens
         from glint.runtime.textstream import TextStream
 
-        # what glint serve streams: special tokens skipped
-        stream = TextStream(engine.tokenizer, params.stop, min_tokens=params.min_tokens)
+        stream = TextStream.for_params(engine.tokenizer, params)  # what glint serve streams
     printed = ""
     while engine.has_unfinished():
         engine.step()

@@ -382,7 +382,7 @@ class Engine:
         outs = []
         for r in self._completions(rid):
             tokens = r.known_tokens
-            shown = r.stop_state[2] if r.params.stop else self._decode(tokens)
+            shown = r.stop_state[2] if r.params.stop else self._decode(tokens, r.params.skip_special_tokens)
             outs.append(Completion(list(tokens), r.finish_reason, shown if text else None,
                                    r.logprobs if r.params.logprobs else None,
                                    list(r.acceptance_lengths) if self.drafter is not None else None))
@@ -821,7 +821,7 @@ class Engine:
 
         stream, pushed, _ = req.stop_state
         if stream is None or stream.num_tokens != pushed:
-            stream = TextStream(self.tokenizer, req.params.stop, min_tokens=req.params.min_tokens)
+            stream = TextStream.for_params(self.tokenizer, req.params)
             text = stream.push(req.generated[:pushed])
             req.stop_state = (stream, stream.num_tokens, text)
         for token in req.generated[stream.num_tokens:num_generated - 1]:
@@ -929,8 +929,9 @@ class Engine:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.model.vocab_size})")
         return tokens
 
-    def _decode(self, tokens: list[int]) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode(tokens)
+    def _decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(tokens,
+                                                                          skip_special_tokens=skip_special_tokens)
 
     def program_names(self) -> list[str]:
         """Every program this engine may run: decode widths first (a server needs them first), then the rest."""

@@ -87,6 +87,8 @@ class SamplingParams:
     min_tokens: no stop token (stop_token_ids, and EOS unless ignore_eos) is drawn, and no stop string matched,
       before the completion has this many tokens (vLLM's); stop strings are looked for in the text of the tokens
       from the min_tokens-th on. <= max_tokens.
+    include_stop_str_in_output: the text ends with the stop string that ended it, not before it (vLLM's).
+    skip_special_tokens: special tokens (BOS, EOS, chat markers) are left out of the text (vLLM's default, True).
     n: completions to sample for the prompt.
     logprobs: top alternatives to report per token with their log-probabilities
       (0 = none, at most MAX_LOGPROBS).
@@ -106,6 +108,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     n: int = 1
     logprobs: int = 0
 
@@ -147,8 +151,9 @@ class SamplingParams:
             raise ValueError(f"stop: at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters, got "
                              f"{len(stop)} of up to {max(map(len, stop))}")
         store("stop", tuple(stop))
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = _check_float(name, getattr(self, name))
             if not -2 <= value <= 2:

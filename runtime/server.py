@@ -33,8 +33,7 @@ UNSUPPORTED = {
     "use_beam_search": (False,), "prompt_logprobs": (), "tools": ([],), "tool_choice": ("none", "auto"),
     "functions": ([],), "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
-    "allowed_token_ids": (), "bad_words": ([],), "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,),
+    "allowed_token_ids": (), "bad_words": ([],),
 }
 
 
@@ -134,7 +133,9 @@ class Api:
                 frequency_penalty=get("frequency_penalty", 0.0), repetition_penalty=get("repetition_penalty", 1.0),
                 logit_bias=logit_bias, min_tokens=get("min_tokens", 0),
                 n=get("n", 1), seed=body.get("seed"), stop_token_ids=get("stop_token_ids", ()),
-                ignore_eos=get("ignore_eos", False), logprobs=logprobs, stop=tuple(stop))
+                ignore_eos=get("ignore_eos", False), logprobs=logprobs, stop=tuple(stop),
+                include_stop_str_in_output=get("include_stop_str_in_output", False),
+                skip_special_tokens=get("skip_special_tokens", True))
         except (ValueError, TypeError) as e:  # SamplingParams' messages begin with the field's name
             name = str(e).split(" ", 1)[0].rstrip(":")
             raise ApiError(400, str(e), param=name if name in body else None) from None
@@ -263,8 +264,7 @@ class Choice:
 
 def make_choices(api: Api, jobs: list[Job]) -> list[list[Choice]]:
     return [[Choice(j * job.params.n + i,
-                    TextStream(api.tokenizer, job.params.stop, min_tokens=job.params.min_tokens)
-                    if api.tokenizer is not None else None)
+                    TextStream.for_params(api.tokenizer, job.params) if api.tokenizer is not None else None)
              for i in range(job.params.n)] for j, job in enumerate(jobs)]
 
 

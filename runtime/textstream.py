@@ -15,10 +15,12 @@ class TextStream:
     After a stop string appears, `stopped` is True, the text before it has been returned, and the stop string and
     everything after it are dropped; `num_tokens` counts the tokens pushed up to and including the one that
     completed the stop string. With `min_tokens` (SamplingParams'), stop strings are looked for only in the text
-    of the tokens from the min_tokens-th on: the text before is returned as it comes.
+    of the tokens from the min_tokens-th on: the text before is returned as it comes. With `include_stop`, the
+    text ends with the stop string, not before it.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True, min_tokens: int = 0):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True, min_tokens: int = 0,
+                 include_stop: bool = False):
         from tokenizers.decoders import DecodeStream
 
         if isinstance(stop, str):
@@ -33,6 +35,13 @@ class TextStream:
         self.stopped = False
         self.num_tokens = 0
         self._min_tokens = min_tokens
+        self._include_stop = include_stop
+
+    @classmethod
+    def for_params(cls, tokenizer, params) -> TextStream:
+        """The stream a request's `SamplingParams` ask for: its stop strings, min_tokens and text options."""
+        return cls(tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens,
+                   min_tokens=params.min_tokens, include_stop=params.include_stop_str_in_output)
 
     def push(self, token_ids: Sequence[int]) -> str:
         out = []
@@ -49,9 +58,8 @@ class TextStream:
                 out.append(self._held)
                 self._held = ""
                 continue
-            hits = [i for i in (self._held.find(s) for s in self.stop) if i >= 0]
-            if hits:
-                out.append(self._held[:min(hits)])
+            if (cut := self._cut(self._held)) is not None:
+                out.append(self._held[:cut])
                 self._held, self.stopped = "", True
         if not self.stopped:
             keep = self._stop_prefix_len()
@@ -75,8 +83,17 @@ class TextStream:
             return "", True
         full = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip_special_tokens)
         rest = full[self._returned:]
-        hits = [i for i in (rest.find(s) for s in self.stop) if i >= 0]
-        return (rest[:min(hits)], True) if hits else (rest, False)
+        cut = self._cut(rest)
+        return (rest, False) if cut is None else (rest[:cut], True)
+
+    def _cut(self, text: str) -> int | None:
+        """Where `text` ends at its first stop string (before it, or after it with `include_stop`; of stop strings
+        that start at the same place, the longest), or None."""
+        hits = [(i, len(s)) for i, s in ((text.find(s), s) for s in self.stop) if i >= 0]
+        if not hits:
+            return None
+        first = min(i for i, _ in hits)
+        return first + max(n for i, n in hits if i == first) if self._include_stop else first
 
     def _stop_prefix_len(self) -> int:
         """Length of the longest end of the held text that is a proper start of some stop string."""

@@ -167,6 +167,23 @@ def test_min_tokens_looks_for_stop_strings_past_its_tokens(client, engine):
     assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **args)) == alone.text
 
 
+def test_stop_string_kept_and_special_tokens_shown_when_asked(client, engine):
+    """include_stop_str_in_output and skip_special_tokens=false (vLLM's): the server's text is the engine's with
+    the same params, whole and streamed; the stop string then ends the text."""
+    plain = generate(engine, PROMPTS[1], max_tokens=32, temperature=0.0, ignore_eos=True).text
+    stop = next(plain[i:i + 3] for i in range(4, len(plain) - 3) if "\ufffd" not in plain[i:i + 3])
+    for extra in ({"include_stop_str_in_output": True}, {"skip_special_tokens": False},
+                  {"include_stop_str_in_output": True, "skip_special_tokens": False}):
+        want = generate(engine, PROMPTS[1], stop=(stop,), **GREEDY | {"max_tokens": 32}, **extra)
+        args = dict(model="llama", prompt=PROMPTS[1], stop=[stop], **openai_args(dict(GREEDY, max_tokens=32)))
+        args["extra_body"] |= extra
+        got = client.completions.create(**args).choices[0]
+        assert got.text == want.text and got.model_extra["token_ids"] == want.token_ids, extra
+        assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **args)) == want.text
+        kept = extra.get("include_stop_str_in_output", False)
+        assert want.text == (plain[:plain.find(stop) + len(stop)] if kept else plain[:plain.find(stop)]), extra
+
+
 def test_two_hundred_concurrent_streams(server, engine):
     want = {p: generate(engine, p, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids for p in PROMPTS}
 

@@ -64,3 +64,24 @@ def test_min_tokens_looks_for_stop_strings_only_from_its_token_on():
         hit = full.find("cat", start)
         assert got == (full if hit < 0 else full[:hit]), min_tokens
         assert stream.stopped == (hit >= 0) and (hit < 0 or stream.num_tokens >= min_tokens), min_tokens
+
+
+def test_include_stop_keeps_the_stop_string_and_special_tokens_show_when_asked():
+    """include_stop (vLLM's include_stop_str_in_output): the text ends with the stop string, cut after it.
+    skip_special_tokens=False shows the tokenizer's special tokens (here <|user|>, a special token of the fixture's
+    tokenizer), as a whole decode with it does; by default they are left out."""
+    rng = random.Random(3)
+    for text in TEXTS:
+        ids = TOKENIZER.encode(text, add_special_tokens=False).ids
+        full = TOKENIZER.decode(ids)
+        for start in range(1, len(full) - 3, 4):
+            stop = full[start:start + 2]
+            stream = TextStream(TOKENIZER, [stop, "zzz-not-there"], include_stop=True)
+            got = "".join(pieces(stream, ids, rng))
+            assert got == full[:full.find(stop) + len(stop)] and stream.stopped, (text, stop)
+    user = TOKENIZER.token_to_id("<|user|>")
+    ids = [user] + TOKENIZER.encode("the cat", add_special_tokens=False).ids
+    shown = "".join(pieces(TextStream(TOKENIZER, skip_special_tokens=False), ids, rng))
+    assert shown == TOKENIZER.decode(ids, skip_special_tokens=False) and shown.startswith("<|user|>")
+    hidden = "".join(pieces(TextStream(TOKENIZER), ids, rng))
+    assert hidden == TOKENIZER.decode(ids) and "<|user|>" not in hidden and hidden.endswith("cat")
