@@ -1,6 +1,7 @@
 """TextStream: whole characters from byte-level tokens, stop strings matched across token boundaries."""
 import random
 
+import pytest
 from conftest import SHARED
 from tokenizers import Tokenizer
 
@@ -28,16 +29,18 @@ def test_pieces_are_whole_characters_and_add_up():
         assert all("\ufffd" not in p for p in got)  # no half of a multi-byte character, ever
 
 
-def test_stop_strings_across_tokens_are_cut_with_what_follows():
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_stop_strings_across_tokens_are_cut_with_what_follows(include_stop):
+    """Cut before the stop string, or after it with include_stop (vLLM's include_stop_str_in_output)."""
     rng = random.Random(1)
     for text in TEXTS:
         ids = TOKENIZER.encode(text, add_special_tokens=False).ids
         full = TOKENIZER.decode(ids)
         for start in range(1, len(full) - 2, 3):
             stop = full[start:start + 3]
-            stream = TextStream(TOKENIZER, [stop, "zzz-not-there"])
+            stream = TextStream(TOKENIZER, [stop, "zzz-not-there"], include_stop=include_stop)
             got = "".join(pieces(stream, ids, rng))
-            assert got == full[:full.find(stop)] and stream.stopped, (text, stop)
+            assert got == full[:full.find(stop) + len(stop) * include_stop] and stream.stopped, (text, stop)
             # The tokens counted stop at the one that completed the stop string.
             assert TOKENIZER.decode(ids[:stream.num_tokens]).find(stop) >= 0
             assert TOKENIZER.decode(ids[:stream.num_tokens - 1]).find(stop) < 0
@@ -66,19 +69,10 @@ def test_min_tokens_looks_for_stop_strings_only_from_its_token_on():
         assert stream.stopped == (hit >= 0) and (hit < 0 or stream.num_tokens >= min_tokens), min_tokens
 
 
-def test_include_stop_keeps_the_stop_string_and_special_tokens_show_when_asked():
-    """include_stop (vLLM's include_stop_str_in_output): the text ends with the stop string, cut after it.
-    skip_special_tokens=False shows the tokenizer's special tokens (here <|user|>, a special token of the fixture's
-    tokenizer), as a whole decode with it does; by default they are left out."""
+def test_special_tokens_show_when_asked():
+    """skip_special_tokens=False shows the tokenizer's special tokens (here <|user|>, a special token of the
+    fixture's tokenizer), as a whole decode with it does; by default they are left out."""
     rng = random.Random(3)
-    for text in TEXTS:
-        ids = TOKENIZER.encode(text, add_special_tokens=False).ids
-        full = TOKENIZER.decode(ids)
-        for start in range(1, len(full) - 3, 4):
-            stop = full[start:start + 2]
-            stream = TextStream(TOKENIZER, [stop, "zzz-not-there"], include_stop=True)
-            got = "".join(pieces(stream, ids, rng))
-            assert got == full[:full.find(stop) + len(stop)] and stream.stopped, (text, stop)
     user = TOKENIZER.token_to_id("<|user|>")
     ids = [user] + TOKENIZER.encode("the cat", add_special_tokens=False).ids
     shown = "".join(pieces(TextStream(TOKENIZER, skip_special_tokens=False), ids, rng))

@@ -206,25 +206,22 @@ def bench(fn, args, *, iters=10, repeats=5):
             carry = carry + fn(q, *a[1:]).reshape(-1)[0].astype(jnp.float32)
         return carry
 
-    chained = jax.jit(chain)
-    jax.block_until_ready(chained(*args))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(chained(*args))
-        times.append((time.perf_counter() - t) / iters)
-    return statistics.median(times)
+    return _median_seconds(jax.jit(chain), args, repeats) / iters
 
 
 def bench_separate(fn, args, *, calls=20):
     """Median seconds of one jitted fn(*args) call, dispatched alone and waited for (what a lone call pays: its
     launch and any per-call bookkeeping outside the kernel)."""
-    single = jax.jit(fn)
-    jax.block_until_ready(single(*args))
+    return _median_seconds(jax.jit(fn), args, calls)
+
+
+def _median_seconds(jitted, args, repeats: int) -> float:
+    """Median seconds of `repeats` waited calls of jitted(*args), after one that compiles it."""
+    jax.block_until_ready(jitted(*args))
     times = []
-    for _ in range(calls):
+    for _ in range(repeats):
         t = time.perf_counter()
-        jax.block_until_ready(single(*args))
+        jax.block_until_ready(jitted(*args))
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
