@@ -20,7 +20,7 @@ from glint.runtime.params import SamplingParams
 from glint.runtime.programs import (RUNTIME_PROGRAMS, DeviceMeta, ProgramSet, Runner, draft_name, forward_name,
                                     num_segments)
 from glint.runtime.request import Completion, Request, RequestOutput, Status
-from glint.runtime.sampling import BIAS_WIDTH, PenaltyInputs, SamplerInputs, adjusts_logits, uses_filters
+from glint.runtime.sampling import BIAS_WIDTH, PenaltyInputs, SamplerInputs, uses_filters
 from glint.runtime.scheduler import Entry, Scheduler
 
 DEFAULT_MAX_CAPACITY = 32768
@@ -349,8 +349,9 @@ class Engine:
                              "penalties, logit biases and min_tokens are not supported with speculative decoding "
                              "(leave them at 0, 0, 1, none and 0)")
         vocab = self.model.vocab_size
-        if bad := [t for t, _ in params.logit_bias if t >= vocab]:
-            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            if bad := [t for t in ids if t >= vocab]:
+                raise ValueError(f"{name} token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if params.min_tokens and len({t for t, _ in params.logit_bias} | set(self._stops(params))) > BIAS_WIDTH:
             raise ValueError(f"logit_bias of {len(params.logit_bias)} tokens and min_tokens' ban of "
                              f"{len(self._stops(params))} stop tokens exceed {BIAS_WIDTH} tokens a request")
@@ -691,7 +692,7 @@ class Engine:
         # each penalized row's prompt and completion so far (a token still on the device as its placeholder: a row
         # of the previous step's output, which the penalize program reads), and the tokens each row may not draw
         # yet (min_tokens); speculative engines take none of these
-        histories = [] if adjusts_logits([e.req.params for e in entries if e.samples]) else None
+        histories = [] if any(self._adjusts(e.req) for e in entries if e.samples) else None
         banned = []
         params, seeds, positions = samples = [], [], []
         rows_out = self.config.max_sample_rows
@@ -718,7 +719,7 @@ class Engine:
             if histories is not None and e.samples:  # a row without penalties passes unchanged: none to upload
                 p = e.req.params
                 histories += [(e.req.prompt_array, e.req.generated) if p.has_penalties else ((), ())] * e.samples
-                banned += [self._stops(p) if len(e.req.generated) < p.min_tokens else ()] * e.samples
+                banned += [self._banned(e.req)] * e.samples
             rows += [start - 1] * e.samples
             params += [e.req.params] * e.samples
             seeds += [e.req.seed] if e.samples == 1 else [self._child_seed(e.req, i) for i in range(e.samples)]
@@ -794,7 +795,7 @@ class Engine:
         params, n, reason = req.params, len(tokens), None
         stops = self._stops(params)
         for i, token in enumerate(tokens):
-            if token in stops and num_generated + i >= params.min_tokens:  # (min_tokens bans them before)
+            if token in stops and num_generated + i > params.min_tokens:  # (min_tokens bans them before)
                 n, reason = i + 1, "stop"
                 break
         num_allowed = max(params.max_tokens - num_generated + 1, 1)  # tokens up to max_tokens
@@ -813,6 +814,19 @@ class Engine:
     def _stops(self, params: SamplingParams) -> tuple[int, ...]:
         """The tokens that end a request: its stop_token_ids, and the model's EOS unless ignore_eos."""
         return params.stop_token_ids if params.ignore_eos else (*params.stop_token_ids, *self.model.eos_token_ids)
+
+    def _banned(self, req: Request) -> tuple[int, ...]:
+        """The tokens `req` may not draw next: its stop tokens (those in the vocabulary) while its completion is
+        shorter than min_tokens (each token in flight counted), none after."""
+        if len(req.generated) >= req.params.min_tokens:
+            return ()
+        return tuple(t for t in self._stops(req.params) if t < self.model.vocab_size)
+
+    def _adjusts(self, req: Request) -> bool:
+        """Whether `req`'s next token is drawn from adjusted logits (the `penalize` program): a penalty, a logit
+        bias, or a ban (min_tokens) it still has."""
+        p = req.params
+        return p.has_penalties or bool(p.logit_bias) or bool(self._banned(req))
 
     def _stop_stream(self, req: Request, num_generated: int):
         """`req`'s TextStream, given every token before its `num_generated`-th (a clone's from its parent). An

@@ -85,8 +85,8 @@ class SamplingParams:
     logit_bias: (token id, bias) pairs (a dict is taken too) added to those tokens' raw logits, before the
       penalties (OpenAI's, as vLLM applies it); each bias in [-100, 100], at most MAX_LOGIT_BIAS tokens.
     min_tokens: no stop token (stop_token_ids, and EOS unless ignore_eos) is drawn, and no stop string matched,
-      before the completion has this many tokens (vLLM's); stop strings are looked for in the text of the tokens
-      from the min_tokens-th on. <= max_tokens.
+      before the completion has this many tokens (vLLM's): the first stop token may be the next one, a stop string
+      counts where it ends in the text of a later token. <= max_tokens.
     include_stop_str_in_output: the text ends with the stop string that ended it, not before it (vLLM's).
     skip_special_tokens: special tokens (BOS, EOS, chat markers) are left out of the text (vLLM's default, True).
     n: completions to sample for the prompt.

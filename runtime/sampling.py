@@ -132,12 +132,6 @@ def uses_filters(params_list: Sequence[SamplingParams]) -> bool:
     return any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1) for p in params_list)
 
 
-def adjusts_logits(params_list: Sequence[SamplingParams]) -> bool:
-    """Host-side: whether any request sets a presence, frequency or repetition penalty, a logit bias or
-    min_tokens (greedy ones too): what the `penalize` program applies."""
-    return any(p.adjusts_logits for p in params_list)
-
-
 HISTORY_PAD = 2**31 - 1  # a history entry past the row's tokens: out of any vocabulary, so it counts nowhere
 # Logit biases a row may carry on the device: its logit_bias (at most params.MAX_LOGIT_BIAS) and, below min_tokens,
 # its stop tokens' bans; padding entries are HISTORY_PAD ids, dropped.

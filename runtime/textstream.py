@@ -14,9 +14,9 @@ class TextStream:
 
     After a stop string appears, `stopped` is True, the text before it has been returned, and the stop string and
     everything after it are dropped; `num_tokens` counts the tokens pushed up to and including the one that
-    completed the stop string. With `min_tokens` (SamplingParams'), stop strings are looked for only in the text
-    of the tokens from the min_tokens-th on: the text before is returned as it comes. With `include_stop`, the
-    text ends with the stop string, not before it.
+    completed the stop string. With `min_tokens` (SamplingParams'), a stop string counts only where it ends in the
+    text of a token after the first min_tokens (vLLM's). With `include_stop`, the text ends with the stop string,
+    not before it.
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True, min_tokens: int = 0,
@@ -54,17 +54,15 @@ class TextStream:
             if not piece:
                 continue
             self._held += piece
-            if self.num_tokens < self._min_tokens:  # too early to stop: nothing to look for or hold back
-                out.append(self._held)
-                self._held = ""
-                continue
-            if (cut := self._cut(self._held)) is not None:
+            if self.num_tokens <= self._min_tokens:
+                # vLLM's min_tokens: a stop string counts only where it ends in the text of a later token, so of
+                # this text only the start of one is held
+                out.append(self._release())
+            elif (cut := self._cut(self._held)) is not None:
                 out.append(self._held[:cut])
                 self._held, self.stopped = "", True
         if not self.stopped:
-            keep = self._stop_prefix_len()
-            out.append(self._held[:len(self._held) - keep])
-            self._held = self._held[len(self._held) - keep:]
+            out.append(self._release())
         text = "".join(out)
         self._returned += len(text)
         return text
@@ -94,6 +92,12 @@ class TextStream:
             return None
         first = min(i for i, _ in hits)
         return first + max(n for i, n in hits if i == first) if self._include_stop else first
+
+    def _release(self) -> str:
+        """The held text but its longest end that may begin a stop string (which stays held)."""
+        keep = self._stop_prefix_len()
+        text, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
+        return text
 
     def _stop_prefix_len(self) -> int:
         """Length of the longest end of the held text that is a proper start of some stop string."""

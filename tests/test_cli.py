@@ -55,18 +55,22 @@ def test_generate_samples_with_the_engines_filters(capsys):
     tokens as Engine.generate with them."""
     case = reference_case()
     filters = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05, seed=3, presence_penalty=0.4,
-                   frequency_penalty=0.2, repetition_penalty=1.1, min_tokens=4)
+                   frequency_penalty=0.2, repetition_penalty=1.1)
     bias = {case["greedy"][0]: -100.0, case["greedy"][1]: 2.5}
+    engine = Engine.from_pretrained(str(LLAMA), dtype="float32", max_seqs=4, page_size=8, max_step_tokens=64,
+                                    num_pages=64, capacity=128)
+    first = engine.generate([case["prompt"]], SamplingParams(max_tokens=1, ignore_eos=True, logit_bias=bias,
+                                                             **filters))[0].token_ids[0]
+    filters |= {"stop_token_ids": first, "min_tokens": 4}  # a stop on the first token, held off by min_tokens
     argv = ["generate", str(LLAMA), "--prompt-ids", " ".join(map(str, case["prompt"])), "--max-tokens", "10",
             "--ignore-eos", "--json", "--dtype", "float32", *SMALL,
             *(x for k, v in filters.items() for x in (f"--{k.replace('_', '-')}", str(v))),
             *(x for t, b in bias.items() for x in ("--logit-bias", f"{t}={b}"))]
     assert main(argv) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["outputs"][0]["token_ids"]
-    engine = Engine.from_pretrained(str(LLAMA), dtype="float32", max_seqs=4, page_size=8, max_step_tokens=64,
-                                    num_pages=64, capacity=128)
+    filters["stop_token_ids"] = (first,)
     params = SamplingParams(max_tokens=10, ignore_eos=True, logit_bias=bias, **filters)
-    assert got == engine.generate([case["prompt"]], params)[0].token_ids
+    assert got == engine.generate([case["prompt"]], params)[0].token_ids and len(got) > 4 and first not in got[:4]
     params = SamplingParams(max_tokens=10, ignore_eos=True, **filters)
     assert got != engine.generate([case["prompt"]], params)[0].token_ids  # the biases changed it
     assert got != engine.generate([case["prompt"]], SamplingParams(max_tokens=10, ignore_eos=True, seed=3,

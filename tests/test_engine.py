@@ -218,6 +218,13 @@ def test_logit_bias_and_min_tokens_through_the_engine_match_full_forwards():
     together = engine.generate([prompt] * 3, requests)
     assert [o.token_ids for o in together] == want
 
+    # min_tokens alone: the penalize program runs while a ban holds (two tokens, one step after them in flight at
+    # most), then no longer
+    calls, penalize = [], engine.runner.penalize
+    engine.runner.penalize = lambda *args: calls.append(1) or penalize(*args)
+    held = SamplingParams(max_tokens=10, temperature=0.0, min_tokens=2, stop_token_ids=(stop,), ignore_eos=True)
+    assert len(engine.generate([prompt], held)[0].token_ids) >= 3 and 2 <= len(calls) <= 3
+
 
 def test_page_pressure_preempts_and_recovers():
     roomy = tiny_engine(capacity=64)
@@ -242,6 +249,9 @@ BAD_INPUTS = [
     ([1] * 250, SamplingParams(max_tokens=10), "exceeds the context capacity 256"),
     ([1, 2], "greedy", "must be a SamplingParams"),
     ("hello", SamplingParams(max_tokens=4), "needs a tokenizer"),
+    ([1, 2], SamplingParams(max_tokens=4, logit_bias={256: 1.0}), r"logit_bias token id 256 is outside the vocab"),
+    ([1, 2], SamplingParams(max_tokens=4, stop_token_ids=(2**40,), min_tokens=2),  # an int32 on the device
+     r"stop_token_ids token id 1099511627776 is outside the vocabulary \[0, 256\)"),
 ]
 
 

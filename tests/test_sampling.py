@@ -16,7 +16,6 @@ from glint.runtime.sampling import (
     HISTORY_PAD,
     PenaltyInputs,
     SamplerInputs,
-    adjusts_logits,
     logprobs,
     penalize,
     sample,
@@ -518,7 +517,7 @@ def test_penalties_match_a_reference_token_by_token():
                                    sp.repetition_penalty)
         np.testing.assert_allclose(got[row], want, rtol=1e-6, atol=1e-5)
     np.testing.assert_array_equal(got[len(cases):], logits[len(cases):])  # padding rows: off
-    assert adjusts_logits([cases[0][2]]) and not adjusts_logits([SamplingParams(), cases[4][2]])
+    assert cases[0][2].adjusts_logits and not SamplingParams().adjusts_logits and not cases[4][2].adjusts_logits
 
 
 def test_logit_biases_and_bans_match_a_reference():
