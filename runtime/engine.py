@@ -343,18 +343,21 @@ class Engine:
             raise ValueError(f"stop strings {list(params.stop)} need a tokenizer, and this checkpoint has none "
                              "(use stop_token_ids)")
         if params.adjusts_logits and self.drafter is not None:
-            raise ValueError(f"presence_penalty {params.presence_penalty}, frequency_penalty "
-                             f"{params.frequency_penalty}, repetition_penalty {params.repetition_penalty}, "
-                             f"logit_bias of {len(params.logit_bias)} tokens, min_tokens {params.min_tokens}: "
-                             "penalties, logit biases and min_tokens are not supported with speculative decoding "
-                             "(leave them at 0, 0, 1, none and 0)")
+            set_fields = ", ".join(f"{name}={getattr(params, name)}" for name in params.logit_adjustments)
+            raise ValueError(f"{set_fields}: penalties, logit_bias, min_tokens and allowed_token_ids are not "
+                             "supported with speculative decoding (leave them out)")
         vocab = self.model.vocab_size
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
             if bad := [t for t in ids if t >= vocab]:
                 raise ValueError(f"{name} token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if params.min_tokens and len({t for t, _ in params.logit_bias} | set(self._stops(params))) > BIAS_WIDTH:
-            raise ValueError(f"logit_bias of {len(params.logit_bias)} tokens and min_tokens' ban of "
-                             f"{len(self._stops(params))} stop tokens exceed {BIAS_WIDTH} tokens a request")
+        entries = ({t for t, _ in params.logit_bias} | set(params.allowed_token_ids or ())
+                   | (set(self._stops(params)) if params.min_tokens else set()))
+        if len(entries) > BIAS_WIDTH:
+            raise ValueError(f"logit_bias ({len(params.logit_bias)} tokens), allowed_token_ids "
+                             f"({len(params.allowed_token_ids or ())}) and min_tokens' stop tokens "
+                             f"({len(self._stops(params)) if params.min_tokens else 0}) name {len(entries)} tokens; at "
+                             f"most {BIAS_WIDTH} a request")
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
         req = Request(self._new_rid(), tokens, params, seed, num_children=params.n - 1)
         self._extend_keys(req, len(tokens))
@@ -824,9 +827,9 @@ class Engine:
 
     def _adjusts(self, req: Request) -> bool:
         """Whether `req`'s next token is drawn from adjusted logits (the `penalize` program): a penalty, a logit
-        bias, or a ban (min_tokens) it still has."""
+        bias, allowed tokens, or a ban (min_tokens) it still has."""
         p = req.params
-        return p.has_penalties or bool(p.logit_bias) or bool(self._banned(req))
+        return p.has_penalties or bool(p.logit_bias) or p.allowed_token_ids is not None or bool(self._banned(req))
 
     def _stop_stream(self, req: Request, num_generated: int):
         """`req`'s TextStream, given every token before its `num_generated`-th (a clone's from its parent). An

@@ -38,6 +38,11 @@ def _check_float(name: str, value: object) -> float:
     return float(value)
 
 
+# The fields that change the raw logits before the draw (the `penalize` program), with the values that mean "off".
+LOGIT_ADJUSTMENTS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": (),
+                     "min_tokens": 0, "allowed_token_ids": None}
+
+
 def _check_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
     """(token id, bias) pairs sorted by id, from a mapping or pairs; each id once."""
     pairs = value.items() if isinstance(value, Mapping) else value
@@ -87,6 +92,7 @@ class SamplingParams:
     min_tokens: no stop token (stop_token_ids, and EOS unless ignore_eos) is drawn, and no stop string matched,
       before the completion has this many tokens (vLLM's): the first stop token may be the next one, a stop string
       counts where it ends in the text of a later token. <= max_tokens.
+    allowed_token_ids: only these tokens may be drawn (vLLM's); None: any.
     include_stop_str_in_output: the text ends with the stop string that ended it, not before it (vLLM's).
     skip_special_tokens: special tokens (BOS, EOS, chat markers) are left out of the text (vLLM's default, True).
     n: completions to sample for the prompt.
@@ -108,6 +114,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1
@@ -170,6 +177,11 @@ class SamplingParams:
         store("min_tokens", _check_int("min_tokens", self.min_tokens, 0))
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.allowed_token_ids is not None:
+            allowed = self.allowed_token_ids
+            if isinstance(allowed, (str, bytes)) or not isinstance(allowed, (tuple, list)) or not allowed:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r}")
+            store("allowed_token_ids", tuple(sorted({_check_int("allowed_token_ids entry", t, 0) for t in allowed})))
         store("n", _check_int("n", self.n, 1))
         store("logprobs", _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS))
 
@@ -180,8 +192,14 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """True when the raw logits change before the draw: a penalty, a logit bias or min_tokens."""
-        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+        """True when the raw logits change before the draw: a penalty, a logit bias, min_tokens or
+        allowed_token_ids."""
+        return bool(self.logit_adjustments)
+
+    @property
+    def logit_adjustments(self) -> tuple[str, ...]:
+        """The fields set that change the raw logits before the draw, by name."""
+        return tuple(name for name, off in LOGIT_ADJUSTMENTS.items() if getattr(self, name) != off)
 
     @property
     def is_greedy(self) -> bool:

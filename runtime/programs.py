@@ -235,7 +235,8 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
                rows and the sampler (`sampling.SAMPLER_COLUMNS`)
     sample:    (logits f32[R, V], sampler tuple)
     penalize:  (logits f32[R, V], penalties (history i32[R, capacity], prompt_len i32[R], presence, frequency,
-               repetition f32[R], bias_ids i32[R, BIAS_WIDTH], bias f32[R, BIAS_WIDTH]), prev_tokens i32[R],
+               repetition f32[R], bias_ids i32[R, BIAS_WIDTH], bias f32[R, BIAS_WIDTH], allowed bool[R, BIAS_WIDTH],
+               restricted bool[R]), prev_tokens i32[R],
                sampler tuple) -> (logits f32[R, V] biased and penalized, tokens i32[R] drawn from them without
                top-k/top-p) (sampling.PenaltyInputs, sampling.penalize)
     sample_argmax: (logits f32[R, V],)
@@ -266,7 +267,8 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
         return (logits,)
     if name == "penalize":
         strengths = (_spec((rows,), np.float32),) * 3  # presence, frequency, repetition
-        biases = i32(rows, BIAS_WIDTH), _spec((rows, BIAS_WIDTH), np.float32)
+        biases = i32(rows, BIAS_WIDTH), _spec((rows, BIAS_WIDTH), np.float32), _spec((rows, BIAS_WIDTH), bool), \
+            _spec((rows,), bool)
         return logits, (i32(rows, cache.capacity), i32(rows), *strengths, *biases), i32(rows), sampler
     if name == "logprobs":
         return logits, i32(rows)

@@ -133,8 +133,8 @@ def uses_filters(params_list: Sequence[SamplingParams]) -> bool:
 
 
 HISTORY_PAD = 2**31 - 1  # a history entry past the row's tokens: out of any vocabulary, so it counts nowhere
-# Logit biases a row may carry on the device: its logit_bias (at most params.MAX_LOGIT_BIAS) and, below min_tokens,
-# its stop tokens' bans; padding entries are HISTORY_PAD ids, dropped.
+# Tokens a row may name on the device: its logit_bias (at most params.MAX_LOGIT_BIAS), its allowed_token_ids and,
+# below min_tokens, its stop tokens' bans; padding entries are HISTORY_PAD ids, dropped.
 BIAS_WIDTH = 512
 
 
@@ -148,6 +148,8 @@ class PenaltyInputs:
     presence, frequency, repetition: f32[R]; padding rows 0, 0, 1 (off).
     bias_ids: i32[R, BIAS_WIDTH]; the tokens whose logits `bias` f32[R, BIAS_WIDTH] shifts (-inf: banned), each
       at most once a row; HISTORY_PAD after.
+    allowed: bool[R, BIAS_WIDTH]; the entries of bias_ids that a `restricted` (bool[R]) row may draw: its
+      allowed_token_ids, the only tokens it may draw.
     """
 
     history: np.ndarray
@@ -157,9 +159,12 @@ class PenaltyInputs:
     repetition: np.ndarray
     bias_ids: np.ndarray
     bias: np.ndarray
+    allowed: np.ndarray
+    restricted: np.ndarray
 
     def columns(self) -> tuple:
-        return self.history, self.prompt_len, self.presence, self.frequency, self.repetition, self.bias_ids, self.bias
+        return (self.history, self.prompt_len, self.presence, self.frequency, self.repetition, self.bias_ids,
+                self.bias, self.allowed, self.restricted)
 
     @classmethod
     def from_rows(cls, histories: Sequence[tuple[Sequence[int], Sequence[int]]],
@@ -180,30 +185,38 @@ class PenaltyInputs:
             history[i, n:total] = completion
         bias_ids = np.full((rows, BIAS_WIDTH), HISTORY_PAD, np.int32)
         bias = np.zeros((rows, BIAS_WIDTH), np.float32)
+        allowed = np.zeros((rows, BIAS_WIDTH), bool)
         for i, p in enumerate(params_list):
-            entries = dict(p.logit_bias)
+            entries = dict.fromkeys(p.allowed_token_ids or (), 0.0)
+            entries.update(p.logit_bias)
             entries.update(dict.fromkeys(() if banned is None else banned[i], -np.inf))  # a ban outranks a bias
             if len(entries) > BIAS_WIDTH:
-                raise ValueError(f"row {i}: {len(entries)} logit biases and bans exceed {BIAS_WIDTH}")
+                raise ValueError(f"row {i}: {len(entries)} logit biases, allowed tokens and bans exceed {BIAS_WIDTH}")
             bias_ids[i, :len(entries)] = list(entries)
             bias[i, :len(entries)] = list(entries.values())
+            if p.allowed_token_ids is not None:
+                allowed[i, :len(entries)] = np.isin(bias_ids[i, :len(entries)], p.allowed_token_ids)
         return cls(history, _column([len(prompt) for prompt, _ in histories], np.int32, 0, rows),
                    _column([p.presence_penalty for p in params_list], np.float32, 0.0, rows),
                    _column([p.frequency_penalty for p in params_list], np.float32, 0.0, rows),
-                   _column([p.repetition_penalty for p in params_list], np.float32, 1.0, rows), bias_ids, bias)
+                   _column([p.repetition_penalty for p in params_list], np.float32, 1.0, rows), bias_ids, bias,
+                   allowed, _column([p.allowed_token_ids is not None for p in params_list], bool, False, rows))
 
 
 def penalize(logits: jax.Array, history: jax.Array, prompt_len: jax.Array, presence: jax.Array,
-             frequency: jax.Array, repetition: jax.Array, bias_ids: jax.Array, bias: jax.Array,
-             prev_tokens: jax.Array) -> jax.Array:
-    """The logits with each row's biases and penalties applied (`PenaltyInputs`'s columns; prev_tokens i32[R]:
-    the previous step's output, which the history's negative entries index), as vLLM applies them: the biases are
-    added first; then a token in the prompt or the completion has its logit divided by `repetition` if positive,
-    else multiplied; then `frequency` times its count in the completion and `presence` if it occurs there at all
-    are subtracted. -> f32[R, V]."""
+             frequency: jax.Array, repetition: jax.Array, bias_ids: jax.Array, bias: jax.Array, allowed: jax.Array,
+             restricted: jax.Array, prev_tokens: jax.Array) -> jax.Array:
+    """The logits with each row's restriction, biases and penalties applied (`PenaltyInputs`'s columns;
+    prev_tokens i32[R]: the previous step's output, which the history's negative entries index), as vLLM applies
+    them: a restricted row's tokens outside its allowed ones become -inf, and the biases are added; then a token in
+    the prompt or the completion has its logit divided by `repetition` if positive, else multiplied; then
+    `frequency` times its count in the completion and `presence` if it occurs there at all are subtracted.
+    -> f32[R, V]."""
     num_rows, vocab_size = logits.shape
-    logits = logits.astype(jnp.float32).at[lax.broadcasted_iota(jnp.int32, bias_ids.shape, 0), bias_ids].add(
-        bias, mode="drop")
+    entry_rows = lax.broadcasted_iota(jnp.int32, bias_ids.shape, 0)
+    kept = jnp.zeros((num_rows, vocab_size), bool).at[entry_rows, bias_ids].set(allowed, mode="drop")
+    logits = jnp.where(restricted[:, None] & ~kept, -jnp.inf, logits.astype(jnp.float32))
+    logits = logits.at[entry_rows, bias_ids].add(bias, mode="drop")
     rows_of_prev = jnp.clip(-history - 1, 0, prev_tokens.shape[0] - 1)
     tokens = jnp.where(history >= 0, history, prev_tokens[rows_of_prev])
     in_completion = lax.broadcasted_iota(jnp.int32, history.shape, 1) >= prompt_len[:, None]

@@ -174,9 +174,10 @@ def test_penalties_through_the_engine_match_full_forwards(sampled):
 
 
 def test_logit_bias_and_min_tokens_through_the_engine_match_full_forwards():
-    """Greedy requests with a logit bias, with min_tokens before a stop token, and with min_tokens keeping off an
-    EOS that a +100 bias makes the likeliest token (a ban outranks a bias; the request then stops on it) draw what
-    full forwards draw with the same rules applied by hand; batched together they draw the same."""
+    """Greedy requests with a logit bias, with min_tokens before a stop token, with min_tokens keeping off an EOS
+    that a +100 bias makes the likeliest token (a ban outranks a bias; the request then stops on it), and with
+    allowed_token_ids draw what full forwards draw with the same rules applied by hand; batched together they
+    draw the same."""
     case = json.loads((STORIES / "reference.json").read_text())["cases"][0]
     prompt, width = case["prompt"] + case["greedy"][:12], 64
     engine = Engine.from_pretrained(str(STORIES), dtype="float32", **SMALL)
@@ -187,6 +188,7 @@ def test_logit_bias_and_min_tokens_through_the_engine_match_full_forwards():
         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias={plain[0]: -100.0, plain[-1]: 3.0}),
         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,), min_tokens=4),
         SamplingParams(max_tokens=12, temperature=0.0, logit_bias={eos: 100.0}, min_tokens=3),
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, allowed_token_ids=plain[1::2]),
     ]
 
     cfg, weights = load_checkpoint(STORIES, dtype="float32")
@@ -199,6 +201,8 @@ def test_logit_bias_and_min_tokens_through_the_engine_match_full_forwards():
             tokens = np.zeros(width, np.int32)
             tokens[:len(prompt) + len(completion)] = prompt + completion
             logits = np.asarray(logits_of(tokens))[len(prompt) + len(completion) - 1].astype(np.float64)
+            if params.allowed_token_ids is not None:
+                logits[np.setdiff1d(np.arange(len(logits)), params.allowed_token_ids)] = -np.inf
             for token, bias in params.logit_bias:
                 logits[token] += bias
             if len(completion) < params.min_tokens:
@@ -212,10 +216,11 @@ def test_logit_bias_and_min_tokens_through_the_engine_match_full_forwards():
     assert want[0] != plain and plain[0] not in want[0]
     assert len(want[1]) >= 4 and stop not in want[1][:4] and want[1][:3] != plain[:3]
     assert len(want[2]) == 4 and want[2][-1] == eos and eos not in want[2][:3]
+    assert set(want[3]) <= set(plain[1::2]) and want[3] != plain[:8]
     alone = [engine.generate([prompt], p)[0] for p in requests]
     assert [o.token_ids for o in alone] == want
     assert alone[2].finish_reason == "stop"
-    together = engine.generate([prompt] * 3, requests)
+    together = engine.generate([prompt] * len(requests), requests)
     assert [o.token_ids for o in together] == want
 
     # min_tokens alone: the penalize program runs while a ban holds (two tokens, one step after them in flight at
@@ -250,6 +255,7 @@ BAD_INPUTS = [
     ([1, 2], "greedy", "must be a SamplingParams"),
     ("hello", SamplingParams(max_tokens=4), "needs a tokenizer"),
     ([1, 2], SamplingParams(max_tokens=4, logit_bias={256: 1.0}), r"logit_bias token id 256 is outside the vocab"),
+    ([1, 2], SamplingParams(max_tokens=4, allowed_token_ids=[3, 300]), r"allowed_token_ids token id 300 is outside"),
     ([1, 2], SamplingParams(max_tokens=4, stop_token_ids=(2**40,), min_tokens=2),  # an int32 on the device
      r"stop_token_ids token id 1099511627776 is outside the vocabulary \[0, 256\)"),
 ]

@@ -99,6 +99,11 @@ def test_logit_bias_normalised_and_limited():
                          ([(1, 2, 3)], r"got the entry \(1, 2, 3\)")]:
         with pytest.raises(ValueError, match=f"logit_bias.*{message}"):
             SamplingParams(logit_bias=bad)
+    for bad, message in [([], "non-empty"), ("12", "non-empty list"), ([3, -1], "entry must be >= 0, got -1")]:
+        with pytest.raises(ValueError, match=f"allowed_token_ids.*{message}"):
+            SamplingParams(allowed_token_ids=bad)
+    assert SamplingParams(allowed_token_ids=[9, 2, 9]).allowed_token_ids == (2, 9)
+    assert SamplingParams(allowed_token_ids=[1]).logit_adjustments == ("allowed_token_ids",)
     with pytest.raises(ValueError, match="gives token 2 twice"):
         SamplingParams(logit_bias=[(2, 1), (2, 3)])
     with pytest.raises(ValueError, match=f"at most {MAX_LOGIT_BIAS} tokens, got {MAX_LOGIT_BIAS + 1}"):
@@ -524,7 +529,7 @@ def test_logit_biases_and_bans_match_a_reference():
     """Biases are added to the raw logits before the penalties (as vLLM), a ban (a stop token below min_tokens)
     makes a token undrawable and outranks a bias on it; rows without either are unchanged."""
     rng = case_rng("logit-bias")
-    num_rows, vocab_size, capacity = 5, 30, 12
+    num_rows, vocab_size, capacity = 6, 30, 12
     logits = (rng.normal(size=(num_rows, vocab_size)) * 3).astype(np.float32)
     cases = [  # (prompt, completion, params, banned)
         ([1, 2], [3], SamplingParams(logit_bias={3: 4.0, 7: -100.0, 29: 0.5}, repetition_penalty=1.5,
@@ -532,12 +537,16 @@ def test_logit_biases_and_bans_match_a_reference():
         ([], [], SamplingParams(logit_bias={4: 2.0, 5: -2.0}, min_tokens=3), (5, 6)),
         ([], [], SamplingParams(min_tokens=1), (0,)),
         ([8], [9], SamplingParams(frequency_penalty=1.0), ()),
+        ([2], [2], SamplingParams(allowed_token_ids=[2, 11, 12], logit_bias={11: 1.5, 13: 3.0}, min_tokens=1,
+                                  repetition_penalty=2.0), (12,)),
     ]
     inputs = PenaltyInputs.from_rows([(p, c) for p, c, _, _ in cases], [sp for _, _, sp, _ in cases], num_rows,
                                      capacity, [b for *_, b in cases])
     got = np.asarray(jax.jit(penalize)(jnp.asarray(logits), *inputs.columns(), jnp.zeros(num_rows, jnp.int32)))
     for row, (prompt, completion, sp, banned) in enumerate(cases):
         biased = logits[row].astype(np.float64)
+        if sp.allowed_token_ids is not None:  # only these may be drawn
+            biased[np.setdiff1d(np.arange(vocab_size), sp.allowed_token_ids)] = -np.inf
         for token, bias in sp.logit_bias:
             biased[token] += bias
         biased[list(banned)] = -np.inf
@@ -545,6 +554,7 @@ def test_logit_biases_and_bans_match_a_reference():
                                    sp.repetition_penalty)
         np.testing.assert_allclose(got[row], want, rtol=1e-6, atol=1e-5)
     assert np.isneginf(got[1, [5, 6]]).all() and np.isneginf(got[2, 0]).all()
+    assert np.flatnonzero(np.isfinite(got[4])).tolist() == [2, 11]  # allowed, less the banned 12
     np.testing.assert_array_equal(got[len(cases):], logits[len(cases):])
 
 
@@ -553,6 +563,6 @@ def test_penalty_inputs_refuse_what_does_not_fit():
         PenaltyInputs.from_rows([(list(range(3)), list(range(6)))], [SamplingParams()], 2, 8)
     with pytest.raises(ValueError, match="for at most 1 rows"):
         PenaltyInputs.from_rows([([1], []), ([2], [])], [SamplingParams()] * 2, 1, 8)
-    with pytest.raises(ValueError, match=f"row 0: {BIAS_WIDTH + 2} logit biases and bans exceed {BIAS_WIDTH}"):
+    with pytest.raises(ValueError, match=f"row 0: {BIAS_WIDTH + 2} logit biases, allowed tokens and bans exceed"):
         PenaltyInputs.from_rows([([], [])], [SamplingParams(logit_bias={1: 1.0, 2: 1.0})], 1, 8,
                                 [range(3, BIAS_WIDTH + 3)])

@@ -76,7 +76,7 @@ SEEDED = dict(max_tokens=16, temperature=0.8, top_k=20, top_p=0.9, seed=7, ignor
 def openai_args(params: dict) -> dict:
     extra = {"ignore_eos": params["ignore_eos"],
              **{k: params[k] for k in ("top_k", "min_p", "repetition_penalty") if k in params}}
-    extra |= {k: params[k] for k in ("min_tokens",) if k in params}
+    extra |= {k: params[k] for k in ("min_tokens", "allowed_token_ids") if k in params}
     openai = {k: params[k] for k in ("presence_penalty", "frequency_penalty") if k in params}
     if "logit_bias" in params:  # OpenAI's keys: token ids as strings
         openai["logit_bias"] = {str(token): bias for token, bias in params["logit_bias"].items()}
@@ -86,8 +86,9 @@ def openai_args(params: dict) -> dict:
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED, dict(SEEDED, top_k=0, top_p=1.0, min_p=0.05),
                                     dict(GREEDY, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2),
-                                    dict(SEEDED, logit_bias={7: 5.0, 8: -100.0}, min_tokens=3)],
-                         ids=["greedy", "seeded", "min_p", "penalties", "logit-bias"])
+                                    dict(SEEDED, logit_bias={7: 5.0, 8: -100.0}, min_tokens=3),
+                                    dict(SEEDED, allowed_token_ids=list(range(40, 80)))],
+                         ids=["greedy", "seeded", "min_p", "penalties", "logit-bias", "allowed-tokens"])
 def test_completions_equal_engine_generate(client, engine, params):
     for prompt in PROMPTS[:2]:
         want = generate(engine, prompt, **params)
@@ -95,6 +96,7 @@ def test_completions_equal_engine_generate(client, engine, params):
         choice = got.choices[0]
         assert choice.model_extra["token_ids"] == want.token_ids and choice.text == want.text
         assert choice.finish_reason == "length" and got.usage.completion_tokens == len(want.token_ids)
+        assert set(want.token_ids) <= set(params.get("allowed_token_ids", want.token_ids))
         ids = client.completions.create(model="llama", prompt=engine.tokenizer.encode(prompt).ids,
                                         **openai_args(params))
         assert ids.choices[0].text == want.text  # the prompt as token ids
@@ -317,6 +319,8 @@ BAD = [  # (body or raw bytes, headers, status, part of the message)
     ({"prompt": "hi", "logit_bias": {"5": 101}}, None, 400, "logit_bias for token 5 must be in [-100, 100], got 101"),
     ({"prompt": "hi", "logit_bias": [5]}, None, 400, "logit_bias must map token ids to biases"),
     ({"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, None, 400, "min_tokens must be <= max_tokens (4), got 9"),
+    ({"prompt": "hi", "allowed_token_ids": [1, 99999]}, None, 400, "allowed_token_ids token id 99999 is outside"),
+    ({"prompt": "hi", "allowed_token_ids": []}, None, 400, "allowed_token_ids must be a non-empty list"),
     ({"prompt": "hi", "presence_penalty": 2.5}, None, 400, "presence_penalty must be in [-2, 2], got 2.5"),
     ({"prompt": "hi", "repetition_penalty": 0}, None, 400, "repetition_penalty must be > 0 (1 = off), got 0"),
     ({"prompt": "hi", "best_of": 3}, None, 400, "best_of=3 is not supported"),
@@ -349,7 +353,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
                         ({"prompt": "hi", "stop": ["x"] * (MAX_STOP + 1)}, "stop"),
                         ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
                         ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
-                        ({"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, "min_tokens")]:
+                        ({"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+                        ({"prompt": "hi", "allowed_token_ids": [1, 99999]}, "allowed_token_ids"),
+                        ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids")]:
         assert httpx.post(server + "/v1/completions", json=body, headers=auth).json()["error"]["param"] == param
     r = httpx.post(server + "/v1/chat/completions", json={"messages": "hi"}, headers=auth)
     assert r.status_code == 400 and "messages must be" in r.json()["error"]["message"]
@@ -551,7 +557,7 @@ def test_a_speculative_server_names_the_field_it_refuses():
     try:
         http = TestClient(create_app(worker, "llama"))
         for field, value in [("presence_penalty", 0.5), ("repetition_penalty", 1.1), ("logit_bias", {"5": 1}),
-                             ("min_tokens", 2)]:
+                             ("min_tokens", 2), ("allowed_token_ids", [5, 6])]:
             r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, field: value})
             assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
             assert "not supported with speculative decoding" in r.json()["error"]["message"]
