@@ -22,6 +22,7 @@ from glint.runtime import executables
 from glint.runtime.artifact import FORMAT, FORMAT_VERSION, METADATA, PARAMS_DIR, PROGRAM_ABI, platform_name
 from glint.runtime.params import MAX_LOGPROBS
 from glint.runtime.programs import COPY_ROWS, TABLE_ROWS
+from glint.runtime.sampling import BIAS_WIDTH
 
 # The Pallas Triton custom call is not among jax.export's stable targets (Mosaic GPU's is): we export it
 # knowingly, and the artifact pins the jax/jaxlib versions that load it.
@@ -54,13 +55,19 @@ SIGNATURES = {
                               "kv", "tables (the changes applied)"],
                   "donated": ["kv", "tables"]},
     "sample": {"inputs": ["logits f32[R, V]", "sampler"], "outputs": ["tokens i32[R] (min-p/top-k/top-p applied)"]},
-    "penalize": {"inputs": ["logits f32[R, V]",
-                            ("history i32[R, capacity] (prompt, then completion; < 0: row -(h + 1) of prev_tokens; "
-                             "2^31 - 1 pads)"),
-                            "prompt_len i32[R]", "presence f32[R]", "frequency f32[R]", "repetition f32[R]",
-                            "prev_tokens i32[R]", "sampler"],
-                 "outputs": ["logits f32[R, V] (penalties applied)",
-                             "tokens i32[R] (drawn from them with min-p, without top-k/top-p)"]},
+    "penalize_H": {"inputs": ["logits f32[R, V]",
+                              ("history i32[R, H] (prompt, then completion; < 0: row -(h + 1) of prev_tokens; "
+                               "2^31 - 1 pads; H: the first of 256, 1024, ... and the capacity that holds the "
+                               "longest)"),
+                              "prompt_len i32[R]", "presence f32[R]", "frequency f32[R]", "repetition f32[R]",
+                              (f"bias_ids i32[R, {BIAS_WIDTH}] (each row's biased, banned and allowed tokens, each "
+                               "once; 2^31 - 1 pads)"),
+                              f"bias f32[R, {BIAS_WIDTH}] (added to those logits; -inf bans)",
+                              f"allowed bool[R, {BIAS_WIDTH}] (bias_ids a restricted row may draw)",
+                              "restricted bool[R] (only its allowed tokens may be drawn)",
+                              "prev_tokens i32[R]", "sampler"],
+                   "outputs": ["logits f32[R, V] (restriction, biases, then penalties applied)",
+                               "tokens i32[R] (drawn from them with min-p, without top-k/top-p)"]},
     "sample_argmax": {"inputs": ["logits f32[R, V]"], "outputs": ["tokens i32[R]"]},
     "logprobs": {"inputs": ["logits f32[R, V]", "tokens i32[R]"],
                  "outputs": ["chosen f32[R]", f"top f32[R, {MAX_LOGPROBS}]", f"top_ids i32[R, {MAX_LOGPROBS}]"]},

@@ -25,7 +25,7 @@ from glint.kvcache import CacheConfig
 from glint.runtime import executables, weights
 from glint.runtime.config import KV_CACHE_DTYPES, EngineConfig
 from glint.runtime.programs import (RUNTIME_PROGRAMS, START_PROGRAMS, Program, ProgramSet, abstract_args,
-                                    donate_argnums, forward_name)
+                                    donate_argnums, forward_name, penalize_names)
 from glint.runtime.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -35,13 +35,13 @@ FORMAT = "glint-export"
 FORMAT_VERSION = 1
 # The programs' calling convention (argument order and meaning, `glint.runtime.programs`): bump on any change,
 # since shapes and dtypes alone cannot tell e.g. temperature from top_p.
-PROGRAM_ABI = 14  # 2: kv_init; 3: one packed host input per step (programs.StepLayout); 4: fp8 pools carry scales;
+PROGRAM_ABI = 15  # 2: kv_init; 3: one packed host input per step (programs.StepLayout); 4: fp8 pools carry scales;
 # 5: the packed input's arrays start at 256-byte boundaries; 6: the page tables stay on the device, a step
 # uploads the entries set since the last one (the `tables` program sends more); 7: int8 and int4 weights
 # stored [out, in] (model/config.QUANT_LAYOUT); 8: int4 scales stored [groups, out]; 9: fp8 KV scale pools
 # [num_pages, kv_heads, page_size]; 10: the sampler's min_p column; 11: the forward's own draw applies min_p (the
 # `sample` program is for top-k/top-p); 12: the `penalize` program; 13: `penalize` takes logit biases; 14: and
-# allowed tokens
+# allowed tokens; 15: penalize_H, one per history width
 PARAMS_DIR = "params"
 # EngineConfig fields the programs are built for: a caller may repeat them, not change them.
 GEOMETRY_FIELDS = ("max_seqs", "page_size", "max_step_tokens", "forward_sizes", "max_sample_rows", "num_pages",
@@ -252,7 +252,8 @@ def load_artifact(folder, dtype: str | None = None, compiled: bool = True, **ove
     if any(MOSAIC_GPU_CALL in entry.get("custom_calls", ()) for entry in meta["programs"].values()):
         import jax.experimental.mosaic.gpu  # noqa: F401  (registers the Mosaic GPU runtime its kernels call)
     t0 = time.perf_counter()
-    needed = {forward_name(w) for w in config.buckets} | set(RUNTIME_PROGRAMS) | set(START_PROGRAMS)
+    needed = ({forward_name(w) for w in config.buckets} | set(RUNTIME_PROGRAMS) | set(START_PROGRAMS)
+              | set(penalize_names(cache.capacity)))
     missing, unknown = sorted(needed - set(meta["programs"])), sorted(set(meta["programs"]) - needed - {"sample_argmax"})
     if missing or unknown:
         raise ValueError(f"{folder / METADATA}: programs missing {missing}, unknown {unknown}; export it again")

@@ -18,7 +18,7 @@ from glint.runtime.config import EngineConfig
 from glint.runtime.launcher import Launcher
 from glint.runtime.params import SamplingParams
 from glint.runtime.programs import (RUNTIME_PROGRAMS, DeviceMeta, ProgramSet, Runner, draft_name, forward_name,
-                                    num_segments)
+                                    num_segments, penalize_name, penalize_names)
 from glint.runtime.request import Completion, Request, RequestOutput, Status
 from glint.runtime.sampling import BIAS_WIDTH, PenaltyInputs, SamplerInputs, uses_filters
 from glint.runtime.scheduler import Entry, Scheduler
@@ -655,7 +655,8 @@ class Engine:
         draft_host = None if draft_rows is None else runner.pack(width, tokens, token_src, device_meta, draft_rows,
                                                                  draft_rows=draft_rows)
         used = [forward_name(width)] + ["copy"] * (copies is not None) + ["tables"] * (earlier is not None) + \
-            [draft_name(width)] * (draft_host is not None) + ["penalize"] * (penalties is not None) + \
+            [draft_name(width)] * (draft_host is not None) + \
+            ([] if penalties is None else [penalize_name(penalties.history.shape[1])]) + \
             ["sample"] * filters + ["logprobs"] * logprobs
         for name in used:
             self.programs[name]  # compiled here if it is not yet (an error undoes the step)
@@ -953,8 +954,8 @@ class Engine:
     def program_names(self) -> list[str]:
         """Every program this engine may run: decode widths first (a server needs them first), then the rest."""
         drafts = [draft_name(w) for w in self.config.buckets] if self._drafts_on_device else []
-        runtime = [n for n in RUNTIME_PROGRAMS if n != "penalize" or self.drafter is None]  # spec: refused
-        return [forward_name(w) for w in self.config.buckets] + runtime + drafts
+        penalize = penalize_names(self.cache.capacity) if self.drafter is None else []  # spec: refused
+        return [forward_name(w) for w in self.config.buckets] + list(RUNTIME_PROGRAMS) + penalize + drafts
 
     def warmup(self, progress: bool = True) -> dict[str, float]:
         """Compile every program (all step widths, top-k/top-p sampling, logprobs, page copies) in parallel

@@ -28,14 +28,14 @@ import numpy as np
 from glint.kvcache import CacheConfig, KVState, StepMetadata
 from glint.pallas_kernels.reference import scale_pool_shape
 from glint.runtime import executables
-from glint.runtime.sampling import BIAS_WIDTH, SAMPLER_COLUMNS
+from glint.runtime.sampling import BIAS_WIDTH, SAMPLER_COLUMNS, history_widths
 
 COPY_ROWS = 64  # page copies per `copy` call; a step needing more runs it again
 TABLE_ROWS = 1024  # page-table entries per `tables` call (per group)
 # Arguments a program donates (the KV state and the page tables), so XLA updates them in place: the live jit and
 # the exported call.
 FORWARD_DONATE_ARGNUMS, DRAFT_DONATE_ARGNUMS, COPY_DONATE_ARGNUMS, TABLES_DONATE_ARGNUMS = (1, 2), (1,), (0,), (0,)
-RUNTIME_PROGRAMS = ("sample", "logprobs", "penalize", "copy", "tables")  # what an engine runs besides its forwards
+RUNTIME_PROGRAMS = ("sample", "logprobs", "copy", "tables")  # what an engine runs besides its forwards and penalize_H
 START_PROGRAMS = ("kv_init",)  # run once, when an engine starts
 
 
@@ -175,6 +175,15 @@ def draft_name(width: int) -> str:
     return f"draft_{width}"
 
 
+def penalize_name(history_width: int) -> str:
+    return f"penalize_{history_width}"
+
+
+def penalize_names(capacity: int) -> list[str]:
+    """The penalize programs an engine of this context capacity runs: one per history width."""
+    return [penalize_name(w) for w in history_widths(capacity)]
+
+
 def donate_argnums(name: str) -> tuple[int, ...]:
     if name.startswith("forward_"):
         return FORWARD_DONATE_ARGNUMS
@@ -234,7 +243,7 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
                tokens, token_src, the metadata (positions, slots, seq_info, page-table changes), the sampled
                rows and the sampler (`sampling.SAMPLER_COLUMNS`)
     sample:    (logits f32[R, V], sampler tuple)
-    penalize:  (logits f32[R, V], penalties (history i32[R, capacity], prompt_len i32[R], presence, frequency,
+    penalize_H: (logits f32[R, V], penalties (history i32[R, H], prompt_len i32[R], presence, frequency,
                repetition f32[R], bias_ids i32[R, BIAS_WIDTH], bias f32[R, BIAS_WIDTH], allowed bool[R, BIAS_WIDTH],
                restricted bool[R]), prev_tokens i32[R],
                sampler tuple) -> (logits f32[R, V] biased and penalized, tokens i32[R] drawn from them without
@@ -265,11 +274,12 @@ def abstract_args(name: str, params: dict, cache: CacheConfig, max_seqs: int, ro
         return logits, sampler
     if name == "sample_argmax":
         return (logits,)
-    if name == "penalize":
+    if name.startswith("penalize_"):
         strengths = (_spec((rows,), np.float32),) * 3  # presence, frequency, repetition
         biases = i32(rows, BIAS_WIDTH), _spec((rows, BIAS_WIDTH), np.float32), _spec((rows, BIAS_WIDTH), bool), \
             _spec((rows,), bool)
-        return logits, (i32(rows, cache.capacity), i32(rows), *strengths, *biases), i32(rows), sampler
+        history = i32(rows, int(name.removeprefix("penalize_")))
+        return logits, (history, i32(rows), *strengths, *biases), i32(rows), sampler
     if name == "logprobs":
         return logits, i32(rows)
     tables = tuple(i32(max_seqs, cache.group_pages_per_seq(g)) for g in range(cache.num_groups))
@@ -422,7 +432,8 @@ class Runner:
         """(The logits f32[R, V] with each row's logit biases and presence / frequency / repetition penalties
         applied, the tokens i32[R] drawn from them without top-k/top-p) (`sampling.PenaltyInputs`; prev_tokens: the
         previous step's output, which placeholders in it index)."""
-        return self.programs["penalize"](logits, penalties.columns(), prev_tokens, sampler.columns())
+        name = penalize_name(penalties.history.shape[1])
+        return self.programs[name](logits, penalties.columns(), prev_tokens, sampler.columns())
 
     def run_draft(self, width: int, params: dict, kv: KVState, host: np.ndarray):
         """DFlash drafting before a verifying step, on the step packed with `draft_rows` as both its rows and its

@@ -133,6 +133,19 @@ def uses_filters(params_list: Sequence[SamplingParams]) -> bool:
 
 
 HISTORY_PAD = 2**31 - 1  # a history entry past the row's tokens: out of any vocabulary, so it counts nowhere
+# A step's histories are as wide as its longest (prompt + completion so far) rounded up to one of these widths, each
+# a program of its own: 256 tokens, times 4 each, up to the context capacity (the last width).
+HISTORY_WIDTH_MIN, HISTORY_WIDTH_STEP = 256, 4
+
+
+def history_widths(capacity: int) -> tuple[int, ...]:
+    """The widths a step's histories may take: HISTORY_WIDTH_MIN times powers of HISTORY_WIDTH_STEP below
+    `capacity`, then `capacity`."""
+    widths, width = [], HISTORY_WIDTH_MIN
+    while width < capacity:
+        widths.append(width)
+        width *= HISTORY_WIDTH_STEP
+    return (*widths, capacity)
 # Tokens a row may name on the device: its logit_bias (at most params.MAX_LOGIT_BIAS), its allowed_token_ids and,
 # below min_tokens, its stop tokens' bans; padding entries are HISTORY_PAD ids, dropped.
 BIAS_WIDTH = 512
@@ -142,8 +155,9 @@ BIAS_WIDTH = 512
 class PenaltyInputs:
     """Per sampled row: the tokens its penalties look at and their strengths (host numpy arrays, R rows).
 
-    history: i32[R, C]; the row's prompt then its completion so far, HISTORY_PAD after; an entry < 0 is a token
-      the previous step drew, still on the device: its row -(entry + 1) of that step's output.
+    history: i32[R, W]; the row's prompt then its completion so far, HISTORY_PAD after; an entry < 0 is a token
+      the previous step drew, still on the device: its row -(entry + 1) of that step's output. W: the first of
+      `history_widths(capacity)` that holds the longest row.
     prompt_len: i32[R]; the history's first prompt_len entries are the prompt.
     presence, frequency, repetition: f32[R]; padding rows 0, 0, 1 (off).
     bias_ids: i32[R, BIAS_WIDTH]; the tokens whose logits `bias` f32[R, BIAS_WIDTH] shifts (-inf: banned), each
@@ -170,13 +184,16 @@ class PenaltyInputs:
     def from_rows(cls, histories: Sequence[tuple[Sequence[int], Sequence[int]]],
                   params_list: Sequence[SamplingParams], rows: int, capacity: int,
                   banned: Sequence[Sequence[int]] | None = None) -> PenaltyInputs:
-        """One (prompt, completion so far) and params per sampled row, padded to `rows` rows of `capacity`
-        entries. A prompt may be an i32 array (copied as a block: a long prompt is the bulk of a history).
+        """One (prompt, completion so far) and params per sampled row, padded to `rows` rows of the first width
+        of `history_widths(capacity)` that holds the longest. A prompt may be an i32 array (copied as a block: a long
+        prompt is the bulk of a history).
         banned: per row, tokens it may not draw (a request below its min_tokens: its stop tokens), else none."""
         if not len(histories) == len(params_list) <= rows or (banned is not None and len(banned) != len(histories)):
             raise ValueError(f"{len(histories)} histories, {len(params_list)} params and "
                              f"{'no' if banned is None else len(banned)} bans for at most {rows} rows")
-        history = np.full((rows, capacity), HISTORY_PAD, np.int32)
+        longest = max((len(prompt) + len(completion) for prompt, completion in histories), default=0)
+        width = next((w for w in history_widths(capacity) if w >= longest), capacity)
+        history = np.full((rows, width), HISTORY_PAD, np.int32)
         for i, (prompt, completion) in enumerate(histories):
             n, total = len(prompt), len(prompt) + len(completion)
             if total > capacity:

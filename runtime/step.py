@@ -23,7 +23,7 @@ from glint.pallas_kernels import (qkv_write, ring_write, ring_write_reference, v
 from glint.runtime.params import MAX_LOGPROBS
 from glint.runtime.programs import (COPY_DONATE_ARGNUMS, DRAFT_DONATE_ARGNUMS, FORWARD_DONATE_ARGNUMS,
                                     TABLES_DONATE_ARGNUMS, DeviceMeta, Program, ProgramSet, StepLayout, abstract_args,
-                                    apply_table_changes, draft_name, forward_name, kv_sharding)
+                                    apply_table_changes, draft_name, forward_name, kv_sharding, penalize_names)
 from glint.runtime.sampling import SamplerInputs, logprobs, penalize, sample, sample_argmax
 
 
@@ -268,7 +268,8 @@ def live_programs(model: ModelConfig, params: dict, cache: CacheConfig, impl: st
                          "use tensor_parallel=1, or an n-gram drafter")
     layouts = {w: StepLayout.of(w, cache, max_seqs, rows) for w in widths}
     fns = {forward_name(w): make_step_fn(model, cache, impl, layouts[w], draft, n) for w in widths}
-    fns.update(sample=_sample_filtered, sample_argmax=_sample_argmax, logprobs=_logprobs, penalize=_penalize,
+    fns.update({name: _penalize for name in penalize_names(cache.capacity)})
+    fns.update(sample=_sample_filtered, sample_argmax=_sample_argmax, logprobs=_logprobs,
                copy=make_copy_fn(cache, n), tables=make_tables_fn(cache, n),
                kv_init=make_kv_init_fn(cache, max_seqs, n))
     if draft is not None:

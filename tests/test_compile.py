@@ -15,6 +15,7 @@ from glint.runtime import compile_cache
 from glint.runtime.cli import main
 from glint.runtime.engine import Engine
 from glint.runtime.params import SamplingParams
+from glint.runtime.sampling import history_widths
 
 TIGHT = dict(max_seqs=4, page_size=8, max_step_tokens=32, forward_sizes=(1, 2, 4, 8), num_pages=14, capacity=64,
              min_prefill_chunk=4)
@@ -66,9 +67,10 @@ def test_serving_never_compiles_after_warmup(source, tmp_path):
         engine = Engine.from_pretrained(llama, dtype="float32", **TIGHT, **spec)
     live = Engine.from_pretrained(llama, dtype="float32", **TIGHT, **spec)
     times = engine.warmup(progress=False)
-    # a speculative engine refuses penalties: it does not compile their program
+    # a penalize program per history width (a speculative engine refuses penalties: none)
+    penalize = {f"penalize_{w}" for w in history_widths(engine.capacity)}
     assert set(times) == {f"forward_{w}" for w in (1, 2, 4, 8, 16, 32)} | {"sample", "logprobs", "copy", "tables"} | (
-        set() if spec else {"penalize"})
+        set() if spec else penalize)
     # A stop token the greedy request really meets: its 5th token when run alone.
     probe = Engine.from_pretrained(llama, dtype="float32", **TIGHT)
     prompts, params = mixed_workload(engine.model.vocab_size, 0)
@@ -95,7 +97,8 @@ def test_warmup_compiles_each_program_once_and_a_second_engine_loads_them(tmp_pa
     first = Engine.from_pretrained(llama, dtype="float32", **TIGHT)
     with counting_compiles() as counts:
         names = first.warmup(progress=False)
-    assert counts[EVENTS[1]] == len(names) == 11  # six widths, sample, logprobs, penalize, copy, tables: once each
+    # six widths, sample, logprobs, copy, tables and the penalize programs: once each
+    assert counts[EVENTS[1]] == len(names) == 10 + len(history_widths(first.capacity))
     assert len(list((tmp_path / "cache").glob("*-cache"))) >= len(names)
     jax.clear_caches()  # as a fresh process would be
     second = Engine.from_pretrained(llama, dtype="float32", **TIGHT)

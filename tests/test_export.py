@@ -15,6 +15,7 @@ from glint.runtime.cli import main
 from glint.runtime.artifact import PROGRAM_ABI
 from glint.runtime.engine import Engine
 from glint.runtime.params import SamplingParams
+from glint.runtime.sampling import history_widths
 
 SMALL = dict(max_seqs=4, page_size=8, max_step_tokens=32, forward_sizes=(1, 8), num_pages=96, capacity=128,
              min_prefill_chunk=4)
@@ -67,7 +68,8 @@ def test_exported_artifact_gives_the_live_engines_tokens(source, tmp_path):
     assert all(len(c[0]) == 12 for o in want for c in o)
     assert meta["widths"] == [1, 8, 16, 32] and meta["vocab_size"] == live.model.vocab_size
     assert set(meta["programs"]) == {"forward_1", "forward_8", "forward_16", "forward_32", "sample", "sample_argmax",
-                                     "kv_init", "logprobs", "penalize", "copy", "tables"}
+                                     "kv_init", "logprobs", "copy", "tables"} | {
+        f"penalize_{w}" for w in history_widths(meta["engine"]["capacity"])}
 
 
 def test_a_quantized_artifact_with_an_fp8_cache_gives_the_live_engines_tokens(tmp_path):
@@ -105,8 +107,8 @@ def test_metadata_describes_the_build(llama_artifact):
     assert meta["engine"]["min_prefill_chunk"] == SMALL["min_prefill_chunk"]
     assert meta["cache"]["kv_heads"] == [hf["num_key_value_heads"]] * hf["num_hidden_layers"]
     assert meta["decode_widths"] == [1, 8] and meta["platform"] == "cpu" and meta["engine"]["attention"] == "reference"
-    assert set(meta["signatures"]) == {"forward_W", "sample", "sample_argmax", "logprobs", "penalize", "copy", "tables",
-                                       "kv_init"}
+    assert set(meta["signatures"]) == {"forward_W", "sample", "sample_argmax", "logprobs", "penalize_H", "copy",
+                                       "tables", "kv_init"}
     import jax
 
     assert meta["jax"] == jax.__version__ and meta["created"].startswith("20")

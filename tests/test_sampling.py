@@ -16,6 +16,7 @@ from glint.runtime.sampling import (
     HISTORY_PAD,
     PenaltyInputs,
     SamplerInputs,
+    history_widths,
     logprobs,
     penalize,
     sample,
@@ -556,6 +557,18 @@ def test_logit_biases_and_bans_match_a_reference():
     assert np.isneginf(got[1, [5, 6]]).all() and np.isneginf(got[2, 0]).all()
     assert np.flatnonzero(np.isfinite(got[4])).tolist() == [2, 11]  # allowed, less the banned 12
     np.testing.assert_array_equal(got[len(cases):], logits[len(cases):])
+
+
+def test_histories_take_the_narrowest_width_that_holds_them():
+    """A step uploads histories as wide as its longest row needs, rounded up to one of history_widths(capacity)
+    (each a program of its own), not the whole capacity."""
+    assert history_widths(5000) == (256, 1024, 4096, 5000) and history_widths(200) == (200,)
+    params = [SamplingParams(repetition_penalty=1.2)] * 2
+    for longest, width in [(0, 256), (256, 256), (257, 1024), (4096, 4096), (4097, 5000), (5000, 5000)]:
+        histories = [(list(range(longest // 2)), list(range(longest - longest // 2))), ([1], [])]
+        inputs = PenaltyInputs.from_rows(histories, params, 4, 5000)
+        assert inputs.history.shape == (4, width), longest
+        assert (inputs.history[0, longest:] == HISTORY_PAD).all() and (inputs.history[1, 1:] == HISTORY_PAD).all()
 
 
 def test_penalty_inputs_refuse_what_does_not_fit():
