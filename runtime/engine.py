@@ -20,7 +20,7 @@ from glint.runtime.params import SamplingParams
 from glint.runtime.programs import (RUNTIME_PROGRAMS, DeviceMeta, ProgramSet, Runner, draft_name, forward_name,
                                     num_segments, penalize_name, penalize_names)
 from glint.runtime.request import Completion, Request, RequestOutput, Status
-from glint.runtime.sampling import BIAS_WIDTH, PenaltyInputs, SamplerInputs, uses_filters
+from glint.runtime.sampling import BIAS_WIDTH, PenaltyInputs, SamplerInputs, logit_entries, uses_filters
 from glint.runtime.scheduler import Entry, Scheduler
 
 DEFAULT_MAX_CAPACITY = 32768
@@ -346,13 +346,9 @@ class Engine:
             set_fields = ", ".join(f"{name}={getattr(params, name)}" for name in params.logit_adjustments)
             raise ValueError(f"{set_fields}: penalties, logit_bias, min_tokens and allowed_token_ids are not "
                              "supported with speculative decoding (leave them out)")
-        vocab = self.model.vocab_size
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
-            if bad := [t for t in ids if t >= vocab]:
-                raise ValueError(f"{name} token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        entries = ({t for t, _ in params.logit_bias} | set(params.allowed_token_ids or ())
-                   | (set(self._stops(params)) if params.min_tokens else set()))
+        if error := params.vocab_error(self.model.vocab_size):
+            raise ValueError(error[1])
+        entries = logit_entries(params, self._stops(params) if params.min_tokens else ())
         if len(entries) > BIAS_WIDTH:
             raise ValueError(f"logit_bias ({len(params.logit_bias)} tokens), allowed_token_ids "
                              f"({len(params.allowed_token_ids or ())}) and min_tokens' stop tokens "
@@ -829,8 +825,7 @@ class Engine:
     def _adjusts(self, req: Request) -> bool:
         """Whether `req`'s next token is drawn from adjusted logits (the `penalize` program): a penalty, a logit
         bias, allowed tokens, or a ban (min_tokens) it still has."""
-        p = req.params
-        return p.has_penalties or bool(p.logit_bias) or p.allowed_token_ids is not None or bool(self._banned(req))
+        return any(name != "min_tokens" for name in req.params.logit_adjustments) or bool(self._banned(req))
 
     def _stop_stream(self, req: Request, num_generated: int):
         """`req`'s TextStream, given every token before its `num_generated`-th (a clone's from its parent). An

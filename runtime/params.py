@@ -201,6 +201,14 @@ class SamplingParams:
         """The fields set that change the raw logits before the draw, by name."""
         return tuple(name for name, off in LOGIT_ADJUSTMENTS.items() if getattr(self, name) != off)
 
+    def vocab_error(self, vocab_size: int) -> tuple[str, str] | None:
+        """(field, message) for the first token id a field names outside [0, vocab_size), or None."""
+        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
+            if bad := [t for t in ids if t >= vocab_size]:
+                return name, f"{name} token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+        return None
+
     @property
     def is_greedy(self) -> bool:
         """True when tokens are the argmax (temperature <= 0); top_k, top_p, min_p and seed are moot."""

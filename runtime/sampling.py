@@ -146,9 +146,20 @@ def history_widths(capacity: int) -> tuple[int, ...]:
         widths.append(width)
         width *= HISTORY_WIDTH_STEP
     return (*widths, capacity)
+
+
 # Tokens a row may name on the device: its logit_bias (at most params.MAX_LOGIT_BIAS), its allowed_token_ids and,
 # below min_tokens, its stop tokens' bans; padding entries are HISTORY_PAD ids, dropped.
 BIAS_WIDTH = 512
+
+
+def logit_entries(params: SamplingParams, banned: Sequence[int] = ()) -> dict[int, float]:
+    """{token: bias} a row names on the device (at most BIAS_WIDTH): its allowed tokens (0), its logit_bias, and
+    `banned` (-inf: a ban outranks a bias)."""
+    entries = dict.fromkeys(params.allowed_token_ids or (), 0.0)
+    entries.update(params.logit_bias)
+    entries.update(dict.fromkeys(banned, -np.inf))
+    return entries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,9 +215,7 @@ class PenaltyInputs:
         bias = np.zeros((rows, BIAS_WIDTH), np.float32)
         allowed = np.zeros((rows, BIAS_WIDTH), bool)
         for i, p in enumerate(params_list):
-            entries = dict.fromkeys(p.allowed_token_ids or (), 0.0)
-            entries.update(p.logit_bias)
-            entries.update(dict.fromkeys(() if banned is None else banned[i], -np.inf))  # a ban outranks a bias
+            entries = logit_entries(p, () if banned is None else banned[i])
             if len(entries) > BIAS_WIDTH:
                 raise ValueError(f"row {i}: {len(entries)} logit biases, allowed tokens and bans exceed {BIAS_WIDTH}")
             bias_ids[i, :len(entries)] = list(entries)

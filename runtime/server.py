@@ -116,11 +116,6 @@ class Api:
         except ValueError:
             keys = json.dumps(list(body["logit_bias"]))[:80]
             raise ApiError(400, f"logit_bias keys must be token ids, got {keys}", param="logit_bias") from None
-        allowed = body.get("allowed_token_ids")
-        for name, ids in (("logit_bias", [t for t, _ in logit_bias]), ("allowed_token_ids", allowed or [])):
-            if isinstance(ids, list) and (bad := [t for t in ids if isinstance(t, int) and t >= self.vocab_size]):
-                raise ApiError(400, f"{name} token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
-                               param=name)
 
         try:
             params = SamplingParams(
@@ -128,7 +123,8 @@ class Api:
                 temperature=get("temperature", 1.0), top_p=get("top_p", 1.0), top_k=get("top_k", 0),
                 min_p=get("min_p", 0.0), presence_penalty=get("presence_penalty", 0.0),
                 frequency_penalty=get("frequency_penalty", 0.0), repetition_penalty=get("repetition_penalty", 1.0),
-                logit_bias=logit_bias, min_tokens=get("min_tokens", 0), allowed_token_ids=allowed,
+                logit_bias=logit_bias, min_tokens=get("min_tokens", 0),
+                allowed_token_ids=body.get("allowed_token_ids"),
                 n=get("n", 1), seed=body.get("seed"), stop_token_ids=get("stop_token_ids", ()),
                 ignore_eos=get("ignore_eos", False), logprobs=logprobs, stop=tuple(stop),
                 include_stop_str_in_output=get("include_stop_str_in_output", False),
@@ -136,6 +132,8 @@ class Api:
         except (ValueError, TypeError) as e:  # SamplingParams' messages begin with the field's name
             name = str(e).split(" ", 1)[0].rstrip(":")
             raise ApiError(400, str(e), param=name if name in body else None) from None
+        if error := params.vocab_error(self.vocab_size):  # the engine refuses them too; this names the field
+            raise ApiError(400, error[1], param=error[0])
         if self.speculative and params.adjusts_logits:  # the engine refuses them too; this names the field
             name = params.logit_adjustments[0]
             raise ApiError(400, f"{name}={json.dumps(body[name])[:80]} is not supported with speculative decoding "
