@@ -492,7 +492,7 @@ def varlen_attention(
         "mosaic"; rings, windows and soft-caps only without
         tuning.MOSAIC_PREFILL_PLAIN_ONLY), each segment runs on the kernel that costs it less (long
         segments on Mosaic, decode rows and short chunks on Triton, see
-        _mosaic_segments; each row's output is its own kernel's); Triton otherwise.
+        _mosaic_segments; the Mosaic kernel writes its rows into the Triton kernel's output); Triton otherwise.
       interpret: run the Pallas interpreter (CPU tests); with "mosaic" and
         "mosaic_decode", Pallas' GPU interpreter.
     Returns:
@@ -536,23 +536,22 @@ def varlen_attention(
             )
         return run_triton(seq_info)
 
-    def run_mosaic(info):
+    def run_mosaic(info, out=None):
         return varlen_attention_mgpu.varlen_attention_mgpu(
-            q, k_pages, v_pages, page_table, info, ring_rows=ring_rows, window=window, causal=causal,
+            q, k_pages, v_pages, page_table, info, out=out, ring_rows=ring_rows, window=window, causal=causal,
             softcap=softcap, scale=float(scale), interpret=interpret, **tuning.MOSAIC_PREFILL
         )
 
     if backend == "mosaic":
         return run_mosaic(seq_info)
-    # "auto": each segment goes to the kernel that costs it less. Each row of the output is taken from the kernel
-    # its segment went to (rows of no segment: Triton's zeros), whatever the other wrote there.
+    # "auto": each segment goes to the kernel that costs it less. The Triton kernel's output (zeros outside its
+    # segments) is the buffer the Mosaic kernel writes its segments' rows into.
     blocks = default_block_sizes(q.shape[0], seq_info.shape[0], q.shape[2])
     to_mosaic = _mosaic_segments(seq_info, _rows_per_tile(blocks, q.shape[1] // k_pages.shape[2]))
     q_len = seq_info[:, 1]
     mosaic_info = seq_info.at[:, 1].set(jnp.where(to_mosaic, q_len, 0))
     triton_info = seq_info.at[:, 1].set(jnp.where(to_mosaic, 0, q_len))
-    row_on_mosaic = segments.row_segments(mosaic_info, q.shape[0]) > 0  # [T]
-    return jnp.where(row_on_mosaic[:, None, None], run_mosaic(mosaic_info), run_triton(triton_info))
+    return run_mosaic(mosaic_info, out=run_triton(triton_info))
 
 
 def _mosaic_segments(seq_info, triton_tile_rows: int):

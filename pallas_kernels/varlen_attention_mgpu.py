@@ -19,11 +19,12 @@ order from the window's start, a ring's storage blocks from the one holding the 
 compute warpgroup computes on its own rows' blocks (a ring's: all of the tile's) and releases the others in step
 with the other warpgroup, masking the blocks that hold keys some of its rows do not see.
 
-Output rows are written per tile into a padded buffer and gathered back to
-the packed query layout afterwards, so a tile's rows past its segment never
-touch another segment's output. Pool rows of keys no row of the tile sees (past kv_end, before a window, never
-written in a ring) can hold anything: their logits are masked and their V rows zeroed in shared memory before
-P @ V.
+Output rows go straight into the packed [T, Hq, D] output, which the call may hand in (varlen_attention's "auto"
+passes the Triton kernel's, so the two kernels share one buffer): whole 8-row chunks of a segment in one TMA copy
+each, the rows of a chunk it shares with a neighbour one by one (_write_rows), so no tile writes a row outside its
+segment. Where that stage does not fit in shared memory (head_dim 256) a tile's rows go into a padded buffer
+gathered back afterwards. Pool rows of keys no row of the tile sees (past kv_end, before a window, never written
+in a ring) can hold anything: their logits are masked and their V rows zeroed in shared memory before P @ V.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 _COMPUTE_WGS = 2
 _ALIGN = mosaic_keys.ALIGN
+_SMEM_BYTES = 220 * 1024  # of the 227 KB a CTA may take on Hopper, leaving room for the barriers
 
 
 def block_kv_for(head_dim: int, block_kv: int) -> int:
@@ -100,6 +102,53 @@ def _gather_rows(out_pad, seq_info, first_tile, tile_rows: int, num_rows: int):
     return jnp.where((seg1 > 0)[:, None, None], out_pad[src], 0).astype(out_pad.dtype)
 
 
+def stage_fits(*, head_dim: int, block_q: int, block_kv: int, num_stages: int) -> bool:
+    """Whether shared memory holds the output stage (_write_rows) beside Q and the K/V stages: head_dim up to
+    192 at the default tile, not 256."""
+    block_kv = block_kv_for(head_dim, block_kv)
+    rows = 2 * _COMPUTE_WGS * block_q + 2 * num_stages * block_kv  # Q and the stage, K and V
+    return rows * head_dim * 2 <= _SMEM_BYTES
+
+
+def _write_rows(out, qo_smem, stage, out_ref, head, row, row0, q_len):
+    """Stores a warpgroup's output rows that belong to its segment straight into the packed out_ref [T, Hq, D].
+
+    `out` is the block's rows row0 .. row0 + block_q of the segment (row0 may be negative: the tile starts at an
+    aligned row), the first at row `row` of out_ref (a multiple of _ALIGN). Rows of the block outside the segment
+    belong to a neighbour or to no segment, and are not written. A block wholly inside goes out in one TMA copy
+    (through the swizzled query tile); otherwise through `stage` (untiled): each _ALIGN-row chunk wholly inside in
+    one copy, and the rows of the segment's first and last chunks, which it may share with a neighbour, one by one.
+    """
+    block_q = out.shape[0]
+    whole = (row0 >= 0) & (row0 + block_q <= q_len)
+
+    @pl.when(whole)
+    def _():
+        qo_smem[...] = out
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[pl.ds(row, block_q), head])
+
+    lo, hi = jnp.clip(-row0, 0, block_q), jnp.clip(q_len - row0, 0, block_q)  # the segment's rows of the block
+
+    @pl.when(~whole & (hi > lo))
+    def _():
+        stage[...] = out
+        plgpu.commit_smem()
+        for j in range(0, block_q, _ALIGN):
+            pl.when((j >= lo) & (j + _ALIGN <= hi))(functools.partial(
+                plgpu.copy_smem_to_gmem, stage.at[pl.ds(j, _ALIGN)], out_ref.at[pl.ds(row + j, _ALIGN), head]))
+
+        def one_row(i):
+            start = i - lax.rem(i, jnp.int32(_ALIGN))
+            partial = (start < lo) | (start + _ALIGN > hi)  # its chunk holds rows outside the segment
+            pl.when(partial)(functools.partial(
+                plgpu.copy_smem_to_gmem, stage.at[pl.ds(i, 1)], out_ref.at[pl.ds(row + i, 1), head]))
+
+        # Only the first and the last chunk holding rows of the segment can be cut.
+        pl.loop(lo, jnp.minimum(lo + _ALIGN, hi))(one_row)
+        pl.loop(jnp.maximum(hi - _ALIGN, lo + _ALIGN), hi)(one_row)
+
+
 def _kernel(
     tiles_ref,
     seq_info_ref,
@@ -107,7 +156,7 @@ def _kernel(
     q_ref,  # [T, Hq, D]
     k_ref,  # [num_pages * page_size, Hkv, D]
     v_ref,
-    out_ref,  # [num_tiles * 2 * block_q, Hq, D]
+    out_ref,  # [T (a multiple of _ALIGN), Hq, D], or [num_tiles * 2 * block_q, Hq, D] without a stage buffer
     scoped,
     *,
     block_q: int,
@@ -123,7 +172,7 @@ def _kernel(
     softcap: float,
 ):
     smem, kv_barriers, consumed_barriers, schedule_barrier = scoped
-    qo_smem2, k_smem, v_smem, p_smem2 = smem
+    qo_smem2, k_smem, v_smem, p_smem2, stage2 = smem
     k_barriers, v_barriers, q_barriers = kv_barriers
     k_consumed, v_consumed = consumed_barriers
     head = lax.axis_index("heads")
@@ -275,9 +324,13 @@ def _kernel(
         pl.when(wg == 0)(schedule_barrier_sync)
 
         acc /= lax.broadcast_in_dim(jnp.where(l_i > 0, l_i, 1.0), (block_q, head_dim), [0])
-        qo_smem[...] = acc.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[pl.ds(tile * tile_rows + wg * block_q, block_q), head])
+        if stage2 is None:  # a tile of the padded output, gathered back afterwards
+            qo_smem[...] = acc.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[pl.ds(tile * tile_rows + wg * block_q, block_q), head])
+        else:
+            _write_rows(acc.astype(dtype), qo_smem, stage2.at[wg], out_ref, head,
+                        pl.multiple_of(q_start + row0, _ALIGN), row0, q_len)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when((wg == _COMPUTE_WGS) & (segment >= 0))
@@ -307,14 +360,16 @@ def _kernel(
                               "num_stages", "interpret")
 )
 def varlen_attention_mgpu(
-    q, k_pages, v_pages, page_table, seq_info, *, ring_rows=None, window=0, causal=True, softcap=0.0, scale,
-    block_q=64, block_kv=128, num_stages=2, interpret=False,
+    q, k_pages, v_pages, page_table, seq_info, *, out=None, ring_rows=None, window=0, causal=True, softcap=0.0,
+    scale, block_q=64, block_kv=128, num_stages=2, interpret=False,
 ):
     """Same contract as `varlen_attention` (unscaled pools of q's dtype; see supports()).
 
     A tile is 2 * block_q query rows of one segment and one query head; block_kv keys per pipeline
-    step (halved for head_dim 256); num_stages K/V shared-memory slots. interpret: run Pallas' GPU interpreter
-    (CPU tests), P @ V then taking P through shared memory."""
+    step (halved for head_dim 256); num_stages K/V shared-memory slots. out: [T, Hq, D] of q's dtype whose rows
+    outside these segments are returned as they are (another kernel's rows; None: zeros). The kernel writes its
+    rows into it in place where its output stage fits in shared memory (stage_fits), else into a padded buffer
+    gathered back. interpret: run Pallas' GPU interpreter (CPU tests), P @ V then taking P through shared memory."""
     if num_stages < 2:
         # The memory warpgroup refills a slot only after both its K and V were consumed.
         raise ValueError(f"varlen_attention_mgpu: num_stages={num_stages} must be >= 2")
@@ -330,6 +385,9 @@ def varlen_attention_mgpu(
             f"ring_rows] (q {q.shape} {q.dtype}, pools {k_pages.shape} {k_pages.dtype}, block_kv={block_kv}, "
             f"ring_rows={ring_rows}, window={window})"
         )
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        raise ValueError(f"varlen_attention_mgpu: out {out.shape} {out.dtype} must be q's {q.shape} {q.dtype}")
+    direct = stage_fits(head_dim=head_dim, block_q=block_q, block_kv=block_kv, num_stages=num_stages)
     block_kv = block_kv_for(head_dim, block_kv)
     tile_rows = _COMPUTE_WGS * block_q
     num_segments = seq_info.shape[0]
@@ -345,6 +403,7 @@ def varlen_attention_mgpu(
             plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
             plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
             plgpu.SMEM((_COMPUTE_WGS, block_q, block_kv), dtype, transforms=transforms) if interpret else None,
+            plgpu.SMEM((_COMPUTE_WGS, block_q, head_dim), dtype) if direct else None,
         )
         copies = block_kv // min(page_size, block_kv)
         pl.run_scoped(
@@ -365,16 +424,27 @@ def varlen_attention_mgpu(
             collective_axes="wg",
         )
 
-    # The tiled TMA view of q needs a row count that is a multiple of _ALIGN.
-    q = jnp.pad(q, ((0, -num_rows % _ALIGN), (0, 0), (0, 0)))
-    out_pad = plgpu.kernel(
+    # The tiled TMA views of q and of the output need a row count that is a multiple of _ALIGN.
+    pad = ((0, -num_rows % _ALIGN), (0, 0), (0, 0))
+    q = jnp.pad(q, pad)
+    base = jnp.zeros(q.shape, dtype) if out is None else jnp.pad(out, pad)
+    kernel = functools.partial(
+        plgpu.kernel,
         entry,
-        out_type=jax.ShapeDtypeStruct((num_tiles * tile_rows, num_q_heads, head_dim), dtype),
         grid=(num_q_heads, num_tiles),
         grid_names=("heads", "tiles"),
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(tiles, seq_info, page_table, q, k_pages.reshape(flat), v_pages.reshape(flat))
-    return _gather_rows(out_pad, seq_info, first_tile, tile_rows, num_rows)
+    )
+    args = (tiles, seq_info, page_table, q, k_pages.reshape(flat), v_pages.reshape(flat))
+    if direct:  # the kernel writes its rows of `base` in place
+        ref = jax.new_ref(base)
+        kernel(out_type=())(*args, ref)
+        return ref[...][:num_rows]
+    out_pad = kernel(out_type=jax.ShapeDtypeStruct((num_tiles * tile_rows, num_q_heads, head_dim), dtype))(*args)
+    rows = _gather_rows(out_pad, seq_info, first_tile, tile_rows, num_rows)
+    if out is None:
+        return rows
+    return jnp.where((segments.row_segments(seq_info, num_rows) > 0)[:, None, None], rows, out)

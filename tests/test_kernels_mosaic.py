@@ -19,7 +19,7 @@ from conftest import INTERPRET, ON_GPU
 from glint.pallas_kernels import BlockSizes, segments, tuning, varlen_attention
 from glint.pallas_kernels import varlen_attention_mgpu as mg
 from glint.pallas_kernels.testing import AttentionCase as C
-from mosaic_cases import CASES, check_kernel
+from mosaic_cases import CASES, check_kernel, device_inputs
 
 PREFILL_CASES = {
     # prefill chunks over several 128-row tiles among decode rows and short chunks, gaps and padding segments
@@ -118,6 +118,26 @@ def test_tiles_and_unaligned_starts(name, block_kv, num_stages, shift):
     kernel = functools.partial(mg.varlen_attention_mgpu, block_kv=block_kv, num_stages=num_stages,
                                interpret=INTERPRET)
     check_kernel(PREFILL_CASES[name], kernel, seed=1, shift=shift)
+
+
+@pytest.mark.parametrize("name,shift", [("prefill-g4-d128", 3), ("d256-p64-noncausal-f16", 5)])
+def test_rows_written_into_out(name, shift):
+    """With `out`, the kernel's rows are its segments' and every other row is out's, bit for bit: through its
+    output stage (head_dim 128: neighbouring segments share 8-row chunks, written row by row) and through the
+    padded buffer where no stage fits (head_dim 256)."""
+    case = PREFILL_CASES[name]
+    direct = mg.stage_fits(head_dim=case.head_dim, **tuning.MOSAIC_PREFILL)
+    assert direct == (case.head_dim <= 128)
+    args = device_inputs(case, seed=2, shift=shift)
+    rng = np.random.default_rng(4)
+    out = jnp.asarray(rng.standard_normal(args["q"].shape), args["q"].dtype).at[::7].set(jnp.nan)
+    kernel = functools.partial(mg.varlen_attention_mgpu, **args, scale=case.scale, causal=case.causal,
+                               interpret=INTERPRET)
+    want, got = np.asarray(kernel(), np.float32), np.asarray(kernel(out=out), np.float32)
+    covered = np.asarray(segments.row_segments(args["seq_info"], out.shape[0]) > 0)
+    assert 0 < covered.sum() < covered.size
+    np.testing.assert_array_equal(got[covered], want[covered])
+    np.testing.assert_array_equal(got[~covered], np.asarray(out, np.float32)[~covered])
 
 
 def test_supports():
@@ -231,10 +251,10 @@ def test_auto_dispatch(monkeypatch):
 
 
 def test_auto_splits_segments_between_the_kernels(monkeypatch):
-    """On Hopper, "auto" sends long segments to Mosaic and short ones to Triton and takes each row
-    from its segment's kernel. Here a stand-in for the Mosaic kernel (the Triton one in interpret
-    mode, on the segments it is handed) checks the split: every row is answered once, as by Triton alone,
-    and what either kernel writes in another's rows (NaN here) never shows."""
+    """On Hopper, "auto" sends long segments to Mosaic and short ones to Triton, and the Mosaic kernel writes its
+    segments' rows into the Triton kernel's output. Here a stand-in for the Mosaic kernel (the Triton one in
+    interpret mode, on the segments it is handed, written into the `out` it is handed) checks the split: every row
+    is answered once, as by Triton alone, and what Triton writes in Mosaic's rows (NaN here) never shows."""
     import importlib
 
     from glint.pallas_kernels.testing import AttentionCase, make_attention_inputs
@@ -255,11 +275,11 @@ def test_auto_splits_segments_between_the_kernels(monkeypatch):
         triton_calls.append(info)
         return poisoned(triton(q, k_pages, v_pages, page_table, info, **kwargs), info, segment_rows)
 
-    def fake_mosaic(q, k_pages, v_pages, page_table, info, *, causal, scale, **_):
+    def fake_mosaic(q, k_pages, v_pages, page_table, info, *, out, causal, scale, **_):  # its rows into `out`
         handed.append(info)
-        out = triton(q, k_pages, v_pages, page_table, info, scales=(None, None), ring_rows=None, window=0,
-                     causal=causal, softcap=0.0, scale=scale, num_splits=None, block_sizes=None, interpret=True)
-        return poisoned(out, info, jnp.ones_like(segment_rows))
+        rows = triton(q, k_pages, v_pages, page_table, info, scales=(None, None), ring_rows=None, window=0,
+                      causal=causal, softcap=0.0, scale=scale, num_splits=None, block_sizes=None, interpret=True)
+        return jnp.where((segments.row_segments(info, out.shape[0]) > 0)[:, None, None], rows, out)
 
     want = va.varlen_attention(**inputs, scale=case.scale, backend="triton", interpret=True)
     monkeypatch.setattr(va, "_use_mosaic", lambda backend, **_: backend == "auto")  # as on a Hopper GPU
