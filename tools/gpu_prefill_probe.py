@@ -4,6 +4,12 @@ cuDNN, JAX's stock Pallas kernels (Triton `mha`, contiguous, K/V repeated to 32 
 Also greps the PTX of glint's prefill kernel for wgmma / mma.sync / cp.async.
 
   PYTHONUNBUFFERED=1 python3 tools/gpu_prefill_probe.py [--ptx-dir DIR]
+  PYTHONUNBUFFERED=1 python3 tools/gpu_prefill_probe.py --mosaic   # the Mosaic kernels only, every shape
+
+--mosaic times, chained, cuDNN, JAX's stock Mosaic FA3 (contiguous, no paging, not varlen) and glint's Mosaic
+kernel alone (backend "mosaic") over pages of 16, 64 and 256, causal and not, and "auto" (the Triton pass and
+the Mosaic kernel): where glint trails the stock kernel, paging and varlen cost it; where both trail cuDNN, the
+FlashAttention-3 layout they share does.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from gpu_kernels import bench, contiguous, paged_setup
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = [(16, 512), (8, 1024), (2, 4096)]
+MOSAIC_SHAPES = [(16, 512), (8, 1024), (4, 2048), (2, 4096), (1, 8192)]
 
 
 def tflops(batch, q_len, t):
@@ -100,11 +107,42 @@ def ptx_report(dump_dir):
             print(f"  {os.path.basename(path)[:60]}: {counts}")
 
 
+def mosaic_rows(batch, q_len):
+    from jax.experimental.pallas.ops.gpu import attention_mgpu as stock
+
+    scale = D**-0.5
+    for causal in (True, False):
+        kind = "causal" if causal else "full"
+        paged = paged_setup(jax.random.key(0), batch, q_len, q_len, HQ, HKV, D, 16, jnp.bfloat16)
+        q, k, v = contiguous(*paged[:4], batch, q_len)
+        row(f"cudnn {kind}", batch, q_len, lambda q_, k_, v_, c=causal: jax.nn.dot_product_attention(
+            q_, k_, v_, scale=scale, is_causal=c, implementation="cudnn"), (q, k, v))
+        for dtype in (jnp.bfloat16, jnp.float16):
+            cfg = stock.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal)
+            row(f"stock mgpu fa3 {kind} {jnp.dtype(dtype).name}", batch, q_len,
+                lambda q_, k_, v_, cfg=cfg: stock.attention(q_ * scale, k_, v_, cfg),
+                (q.astype(dtype), k.astype(dtype), v.astype(dtype)))
+        del q, k, v
+        for ps in (16, 64, 256):
+            paged = paged_setup(jax.random.key(0), batch, q_len, q_len, HQ, HKV, D, ps, jnp.bfloat16)
+            row(f"glint mosaic {kind} p{ps}", batch, q_len, lambda q_, *a, c=causal: varlen_attention(
+                q_, *a, scale=scale, causal=c, backend="mosaic"), paged)
+            if ps == 16:
+                row(f"glint auto {kind} p16", batch, q_len, lambda q_, *a, c=causal: varlen_attention(
+                    q_, *a, scale=scale, causal=c), paged)
+        # TF/s above count the causal half's flops; the full rows did twice the work
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--ptx-dir", default=os.path.join(os.environ.get("OUT", "out"), "dump"))
+    parser.add_argument("--mosaic", action="store_true", help="the Mosaic kernels only (see the docstring)")
     flags = parser.parse_args()
     print(jax.__version__, jax.devices())
+    if flags.mosaic:
+        for batch, q_len in MOSAIC_SHAPES:
+            mosaic_rows(batch, q_len)
+        return
     ptx_report(flags.ptx_dir)
     for batch, q_len in SHAPES:
         paged = glint_variants(batch, q_len)
