@@ -17,43 +17,30 @@ _LOG2E = math.log2(math.e)
 ALIGN = 8  # TMA row offsets into the tiled query / K / V views are multiples of this
 
 
-def block_chunks(page_table_ref, seq_slot, block, *, block_kv: int, page_size: int):
-    """Where key block `block` of sequence `seq_slot` lies in the flat pools: for each of its page chunks, the
-    chunk's page and its first row's offset in that page (a block past the table's last page reads that page). The
-    page table reads are global loads: a memory warpgroup issues them before it waits for a slot."""
+def copy_kv_block(page_table_ref, seq_slot, block, pools, kv_head, bufs, slot, barriers, *, page_size: int,
+                  scales=(), scale_bufs=()):
+    """Starts the TMA copies of key block `block` of sequence `seq_slot` (its rows of kv head `kv_head` in the flat
+    pools (k, v)) into slot `slot` of the shared-memory buffers (k, v), one copy per page chunk, K first (needed
+    first), each arriving at its buffer's barrier for the slot. A block past the table's last page reads that page.
+    A scaled fp8 cache's scale pools (k, v), flat [num_pages * Hkv, page_size] (one row per page and head), go
+    into `scale_bufs` [stages, block_kv] the same way, a copy per chunk arriving at the same barrier as its pool's."""
+    block_kv = bufs[0].shape[1]
     chunk = min(page_size, block_kv)
     last_page = page_table_ref.shape[1] - 1
-    chunks = []
+    rows, scale_rows = [], []
     for i in range(block_kv // chunk):
         key = block * block_kv + i * chunk
         page = page_table_ref[seq_slot, jnp.minimum(lax.div(key, jnp.int32(page_size)), last_page)]
-        chunks.append((page, pl.multiple_of(lax.rem(key, jnp.int32(page_size)), ALIGN)))
-    return chunks
-
-
-def copy_pool_block(chunks, pool, kv_head, buf, slot, barrier, *, page_size: int, scales=None, scale_buf=None):
-    """Starts the TMA copies of one pool's block (`chunks` from block_chunks; its rows of kv head `kv_head` in the
-    flat pool) into slot `slot` of `buf`, one copy per chunk, each arriving at `barrier` for the slot. A scaled fp8
-    cache's scale pool, flat [num_pages * Hkv, page_size] (one row per page and head), goes into `scale_buf`
-    [stages, block_kv] the same way, arriving at the same barrier."""
-    chunk = buf.shape[1] // len(chunks)
-    for i, (page, offset) in enumerate(chunks):
-        src = pl.ds(pl.multiple_of(page * page_size + offset, ALIGN), chunk)
-        plgpu.copy_gmem_to_smem(pool.at[src, kv_head], buf.at[slot, pl.ds(i * chunk, chunk)], barrier.at[slot])
-    if scales is not None:  # pools [rows, Hkv, D]: a page's row of scales for kv_head is page * Hkv + kv_head
-        for i, (page, offset) in enumerate(chunks):
-            plgpu.copy_gmem_to_smem(scales.at[page * pool.shape[1] + kv_head, pl.ds(offset, chunk)],
-                                    scale_buf.at[slot, pl.ds(i * chunk, chunk)], barrier.at[slot])
-
-
-def copy_kv_block(page_table_ref, seq_slot, block, pools, kv_head, bufs, slot, barriers, *, page_size: int,
-                  scales=(), scale_bufs=()):
-    """Starts the TMA copies of key block `block` of sequence `seq_slot` into slot `slot` of the shared-memory
-    buffers (k, v): copy_pool_block for the pools (k, v), K first (needed first), with their scale pools if any."""
-    chunks = block_chunks(page_table_ref, seq_slot, block, block_kv=bufs[0].shape[1], page_size=page_size)
-    for j, (pool, buf, barrier) in enumerate(zip(pools, bufs, barriers)):
-        copy_pool_block(chunks, pool, kv_head, buf, slot, barrier, page_size=page_size,
-                        scales=scales[j] if scales else None, scale_buf=scale_bufs[j] if scales else None)
+        offset = pl.multiple_of(lax.rem(key, jnp.int32(page_size)), ALIGN)
+        rows.append(pl.ds(pl.multiple_of(page * page_size + offset, ALIGN), chunk))
+        if scales:  # pools [rows, Hkv, D]: a page's row of scales for kv_head is page * Hkv + kv_head
+            scale_rows.append((page * pools[0].shape[1] + kv_head, pl.ds(offset, chunk)))
+    for j, (ref, buf, barrier) in enumerate(zip(pools, bufs, barriers)):
+        for i, src in enumerate(rows):
+            plgpu.copy_gmem_to_smem(ref.at[src, kv_head], buf.at[slot, pl.ds(i * chunk, chunk)], barrier.at[slot])
+        for i, (row, cols) in enumerate(scale_rows):
+            plgpu.copy_gmem_to_smem(scales[j].at[row, cols], scale_bufs[j].at[slot, pl.ds(i * chunk, chunk)],
+                                    barrier.at[slot])
 
 
 def covers_ring(ring_rows, window: int) -> bool:

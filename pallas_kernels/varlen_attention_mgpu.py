@@ -340,15 +340,14 @@ def _kernel(
         @pl.loop(tile_begin, tile_end)
         def _(block):
             slot = slot_of(block)
-            refill = block - tile_begin >= num_stages
-            # The page table reads go first, so their latency passes while the slot is still in use; a slot's K
-            # is refilled as soon as both warpgroups' Q @ K^T read it, before their P @ V are done with its V.
-            chunks = mosaic_keys.block_chunks(page_table_ref, seq_slot, walk.storage(block), block_kv=block_kv,
-                                              page_size=page_size)
-            for pool, buf, barriers, consumed in ((k_ref, k_smem, k_barriers, k_consumed),
-                                                  (v_ref, v_smem, v_barriers, v_consumed)):
-                pl.when(refill)(functools.partial(plgpu.barrier_wait, consumed.at[slot]))
-                mosaic_keys.copy_pool_block(chunks, pool, kv_head, buf, slot, barriers, page_size=page_size)
+
+            @pl.when(block - tile_begin >= num_stages)
+            def _():
+                plgpu.barrier_wait(k_consumed.at[slot])
+                plgpu.barrier_wait(v_consumed.at[slot])
+
+            mosaic_keys.copy_kv_block(page_table_ref, seq_slot, walk.storage(block), (k_ref, v_ref), kv_head,
+                                      (k_smem, v_smem), slot, (k_barriers, v_barriers), page_size=page_size)
 
         @pl.loop(jnp.maximum(tile_end - num_stages, tile_begin), tile_end)
         def _drain(block):  # observe the last releases too, so every barrier ends each phase it began
