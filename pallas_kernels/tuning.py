@@ -60,6 +60,10 @@ QKV_WRITE_NUM_WARPS = 4
 # keys per block, shared-memory stages).
 PREFILL_BACKEND = "mosaic"
 MOSAIC_PREFILL = dict(block_q=64, block_kv=128, num_stages=2)
+# MOSAIC_PREFILL_MAX_CTAS: 0 launches a CTA per work item (tile, query head); N > 0 a persistent grid of at most N
+# CTAs, each over every N-th item, its memory warpgroup streaming the next item's key blocks while this one's are
+# computed (2026-12-05, twenty-fifth session: interpreted tests only, not yet timed on a GPU).
+MOSAIC_PREFILL_MAX_CTAS = 0
 # Ring layers, sliding windows and soft-caps stay on Triton under "auto" while this is set: the Mosaic prefill
 # kernel covers them (2026-12-04, seventeenth session) but has so far run them only in the GPU interpreter.
 MOSAIC_PREFILL_PLAIN_ONLY = True

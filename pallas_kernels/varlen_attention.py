@@ -539,7 +539,8 @@ def varlen_attention(
     def run_mosaic(info, out=None):
         return varlen_attention_mgpu.varlen_attention_mgpu(
             q, k_pages, v_pages, page_table, info, out=out, ring_rows=ring_rows, window=window, causal=causal,
-            softcap=softcap, scale=float(scale), interpret=interpret, **tuning.MOSAIC_PREFILL
+            softcap=softcap, scale=float(scale), interpret=interpret, max_ctas=tuning.MOSAIC_PREFILL_MAX_CTAS or None,
+            **tuning.MOSAIC_PREFILL
         )
 
     if backend == "mosaic":

@@ -6,7 +6,9 @@ varlen and paged. One CTA holds three warpgroups: two compute warpgroups own
 segment), and a memory warpgroup streams the segment's K/V blocks into a ring
 of `num_stages` shared-memory slots with TMA, one copy per page chunk, reading
 the page table on the device. The compute warpgroups take turns on the tensor
-cores (a schedule barrier) so one's softmax overlaps the other's matmuls.
+cores (a schedule barrier) so one's softmax overlaps the other's matmuls. A CTA takes one work item (a tile
+and a query head), or on a persistent grid (max_ctas) every max_ctas-th item, its K/V slots counted on across
+items so the memory warpgroup streams the next item's blocks while the last ones are computed.
 
 Scope: flat and ring layers (a ring with a window that fits it), sliding windows and soft-caps; bf16/f16 pools
 of q's dtype (no fp8), head_dim a multiple of 64 up to 256, page sizes a multiple of 16 that divide or are divided
@@ -30,6 +32,7 @@ in a ring) can hold anything: their logits are masked and their V rows zeroed in
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +105,23 @@ def _gather_rows(out_pad, seq_info, first_tile, tile_rows: int, num_rows: int):
     return jnp.where((seg1 > 0)[:, None, None], out_pad[src], 0).astype(out_pad.dtype)
 
 
+class _Item(NamedTuple):
+    """One work item of a CTA: a tile of one segment's query rows and one query head."""
+    head: jax.Array
+    kv_head: jax.Array
+    tile: jax.Array
+    segment: jax.Array  # -1: a padding tile, which does nothing
+    q_start: jax.Array
+    q_len: jax.Array
+    seq_slot: jax.Array
+    kv_end: jax.Array
+    first: jax.Array  # tile row 0, as a row of the segment (negative: the tile starts at an aligned row before it)
+    offset: jax.Array  # position of the segment's query row 0
+    walk: mosaic_keys.KeyWalk | None
+    begin: jax.Array | None  # the key blocks any row of the tile sees: [begin, end) of the walk
+    end: jax.Array | None
+
+
 def stage_fits(*, head_dim: int, block_q: int, block_kv: int, num_stages: int) -> bool:
     """Whether shared memory holds the output stage (_write_rows) beside Q and the K/V stages: head_dim up to
     192 at the default tile, not 256."""
@@ -167,6 +187,8 @@ def _kernel(
     causal: bool,
     scale: float,
     num_tiles: int,
+    num_items: int,
+    num_ctas: int,
     ring_rows: int | None,
     window: int,
     softcap: float,
@@ -175,49 +197,65 @@ def _kernel(
     qo_smem2, k_smem, v_smem, p_smem2, stage2 = smem
     k_barriers, v_barriers, q_barriers = kv_barriers
     k_consumed, v_consumed = consumed_barriers
-    head = lax.axis_index("heads")
-    tile = num_tiles - 1 - lax.axis_index("tiles")  # longest tiles (segment ends) first
     wg = lax.axis_index("wg")
-    kv_head = lax.div(head, jnp.int32(group))
+    cta = lax.axis_index("ctas")
     head_dim = q_ref.shape[-1]
     dtype = q_ref.dtype
     tile_rows = _COMPUTE_WGS * block_q
+    num_heads = q_ref.shape[1]
+    # This CTA's work items (tile, query head): cta, cta + num_ctas, ... Heads run fastest, so neighbouring CTAs
+    # read the same kv head's blocks, and the longest tiles (segment ends) first. With fewer CTAs than items (a
+    # persistent grid) the memory warpgroup streams the next item's blocks while the last ones are computed.
+    my_items = lax.div(num_items - 1 - cta, jnp.int32(num_ctas)) + 1
 
-    segment = tiles_ref[tile, 0]
-    seg = jnp.maximum(segment, 0)
-    q_tile = tiles_ref[tile, 1]
-    q_start = seq_info_ref[seg, 0]
-    q_len = jnp.where(segment >= 0, seq_info_ref[seg, 1], 0)
-    seq_slot = seq_info_ref[seg, 2]
-    kv_end = seq_info_ref[seg, 3]
-    first = q_tile * tile_rows - lax.rem(q_start, jnp.int32(_ALIGN))  # tile's first row, within the segment
-    offset = kv_end - q_len  # position of the segment's query row 0
+    def item(index):
+        head = lax.rem(index, jnp.int32(num_heads))
+        tile = num_tiles - 1 - lax.div(index, jnp.int32(num_heads))
+        segment = tiles_ref[tile, 0]
+        seg = jnp.maximum(segment, 0)
+        q_start = seq_info_ref[seg, 0]
+        q_len = jnp.where(segment >= 0, seq_info_ref[seg, 1], 0)
+        kv_end = seq_info_ref[seg, 3]
+        first = tiles_ref[tile, 1] * tile_rows - lax.rem(q_start, jnp.int32(_ALIGN))  # tile row 0, in the segment
+        it = _Item(head, lax.div(head, jnp.int32(group)), tile, segment, q_start, q_len, seq_info_ref[seg, 2],
+                   kv_end, first, kv_end - q_len, None, None, None)
+        # The memory warpgroup streams the blocks any row of the tile sees; each compute warpgroup computes on its
+        # own rows' blocks among them and releases the others in step with the other warpgroup.
+        tile_lo, tile_hi, _, _ = rows_keys(it, first, tile_rows)
+        walk = mosaic_keys.KeyWalk(kv_end, tile_lo, block_kv, ring_rows)
+        begin, end = walk.blocks(tile_lo, tile_hi)
+        return it._replace(walk=walk, begin=begin, end=end)
 
-    def rows_keys(row_begin, num_rows: int):
+    def rows_keys(it, row_begin, num_rows: int):
         """seen_keys of the segment's rows among [row_begin, row_begin + num_rows)."""
-        return mosaic_keys.seen_keys(offset, jnp.maximum(row_begin, 0), jnp.minimum(row_begin + num_rows, q_len),
-                                     kv_end, window=window, causal=causal)
+        return mosaic_keys.seen_keys(it.offset, jnp.maximum(row_begin, 0),
+                                     jnp.minimum(row_begin + num_rows, it.q_len), it.kv_end, window=window,
+                                     causal=causal)
 
-    # The memory warpgroup streams the blocks any row of the tile sees; each compute warpgroup computes on its
-    # own rows' blocks among them and releases the others in step with the other warpgroup.
-    tile_lo, tile_hi, _, _ = rows_keys(first, tile_rows)
-    walk = mosaic_keys.KeyWalk(kv_end, tile_lo, block_kv, ring_rows)
-    tile_begin, tile_end = walk.blocks(tile_lo, tile_hi)
+    def for_each_item(fn):
+        """fn(item, key blocks streamed before it) for each of this CTA's items with rows, in order: every
+        warpgroup counts K/V slots this way. Returns the blocks streamed over all of them."""
+        def step(i, streamed):
+            it = item(cta + i * num_ctas)
+            pl.when(it.segment >= 0)(lambda: fn(it, streamed))
+            return streamed + jnp.where(it.segment >= 0, it.end - it.begin, 0)
+
+        return lax.fori_loop(0, my_items, step, jnp.int32(0))
 
     def schedule_barrier_sync():
         plgpu.barrier_arrive(schedule_barrier)
         plgpu.barrier_wait(schedule_barrier)
 
-    def slot_of(block):
-        return lax.rem(block - tile_begin, jnp.int32(num_stages))
+    def compute_item(it, done):
+        """This warpgroup's rows of item `it`; `done`: key blocks streamed before it."""
+        tile_begin, tile_end, walk, head = it.begin, it.end, it.walk, it.head
 
-    # Padding tiles (segment -1) do nothing: their rows of out_pad are never gathered.
-    @pl.when((wg < _COMPUTE_WGS) & (segment >= 0))
-    def _compute_wg():
-        plgpu.set_max_registers(232, action="increase")
+        def slot_of(block):
+            return lax.rem(done + block - tile_begin, jnp.int32(num_stages))
+
         qo_smem = qo_smem2.at[wg]
-        row0 = first + wg * block_q
-        lo, hi, lo_full, hi_full = rows_keys(row0, block_q)
+        row0 = it.first + wg * block_q
+        lo, hi, lo_full, hi_full = rows_keys(it, row0, block_q)
         if ring_rows is None:
             begin, end = walk.blocks(lo, hi)
         else:  # a ring tile's walk is a window and a tile of rows: each warpgroup with rows takes all of it
@@ -227,7 +265,7 @@ def _kernel(
         end = jnp.maximum(end, begin)
         full_begin, full_end = walk.full_blocks(lo_full, hi_full, begin, end)
 
-        q_rows = pl.ds(pl.multiple_of(q_start + row0, _ALIGN), block_q)
+        q_rows = pl.ds(pl.multiple_of(it.q_start + row0, _ALIGN), block_q)
         plgpu.copy_gmem_to_smem(q_ref.at[q_rows, head], qo_smem, q_barriers.at[wg])
         plgpu.barrier_wait(q_barriers.at[wg])
 
@@ -251,7 +289,7 @@ def _kernel(
             qk, c = mosaic_keys.log2_logits(qk, scale=scale, softcap=softcap)
             if masked:
                 rows = plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA) + row0
-                row_pos = rows + offset  # rows outside the segment are never written out: any mask serves them
+                row_pos = rows + it.offset  # rows outside the segment are never written out: any mask serves them
                 qk = jnp.where(walk.visible(block, row_pos, qk.shape, window=window, causal=causal), qk, -jnp.inf)
             m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
             if masked:  # a row that has seen nothing keeps m = -inf; exp2 needs a finite base
@@ -274,8 +312,7 @@ def _kernel(
                 # wgmma. A P @ V left in flight past the barrier (FlashAttention-3's wgmma_wait(1)) would race.
                 walk.zero_unseen(v_smem.at[slot], block, dtype)
 
-            # Computed outside run_state: in a ring tile_begin is the constant 0, which the lowering cannot pass
-            # out of run_state's body as a value.
+            # Computed outside run_state: the lowering cannot pass a value computed in run_state's body out of it.
             next_slot = slot_of(block + 1)
 
             def compute_pv(acc_ref):
@@ -327,41 +364,52 @@ def _kernel(
         if stage2 is None:  # a tile of the padded output, gathered back afterwards
             qo_smem[...] = acc.astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[pl.ds(tile * tile_rows + wg * block_q, block_q), head])
+            plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[pl.ds(it.tile * tile_rows + wg * block_q, block_q), head])
         else:
             _write_rows(acc.astype(dtype), qo_smem, stage2.at[wg], out_ref, head,
-                        pl.multiple_of(q_start + row0, _ALIGN), row0, q_len)
+                        pl.multiple_of(it.q_start + row0, _ALIGN), row0, it.q_len)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the next item's query may land in qo_smem
+
+    @pl.when(wg < _COMPUTE_WGS)
+    def _compute_wg():
+        plgpu.set_max_registers(232, action="increase")
+        for_each_item(compute_item)
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when((wg == _COMPUTE_WGS) & (segment >= 0))
+    @pl.when(wg == _COMPUTE_WGS)
     def _memory_wg():
         plgpu.set_max_registers(40, action="decrease")
 
-        @pl.loop(tile_begin, tile_end)
-        def _(block):
-            slot = slot_of(block)
+        def load_item(it, issued):
+            @pl.loop(it.begin, it.end)
+            def _(block):
+                step = issued + block - it.begin
+                slot = lax.rem(step, jnp.int32(num_stages))
 
-            @pl.when(block - tile_begin >= num_stages)
-            def _():
-                plgpu.barrier_wait(k_consumed.at[slot])
-                plgpu.barrier_wait(v_consumed.at[slot])
+                @pl.when(step >= num_stages)
+                def _():
+                    plgpu.barrier_wait(k_consumed.at[slot])
+                    plgpu.barrier_wait(v_consumed.at[slot])
 
-            mosaic_keys.copy_kv_block(page_table_ref, seq_slot, walk.storage(block), (k_ref, v_ref), kv_head,
-                                      (k_smem, v_smem), slot, (k_barriers, v_barriers), page_size=page_size)
+                mosaic_keys.copy_kv_block(page_table_ref, it.seq_slot, it.walk.storage(block), (k_ref, v_ref),
+                                          it.kv_head, (k_smem, v_smem), slot, (k_barriers, v_barriers),
+                                          page_size=page_size)
 
-        @pl.loop(jnp.maximum(tile_end - num_stages, tile_begin), tile_end)
-        def _drain(block):  # observe the last releases too, so every barrier ends each phase it began
-            plgpu.barrier_wait(k_consumed.at[slot_of(block)])
-            plgpu.barrier_wait(v_consumed.at[slot_of(block)])
+        issued = for_each_item(load_item)
+
+        @pl.loop(jnp.maximum(issued - num_stages, 0), issued)
+        def _drain(step):  # observe the last releases too, so every barrier ends each phase it began
+            plgpu.barrier_wait(k_consumed.at[lax.rem(step, jnp.int32(num_stages))])
+            plgpu.barrier_wait(v_consumed.at[lax.rem(step, jnp.int32(num_stages))])
 
 
 @functools.partial(
     jax.jit, static_argnames=("ring_rows", "window", "causal", "softcap", "scale", "block_q", "block_kv",
-                              "num_stages", "interpret")
+                              "num_stages", "max_ctas", "interpret")
 )
 def varlen_attention_mgpu(
     q, k_pages, v_pages, page_table, seq_info, *, out=None, ring_rows=None, window=0, causal=True, softcap=0.0,
-    scale, block_q=64, block_kv=128, num_stages=2, interpret=False,
+    scale, block_q=64, block_kv=128, num_stages=2, max_ctas=None, interpret=False,
 ):
     """Same contract as `varlen_attention` (unscaled pools of q's dtype; see supports()).
 
@@ -369,10 +417,15 @@ def varlen_attention_mgpu(
     step (halved for head_dim 256); num_stages K/V shared-memory slots. out: [T, Hq, D] of q's dtype whose rows
     outside these segments are returned as they are (another kernel's rows; None: zeros). The kernel writes its
     rows into it in place where its output stage fits in shared memory (stage_fits), else into a padded buffer
-    gathered back. interpret: run Pallas' GPU interpreter (CPU tests), P @ V then taking P through shared memory."""
+    gathered back. max_ctas: a persistent grid of at most this many CTAs, each over every max_ctas-th work item
+    (tile, query head), its memory warpgroup streaming the next item's key blocks while the last are computed; None:
+    a CTA per work item. interpret: run Pallas' GPU interpreter (CPU tests), P @ V then taking P through shared
+    memory."""
     if num_stages < 2:
         # The memory warpgroup refills a slot only after both its K and V were consumed.
         raise ValueError(f"varlen_attention_mgpu: num_stages={num_stages} must be >= 2")
+    if max_ctas is not None and max_ctas < 1:
+        raise ValueError(f"varlen_attention_mgpu: max_ctas={max_ctas} must be >= 1")
     num_rows, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     if error := layer_error(page_table.shape[1] * page_size, ring_rows=ring_rows, window=window, softcap=softcap):
@@ -392,6 +445,8 @@ def varlen_attention_mgpu(
     tile_rows = _COMPUTE_WGS * block_q
     num_segments = seq_info.shape[0]
     num_tiles = max_tiles(num_rows, num_segments, tile_rows)
+    num_items = num_tiles * num_q_heads
+    num_ctas = min(max_ctas or num_items, num_items)
     tiles, first_tile = _tiles(seq_info, tile_rows, num_tiles)
     flat = (num_pages * page_size, num_kv_heads, head_dim)
     dtype = q.dtype
@@ -411,7 +466,7 @@ def varlen_attention_mgpu(
                 tiles_ref, seq_info_ref, page_table_ref, q_ref, k_ref, v_ref, out_ref, scoped,
                 block_q=block_q, block_kv=block_kv, num_stages=num_stages, page_size=page_size,
                 group=num_q_heads // num_kv_heads, causal=causal, scale=scale, num_tiles=num_tiles,
-                ring_rows=ring_rows, window=window, softcap=softcap,
+                num_items=num_items, num_ctas=num_ctas, ring_rows=ring_rows, window=window, softcap=softcap,
             ),
             smem,
             (
@@ -431,15 +486,15 @@ def varlen_attention_mgpu(
     kernel = functools.partial(
         plgpu.kernel,
         entry,
-        grid=(num_q_heads, num_tiles),
-        grid_names=("heads", "tiles"),
+        grid=(num_ctas,),
+        grid_names=("ctas",),
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     args = (tiles, seq_info, page_table, q, k_pages.reshape(flat), v_pages.reshape(flat))
-    if direct:  # the kernel writes its rows of `base` in place
+    if direct:  # the kernel writes its rows of `base` in place (a Ref operand: not under shard_map's check_vma)
         ref = jax.new_ref(base)
         kernel(out_type=())(*args, ref)
         return ref[...][:num_rows]

@@ -18,8 +18,9 @@ import pytest
 from conftest import INTERPRET, ON_GPU
 from glint.pallas_kernels import BlockSizes, segments, tuning, varlen_attention
 from glint.pallas_kernels import varlen_attention_mgpu as mg
+from glint.pallas_kernels.reference import varlen_attention_reference
 from glint.pallas_kernels.testing import AttentionCase as C
-from mosaic_cases import CASES, check_kernel, device_inputs
+from mosaic_cases import CASES, check_kernel, check_rows, device_inputs
 
 PREFILL_CASES = {
     # prefill chunks over several 128-row tiles among decode rows and short chunks, gaps and padding segments
@@ -120,6 +121,18 @@ def test_tiles_and_unaligned_starts(name, block_kv, num_stages, shift):
     check_kernel(PREFILL_CASES[name], kernel, seed=1, shift=shift)
 
 
+@pytest.mark.parametrize("name,max_ctas,num_stages", [
+    ("prefill-g4-d128", 3, 2), ("ring-prefill-softcap", 5, 3), ("window-warpgroups", 1, 2),
+    ("d256-p64-noncausal-f16", 2, 2),
+])
+def test_persistent_grid(name, max_ctas, num_stages):
+    """Fewer CTAs than work items: each CTA walks items cta, cta + max_ctas, ... (padding tiles among them), its
+    K/V slots and their barriers' phases carried from one item to the next (one CTA for all of them, too)."""
+    kernel = functools.partial(mg.varlen_attention_mgpu, max_ctas=max_ctas, num_stages=num_stages,
+                               interpret=INTERPRET)
+    check_kernel(PREFILL_CASES[name], kernel, seed=3, shift=5)
+
+
 @pytest.mark.parametrize("name,shift", [("prefill-g4-d128", 3), ("d256-p64-noncausal-f16", 5)])
 def test_rows_written_into_out(name, shift):
     """With `out`, the kernel's rows are its segments' and every other row is out's, bit for bit: through its
@@ -127,7 +140,7 @@ def test_rows_written_into_out(name, shift):
     padded buffer where no stage fits (head_dim 256)."""
     case = PREFILL_CASES[name]
     direct = mg.stage_fits(head_dim=case.head_dim, **tuning.MOSAIC_PREFILL)
-    assert direct == (case.head_dim <= 128)
+    assert direct == (case.head_dim != 256)
     args = device_inputs(case, seed=2, shift=shift)
     rng = np.random.default_rng(4)
     out = jnp.asarray(rng.standard_normal(args["q"].shape), args["q"].dtype).at[::7].set(jnp.nan)
@@ -137,6 +150,37 @@ def test_rows_written_into_out(name, shift):
     covered = np.asarray(segments.row_segments(args["seq_info"], out.shape[0]) > 0)
     assert 0 < covered.sum() < covered.size
     np.testing.assert_array_equal(got[covered], want[covered])
+    np.testing.assert_array_equal(got[~covered], np.asarray(out, np.float32)[~covered])
+
+
+@pytest.mark.parametrize("head_dim", [64, 192])
+def test_rows_of_neighbours_sharing_chunks(head_dim):
+    """Segments packed back to back at every residue mod 8, several inside one 8-row chunk, tails cut two or more
+    chunks into a block, a row count that is not a multiple of 8 (head_dim 192: the stage beside 64-key blocks):
+    every covered row matches the reference and every other row is out's."""
+    segs = [(3, 20), (23, 1), (24, 65), (89, 3), (92, 4), (96, 7), (103, 138), (244, 5), (250, 6), (256, 129),
+            (385, 2), (388, 2), (10, 0), (50, -3)]  # (q_start, q_len); the last two are padding
+    num_rows, page_size, rng = 390, 16, np.random.default_rng(0)
+    kv_end = [max(n, 0) + 9 * i for i, (_, n) in enumerate(segs)]
+    pages = [-(-max(k, 1) // page_size) for k in kv_end]
+    table = np.zeros((len(segs), max(pages) + 1), np.int32)
+    for i, n in enumerate(pages):
+        table[i, :n] = 1 + sum(pages[:i]) + np.arange(n)
+    info = np.array([(s, n, i, k) for i, ((s, n), k) in enumerate(zip(segs, kv_end))], np.int32)
+    assert mg.stage_fits(head_dim=head_dim, **tuning.MOSAIC_PREFILL)
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+    pools = (1 + sum(pages), page_size, 1, head_dim)
+    args = (normal(num_rows, 2, head_dim), normal(*pools), normal(*pools), jnp.asarray(table),
+            jnp.asarray(info[rng.permutation(len(segs))]))
+    out = normal(num_rows, 2, head_dim).at[::5].set(jnp.nan)
+    kernel = functools.partial(mg.varlen_attention_mgpu, *args, scale=head_dim**-0.5, interpret=INTERPRET)
+    got = np.asarray(kernel(out=out), np.float32)
+    check_rows(kernel(), varlen_attention_reference(*args, scale=head_dim**-0.5), args[4], "bfloat16")
+    covered = np.asarray(segments.row_segments(args[4], num_rows) > 0)
+    np.testing.assert_array_equal(got[covered], np.asarray(kernel(), np.float32)[covered])
     np.testing.assert_array_equal(got[~covered], np.asarray(out, np.float32)[~covered])
 
 
@@ -199,6 +243,9 @@ def test_mosaic_backend_refuses_what_it_cannot_run():
         (512, 8, 4, 256, 16, jnp.bfloat16, True, dict(ring_rows=240, window=200, softcap=50.0)),  # gemma-like
         (300, 8, 2, 128, 16, jnp.bfloat16, True, dict(window=128)),
         (300, 8, 2, 128, 16, jnp.float16, False, dict(window=64, softcap=30.0)),
+        (461, 8, 2, 128, 16, jnp.bfloat16, True, {"max_ctas": 132}),
+        (197, 16, 2, 256, 32, jnp.bfloat16, True, {"max_ctas": 132}),
+        (300, 8, 2, 192, 16, jnp.bfloat16, True, {}),
     ],
 )
 def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, dtype, causal, layer):

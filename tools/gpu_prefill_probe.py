@@ -6,10 +6,10 @@ Also greps the PTX of glint's prefill kernel for wgmma / mma.sync / cp.async.
   PYTHONUNBUFFERED=1 python3 tools/gpu_prefill_probe.py [--ptx-dir DIR]
   PYTHONUNBUFFERED=1 python3 tools/gpu_prefill_probe.py --mosaic   # the Mosaic kernels only, every shape
 
---mosaic times, chained, cuDNN, JAX's stock Mosaic FA3 (contiguous, no paging, not varlen) and glint's Mosaic
-kernel alone (backend "mosaic") over pages of 16, 64 and 256, causal and not, and "auto" (the Triton pass and
-the Mosaic kernel): where glint trails the stock kernel, paging and varlen cost it; where both trail cuDNN, the
-FlashAttention-3 layout they share does.
+--mosaic times, chained, cuDNN, JAX's stock Mosaic FA3 (contiguous, no paging, not varlen) and glint's
+Mosaic kernel alone (backend "mosaic") over pages of 16, 64 and 256, causal and not, on its persistent grid (one
+CTA per multiprocessor), and "auto" (the Triton pass and the Mosaic kernel): where glint trails the stock kernel,
+paging and varlen cost it; where both trail cuDNN, the FlashAttention-3 layout they share does.
 """
 
 from __future__ import annotations
@@ -25,12 +25,14 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from glint.pallas_kernels import BlockSizes, varlen_attention
+from glint.pallas_kernels import BlockSizes, tuning, varlen_attention
+from glint.pallas_kernels.varlen_attention_mgpu import varlen_attention_mgpu
 from gpu_kernels import bench, contiguous, paged_setup
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = [(16, 512), (8, 1024), (2, 4096)]
 MOSAIC_SHAPES = [(16, 512), (8, 1024), (4, 2048), (2, 4096), (1, 8192)]
+SMS = 132  # an H100's and an H200's multiprocessors: one CTA each for the persistent grid
 
 
 def tflops(batch, q_len, t):
@@ -130,6 +132,9 @@ def mosaic_rows(batch, q_len):
             if ps == 16:
                 row(f"glint auto {kind} p16", batch, q_len, lambda q_, *a, c=causal: varlen_attention(
                     q_, *a, scale=scale, causal=c), paged)
+                row(f"glint mosaic {kind} p16 persistent {SMS}", batch, q_len, lambda q_, *a, c=causal: (
+                    varlen_attention_mgpu(q_, *a, scale=scale, causal=c, max_ctas=SMS, **tuning.MOSAIC_PREFILL)),
+                    paged)
         # TF/s above count the causal half's flops; the full rows did twice the work
 
 
