@@ -236,26 +236,16 @@ def _kernel(
 
             plgpu.copy_gmem_to_smem(q_ref.at[it.kv_head, it.q_rows], q_smem.at[q_slot], q_barriers.at[q_slot])
 
-            @pl.loop(it.begin, it.end)
-            def _(block):
-                step = issued + block - it.begin
-                slot = lax.rem(step, jnp.int32(num_stages))
-
-                @pl.when(step >= num_stages)
-                def _():
-                    plgpu.barrier_wait(consumed.at[slot])
-
+            def copy(block, slot):
                 mosaic_keys.copy_kv_block(page_table_ref, it.seq_slot, it.walk.storage(block), (k_ref, v_ref),
                                           it.kv_head, (k_smem, v_smem), slot, (k_barriers, v_barriers),
                                           page_size=page_size, scales=scale_refs,
                                           scale_bufs=(k_scales, v_scales) if scale_refs else ())
 
-        issued, queries = for_each_item(load_item)
+            mosaic_keys.stream_blocks(it.begin, it.end, issued, num_stages, (consumed,), copy)
 
-        # Observe the last releases too, so every barrier ends each phase it began.
-        @pl.loop(jnp.maximum(issued - num_stages, 0), issued)
-        def _drain(step):
-            plgpu.barrier_wait(consumed.at[lax.rem(step, jnp.int32(num_stages))])
+        issued, queries = for_each_item(load_item)
+        mosaic_keys.drain_slots(issued, num_stages, (consumed,))
 
         @pl.loop(jnp.maximum(queries - q_slots, 0), queries)
         def _drain_queries(n):

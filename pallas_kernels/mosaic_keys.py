@@ -43,6 +43,32 @@ def copy_kv_block(page_table_ref, seq_slot, block, pools, kv_head, bufs, slot, b
                                     barrier.at[slot])
 
 
+def stream_blocks(begin, end, streamed, num_stages: int, consumed, copy):
+    """A memory warpgroup's loop over one work item's key blocks [begin, end), the CTA's `streamed` blocks before
+    them, through a ring of `num_stages` slots: before refilling a slot it waits for every barrier in `consumed` to
+    say the slot's last block was read, then copy(block, slot) starts the block's copies."""
+    @pl.loop(begin, end)
+    def _(block):
+        step = streamed + block - begin
+        slot = lax.rem(step, jnp.int32(num_stages))
+
+        @pl.when(step >= num_stages)
+        def _():
+            for barrier in consumed:
+                plgpu.barrier_wait(barrier.at[slot])
+
+        copy(block, slot)
+
+
+def drain_slots(streamed, num_stages: int, consumed):
+    """After the CTA's last item: observes the releases of the last (up to num_stages) of its `streamed` blocks too,
+    so every barrier in `consumed` ends each phase it began."""
+    @pl.loop(jnp.maximum(streamed - num_stages, 0), streamed)
+    def _(step):
+        for barrier in consumed:
+            plgpu.barrier_wait(barrier.at[lax.rem(step, jnp.int32(num_stages))])
+
+
 def covers_ring(ring_rows, window: int) -> bool:
     """Whether a layer's ring (if any) suits the kernels: each ring row stands for one key, so a query row must see
     at most ring_rows keys, a window that fits the ring (the engine's rings hold a step's writes beside the window:

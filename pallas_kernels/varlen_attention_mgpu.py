@@ -380,27 +380,15 @@ def _kernel(
     def _memory_wg():
         plgpu.set_max_registers(40, action="decrease")
 
-        def load_item(it, issued):
-            @pl.loop(it.begin, it.end)
-            def _(block):
-                step = issued + block - it.begin
-                slot = lax.rem(step, jnp.int32(num_stages))
-
-                @pl.when(step >= num_stages)
-                def _():
-                    plgpu.barrier_wait(k_consumed.at[slot])
-                    plgpu.barrier_wait(v_consumed.at[slot])
-
+        def load_item(it, streamed):
+            def copy(block, slot):
                 mosaic_keys.copy_kv_block(page_table_ref, it.seq_slot, it.walk.storage(block), (k_ref, v_ref),
                                           it.kv_head, (k_smem, v_smem), slot, (k_barriers, v_barriers),
                                           page_size=page_size)
 
-        issued = for_each_item(load_item)
+            mosaic_keys.stream_blocks(it.begin, it.end, streamed, num_stages, (k_consumed, v_consumed), copy)
 
-        @pl.loop(jnp.maximum(issued - num_stages, 0), issued)
-        def _drain(step):  # observe the last releases too, so every barrier ends each phase it began
-            plgpu.barrier_wait(k_consumed.at[lax.rem(step, jnp.int32(num_stages))])
-            plgpu.barrier_wait(v_consumed.at[lax.rem(step, jnp.int32(num_stages))])
+        mosaic_keys.drain_slots(for_each_item(load_item), num_stages, (k_consumed, v_consumed))
 
 
 @functools.partial(
