@@ -202,15 +202,15 @@ def _kernel(
     head_dim = q_ref.shape[-1]
     dtype = q_ref.dtype
     tile_rows = _COMPUTE_WGS * block_q
-    num_heads = q_ref.shape[1]
-    # This CTA's work items (tile, query head): cta, cta + num_ctas, ... Heads run fastest, so neighbouring CTAs
-    # read the same kv head's blocks, and the longest tiles (segment ends) first. With fewer CTAs than items (a
-    # persistent grid) the memory warpgroup streams the next item's blocks while the last ones are computed.
+    # This CTA's work items (tile, query head): cta, cta + num_ctas, ... in the order the two-axis grid (heads,
+    # tiles) launched its CTAs: a head's tiles, longest (segment ends) first, then the next head's. With fewer CTAs
+    # than items (a persistent grid) the memory warpgroup streams the next item's blocks while the last ones are
+    # computed.
     my_items = lax.div(num_items - 1 - cta, jnp.int32(num_ctas)) + 1
 
     def item(index):
-        head = lax.rem(index, jnp.int32(num_heads))
-        tile = num_tiles - 1 - lax.div(index, jnp.int32(num_heads))
+        head = lax.div(index, jnp.int32(num_tiles))
+        tile = num_tiles - 1 - lax.rem(index, jnp.int32(num_tiles))
         segment = tiles_ref[tile, 0]
         seg = jnp.maximum(segment, 0)
         q_start = seq_info_ref[seg, 0]

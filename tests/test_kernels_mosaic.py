@@ -20,6 +20,7 @@ from glint.pallas_kernels import BlockSizes, segments, tuning, varlen_attention
 from glint.pallas_kernels import varlen_attention_mgpu as mg
 from glint.pallas_kernels.reference import varlen_attention_reference
 from glint.pallas_kernels.testing import AttentionCase as C
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from mosaic_cases import CASES, check_kernel, check_rows, device_inputs
 
 PREFILL_CASES = {
@@ -131,6 +132,20 @@ def test_persistent_grid(name, max_ctas, num_stages):
     kernel = functools.partial(mg.varlen_attention_mgpu, max_ctas=max_ctas, num_stages=num_stages,
                                interpret=INTERPRET)
     check_kernel(PREFILL_CASES[name], kernel, seed=3, shift=5)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the GPU interpreter's race detector; compiled, the tests above run")
+@pytest.mark.parametrize("name,max_ctas", [("window-warpgroups", 2), ("prefill-g4-d128", 3)])
+def test_persistent_grid_has_no_races(monkeypatch, name, max_ctas):
+    """The interpreter's race detector over a persistent grid: the next item's query landing in the tile whose rows
+    still leave through it, or the stage rewritten while its rows leave, would be a race."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    params = plgpu.InterpretGPUParams
+    monkeypatch.setattr(plgpu, "InterpretGPUParams", lambda **kw: params(detect_races=True, **kw))
+    check_kernel(PREFILL_CASES[name], functools.partial(mg.varlen_attention_mgpu, max_ctas=max_ctas, interpret=True),
+                 seed=3, shift=5)
+    assert interpret_pallas_call.get_races().races_found is False
 
 
 @pytest.mark.parametrize("name,shift", [("prefill-g4-d128", 3), ("d256-p64-noncausal-f16", 5)])
