@@ -348,12 +348,12 @@ class Engine:
                              "supported with speculative decoding (leave them out)")
         if error := params.vocab_error(self.model.vocab_size):
             raise ValueError(error[1])
-        entries = logit_entries(params, self._stops(params) if params.min_tokens else ())
+        bans = self._stops(params) if params.min_tokens else ()
+        entries = logit_entries(params, bans)
         if len(entries) > BIAS_WIDTH:
             raise ValueError(f"logit_bias ({len(params.logit_bias)} tokens), allowed_token_ids "
-                             f"({len(params.allowed_token_ids or ())}) and min_tokens' stop tokens "
-                             f"({len(self._stops(params)) if params.min_tokens else 0}) name {len(entries)} tokens; at "
-                             f"most {BIAS_WIDTH} a request")
+                             f"({len(params.allowed_token_ids or ())}) and min_tokens' stop tokens ({len(bans)}) name "
+                             f"{len(entries)} tokens; at most {BIAS_WIDTH} a request")
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
         req = Request(self._new_rid(), tokens, params, seed, num_children=params.n - 1)
         self._extend_keys(req, len(tokens))
@@ -692,13 +692,14 @@ class Engine:
         # each penalized row's prompt and completion so far (a token still on the device as its placeholder: a row
         # of the previous step's output, which the penalize program reads), and the tokens each row may not draw
         # yet (min_tokens); speculative engines take none of these
-        histories = [] if any(self._adjusts(e.req) for e in entries if e.samples) else None
+        bans = [self._banned(e.req) if e.samples else () for e in entries]
+        histories = [] if any(self._adjusts(e.req, ban) for e, ban in zip(entries, bans) if e.samples) else None
         banned = []
         params, seeds, positions = samples = [], [], []
         rows_out = self.config.max_sample_rows
         proposed = np.full(rows_out, -1, np.int32) if any(e.draft for e in entries) else None
         draft_rows = np.zeros(rows_out, np.int32) if self._drafts_on_device and proposed is not None else None
-        for e in entries:
+        for e, ban in zip(entries, bans):
             position = len(e.req.prompt) + len(e.req.generated)  # of the token its (first) row draws
             if e.draft:  # the last known token, then the draft; row i draws position + i and verifies draft[i]
                 r0, draft = len(rows), list(e.draft)
@@ -719,7 +720,7 @@ class Engine:
             if histories is not None and e.samples:  # a row without penalties passes unchanged: none to upload
                 p = e.req.params
                 histories += [(e.req.prompt_array, e.req.generated) if p.has_penalties else ((), ())] * e.samples
-                banned += [self._banned(e.req)] * e.samples
+                banned += [ban] * e.samples
             rows += [start - 1] * e.samples
             params += [e.req.params] * e.samples
             seeds += [e.req.seed] if e.samples == 1 else [self._child_seed(e.req, i) for i in range(e.samples)]
@@ -822,10 +823,11 @@ class Engine:
             return ()
         return tuple(t for t in self._stops(req.params) if t < self.model.vocab_size)
 
-    def _adjusts(self, req: Request) -> bool:
+    @staticmethod
+    def _adjusts(req: Request, banned: tuple[int, ...]) -> bool:
         """Whether `req`'s next token is drawn from adjusted logits (the `penalize` program): a penalty, a logit
-        bias, allowed tokens, or a ban (min_tokens) it still has."""
-        return any(name != "min_tokens" for name in req.params.logit_adjustments) or bool(self._banned(req))
+        bias, allowed tokens, or a ban (min_tokens: `banned`, its `_banned`) it still has."""
+        return any(name != "min_tokens" for name in req.params.logit_adjustments) or bool(banned)
 
     def _stop_stream(self, req: Request, num_generated: int):
         """`req`'s TextStream, given every token before its `num_generated`-th (a clone's from its parent). An
