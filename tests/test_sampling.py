@@ -1,6 +1,7 @@
 """SamplingParams validation and the device samplers (argmax, temperature/top-k/top-p, logprobs)."""
 
 import dataclasses
+import functools
 import pathlib
 import zlib
 
@@ -10,7 +11,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from glint.pallas_kernels import tuning
 from glint.runtime.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from glint.runtime import sampling
 from glint.runtime.sampling import (
     BIAS_WIDTH,
     HISTORY_PAD,
@@ -26,6 +29,13 @@ from glint.runtime.sampling import (
 
 sample_jit = jax.jit(sample, static_argnames="is_filtered")
 logprobs_jit = jax.jit(logprobs, static_argnames="k")
+
+
+@pytest.fixture(params=["sort", "keys", "radix"])
+def filtered_sample(request, monkeypatch):
+    """`sample`, jitted afresh under each of tuning.SAMPLING_FILTER's ways to cut the ranking (read when traced)."""
+    monkeypatch.setattr(tuning, "SAMPLING_FILTER", request.param)
+    return jax.jit(functools.partial(sample), static_argnames="is_filtered")
 
 
 def case_rng(name: str) -> np.random.Generator:
@@ -378,7 +388,7 @@ def target_distribution(
     [(1.0, 0, 1.0, 0.0), (0.7, 10, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (0.6, 20, 0.9, 0.0), (2.0, 6, 0.5, 0.0),
      (1.0, 64, 0.95, 0.0), (1.0, 0, 1.0, 0.1), (0.5, 0, 1.0, 0.02), (1.4, 12, 1.0, 0.2), (1.0, 0, 0.7, 0.05)],
 )
-def test_draws_match_target_distribution(temperature, top_k, top_p, min_p):
+def test_draws_match_target_distribution(temperature, top_k, top_p, min_p, filtered_sample):
     rng = case_rng(f"chi2-{temperature}-{top_k}-{top_p}" + (f"-{min_p}" if min_p else ""))
     num_draws, vocab_size = 20_000, 48
     logits = (rng.normal(size=vocab_size) * 1.5).astype(np.float32)
@@ -394,7 +404,7 @@ def test_draws_match_target_distribution(temperature, top_k, top_p, min_p):
         seed=np.full(num_draws, 20240611, np.uint32),
         position=np.arange(num_draws, dtype=np.int32),
     )
-    tokens = np.asarray(sample_jit(jnp.asarray(np.tile(logits, (num_draws, 1))), inputs))
+    tokens = np.asarray(filtered_sample(jnp.asarray(np.tile(logits, (num_draws, 1))), inputs))
     if top_k == 0 and top_p == 1:  # nothing ranks: the step's own draw (no sort) gives these very tokens
         np.testing.assert_array_equal(
             np.asarray(sample_jit(jnp.asarray(np.tile(logits, (num_draws, 1))), inputs, is_filtered=False)), tokens)
@@ -411,17 +421,72 @@ def test_draws_match_target_distribution(temperature, top_k, top_p, min_p):
     assert stats.chisquare(observed_bins, expected_bins).pvalue > 1e-3
 
 
-def test_top_k_ties_keep_lower_ids():
+def test_top_k_ties_keep_lower_ids(filtered_sample):
     # Equal logits at the k-th place: exactly k tokens survive, lower ids first.
     num_draws = 2000
-    logits = np.tile(np.float32([1.0, 3.0, 2.0, 0.5, 2.0, 2.0]), (num_draws, 1))
+    logits = jnp.asarray(np.tile(np.float32([1.0, 3.0, 2.0, 0.5, 2.0, 2.0]), (num_draws, 1)))
     positions = np.arange(num_draws)
-    tokens = draw(logits, [SamplingParams(top_k=3, seed=31)] * num_draws, positions)
-    assert set(tokens.tolist()) == {1, 2, 4}
+
+    def draw_all(params):
+        return np.asarray(filtered_sample(logits, SamplerInputs.from_params([params] * num_draws, positions,
+                                                                            rows=num_draws)))
+
+    assert set(draw_all(SamplingParams(top_k=3, seed=31)).tolist()) == {1, 2, 4}
+    # The nucleus ranks ties the same way: token 1 holds 0.43 of the mass, it and the first 2.0 (id 2) 0.59.
+    probs = np.exp([3.0, 2.0]) / np.exp([1.0, 3.0, 2.0, 0.5, 2.0, 2.0]).sum()
+    assert probs[0] < 0.5 < probs.sum()
+    assert set(draw_all(SamplingParams(top_p=0.5, seed=31)).tolist()) == {1, 2}
     # top_k >= V is off.
-    wide = draw(logits, [SamplingParams(top_k=99, seed=31)] * num_draws, positions)
-    plain = draw(logits, [SamplingParams(seed=31)] * num_draws, positions)
-    np.testing.assert_array_equal(wide, plain)
+    np.testing.assert_array_equal(draw_all(SamplingParams(top_k=99, seed=31)), draw_all(SamplingParams(seed=31)))
+
+
+def _nucleus_margin(scaled: np.ndarray, keep: np.ndarray, top_p: float) -> float:
+    """How far (float64) the mass ranked above any kept token is from top_p: rows nearer than float32's rounding
+    may be cut either way."""
+    order = np.lexsort((np.arange(len(scaled)), -scaled.astype(np.float64)))
+    probs = np.where(keep[order], np.exp(scaled[order].astype(np.float64) - scaled.max()), 0.0)
+    mass_above = np.cumsum(probs / probs.sum()) - probs / probs.sum()
+    return float(np.abs(mass_above - top_p).min())
+
+
+@pytest.mark.parametrize("vocab_size", [7, 16, 300, 4097])
+def test_other_cuts_keep_what_the_sort_keeps(vocab_size, monkeypatch):
+    """tuning.SAMPLING_FILTER "keys" (a sort of the keys alone) keeps the very tokens the sort of (logit, id) pairs
+    keeps, and "radix" (a radix select per cut, no sort) too: ties at the cut to the lower ids (values of a few
+    bits, and bf16 ones), -0.0 as 0.0, +-inf, NaN, top_k 0 / 1 / V - 1 / V / above V, top_p 1 and tiny, with and
+    without min_p. For radix, rows whose nucleus edge is within float32 rounding of top_p (it sums the mass in
+    another order) are left out, most rows are not, and so is the NaN row with top_p < 1."""
+    rng = case_rng(f"radix-{vocab_size}")
+    num_rows = 96
+    scaled = rng.normal(size=(num_rows, vocab_size)).astype(np.float32) * 2
+    scaled[: num_rows // 3] = np.round(scaled[: num_rows // 3] * 2) / 2  # many equal values
+    scaled[num_rows // 3: 2 * num_rows // 3] = np.asarray(
+        jnp.asarray(scaled[num_rows // 3: 2 * num_rows // 3]).astype(jnp.bfloat16).astype(jnp.float32)) / 0.7
+    scaled[0, :4] = [-0.0, 0.0, -np.inf, -0.0][: vocab_size]
+    scaled[1, :3] = [np.inf, 1.0, -np.inf]
+    scaled[2] = -np.inf
+    scaled[2, vocab_size // 2] = 0.0
+    top_k = rng.integers(0, vocab_size + 2, num_rows).astype(np.int32)
+    top_k[3:8] = [0, 1, vocab_size - 1, vocab_size, vocab_size + 5]
+    top_p = rng.uniform(0.05, 1.0, num_rows).astype(np.float32)
+    top_p[8:12] = [1.0, 1e-6, 0.999, 0.5]
+    top_p[rng.random(num_rows) < 0.2] = 1.0
+    min_p = np.where(rng.random(num_rows) < 0.3, rng.uniform(0, 0.2, num_rows), 0).astype(np.float32)
+    top_p[3:8], min_p[3:8] = 1.0, 0.0  # top_k alone
+    scaled[12:14, vocab_size // 3] = np.nan
+    top_p[12:14] = [1.0, 0.5]  # a NaN poisons the nucleus' sums: the sort then keeps its first token alone
+    masks = {}
+    for way in ("sort", "keys", "radix"):
+        monkeypatch.setattr(tuning, "SAMPLING_FILTER", way)
+        masks[way] = np.asarray(jax.jit(functools.partial(sampling._filter_mask))(scaled, top_k, top_p, min_p))
+    posed = [row for row in range(num_rows) if row != 13 and (top_p[row] >= 1 or row == 1
+             or _nucleus_margin(scaled[row], masks["sort"][row], top_p[row]) > 1e-5)]
+    assert len(posed) >= 0.8 * num_rows
+    np.testing.assert_array_equal(masks["keys"], masks["sort"])
+    np.testing.assert_array_equal(masks["radix"][posed], masks["sort"][posed])
+    kept = masks["sort"].sum(axis=1)
+    assert kept[3:8].tolist() == [vocab_size, 1, vocab_size - 1, vocab_size, vocab_size]
+    assert ((1 < kept) & (kept < vocab_size)).sum() > num_rows // 4  # the cuts fall inside the rows
 
 
 def test_sample_traces_once_and_checks_shapes():
