@@ -305,12 +305,18 @@ def _filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: j
     keep = rank < k[:, None]
     keep &= _min_p_mask(-neg_sorted, -neg_sorted[:, :1], min_p)
     probs = jax.nn.softmax(jnp.where(keep, -neg_sorted, -jnp.inf), axis=-1)
-    # Keep a token while the mass ranked strictly above it is < top_p: the smallest
-    # prefix reaching top_p, never empty. top_p == 1 keeps all, whatever the rounding.
-    mass_above = jnp.pad(jnp.cumsum(probs, axis=-1)[:, :-1], ((0, 0), (1, 0)))
-    keep &= (mass_above < top_p[:, None]) | (top_p[:, None] >= 1)
+    keep &= rank < _nucleus_size(probs, top_p)[:, None]
     rows = lax.broadcasted_iota(jnp.int32, scaled.shape, 0)
     return jnp.zeros(scaled.shape, bool).at[rows, order].set(keep, unique_indices=True)
+
+
+def _nucleus_size(probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    """i32[R]: how many of each row's ranked tokens its top-p nucleus keeps, from their probabilities in rank order
+    f32[R, V]: those whose mass ranked strictly above is < top_p, the smallest prefix reaching top_p, counted (so a
+    prefix even where float32 sums dip), at least one; top_p >= 1 keeps all, whatever the rounding."""
+    mass_above = jnp.pad(jnp.cumsum(probs, axis=-1)[:, :-1], ((0, 0), (1, 0)))
+    size = jnp.maximum(jnp.sum(mass_above < top_p[:, None], axis=1), 1)
+    return jnp.where(top_p >= 1, probs.shape[1], size)
 
 
 def _keys_filter_mask(scaled: jax.Array, k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -325,8 +331,7 @@ def _keys_filter_mask(scaled: jax.Array, k: jax.Array, top_p: jax.Array, min_p: 
     in_top_k = lax.broadcasted_iota(jnp.int32, scaled.shape, 1) < k[:, None]
     probs = jax.nn.softmax(jnp.where(in_top_k & _min_p_mask(-neg_sorted, largest, min_p), -neg_sorted, -jnp.inf),
                            axis=-1)
-    mass_above = jnp.pad(jnp.cumsum(probs, axis=-1)[:, :-1], ((0, 0), (1, 0)))
-    prefix = jnp.maximum(jnp.sum(in_top_k & ((mass_above < top_p[:, None]) | (top_p[:, None] >= 1)), axis=1), 1)
+    prefix = jnp.minimum(k, _nucleus_size(probs, top_p))
     last = jnp.take_along_axis(ranked, prefix[:, None] - 1, axis=1)  # [R, 1]
     of_last = sort_keys == last
     ahead = jnp.sum(sort_keys < last, axis=1, keepdims=True)
@@ -357,9 +362,10 @@ def _radix_filter_mask(scaled: jax.Array, k: jax.Array, top_p: jax.Array, min_p:
     largest = jnp.max(jnp.where(jnp.isnan(scaled), -jnp.inf, scaled), axis=1, keepdims=True)  # the sort's first
     keep = _min_p_mask(scaled, largest, min_p)
     keep &= _ranked_at_or_above(keys, rids, *_rank_cut(keys, rids, None, None, k, id_bits))
-    # softmax over the kept tokens, unnormalised; an infinite logit weighs 1 (as the sort's cut, which keeps it alone)
+    # softmax over the kept tokens, unnormalised. Where the largest is infinite the sort's sums are NaN and its
+    # nucleus keeps the first token alone: tokens of that value weigh 1 each and the target is 1.
     weights = jnp.where(keep, jnp.exp(jnp.where(scaled == largest, 0.0, scaled - largest)), 0.0)
-    target = top_p * jnp.sum(weights, axis=1)
+    target = jnp.where(jnp.isinf(largest[:, 0]), 1.0, top_p * jnp.sum(weights, axis=1))
     nucleus = _ranked_at_or_above(keys, rids, *_rank_cut(keys, rids, keep, weights, target, id_bits))
     return keep & (nucleus | (top_p[:, None] >= 1))
 

@@ -440,22 +440,32 @@ def test_top_k_ties_keep_lower_ids(filtered_sample):
     np.testing.assert_array_equal(draw_all(SamplingParams(top_k=99, seed=31)), draw_all(SamplingParams(seed=31)))
 
 
-def _nucleus_margin(scaled: np.ndarray, keep: np.ndarray, top_p: float) -> float:
-    """How far (float64) the mass ranked above any kept token is from top_p: rows nearer than float32's rounding
-    may be cut either way."""
+def _nucleus_margin(scaled: np.ndarray, kept: np.ndarray, top_p: float) -> float:
+    """How far (float64) the mass ranked above any token is from top_p, over the tokens the nucleus chooses among
+    (`kept`: top-k and min_p's): rows nearer than float32's rounding may be cut either way. inf: no finite mass."""
+    if not np.isfinite(scaled[kept]).all():
+        return np.inf
     order = np.lexsort((np.arange(len(scaled)), -scaled.astype(np.float64)))
-    probs = np.where(keep[order], np.exp(scaled[order].astype(np.float64) - scaled.max()), 0.0)
-    mass_above = np.cumsum(probs / probs.sum()) - probs / probs.sum()
-    return float(np.abs(mass_above - top_p).min())
+    probs = np.where(kept[order], np.exp(scaled[order].astype(np.float64) - scaled[kept].max()), 0.0)
+    probs /= probs.sum()
+    return float(np.abs(np.cumsum(probs) - probs - top_p).min())
+
+
+def _masks(monkeypatch, scaled, top_k, top_p, min_p, ways=("sort", "keys", "radix")) -> dict:
+    masks = {}
+    for way in ways:
+        monkeypatch.setattr(tuning, "SAMPLING_FILTER", way)
+        masks[way] = np.asarray(jax.jit(functools.partial(sampling._filter_mask))(scaled, top_k, top_p, min_p))
+    return masks
 
 
 @pytest.mark.parametrize("vocab_size", [7, 16, 300, 4097])
 def test_other_cuts_keep_what_the_sort_keeps(vocab_size, monkeypatch):
     """tuning.SAMPLING_FILTER "keys" (a sort of the keys alone) keeps the very tokens the sort of (logit, id) pairs
     keeps, and "radix" (a radix select per cut, no sort) too: ties at the cut to the lower ids (values of a few
-    bits, and bf16 ones), -0.0 as 0.0, +-inf, NaN, top_k 0 / 1 / V - 1 / V / above V, top_p 1 and tiny, with and
-    without min_p. For radix, rows whose nucleus edge is within float32 rounding of top_p (it sums the mass in
-    another order) are left out, most rows are not, and so is the NaN row with top_p < 1."""
+    bits, and bf16 ones), -0.0 as 0.0, one and several +inf, a row of -inf, NaN, top_k 0 / 1 / V - 1 / V / above V,
+    top_p 1, 0 and tiny, with and without min_p. For radix, rows whose nucleus edge is within float32 rounding of
+    top_p (it sums the mass in another order) are left out, and so is the NaN row with top_p < 1 (NaN sums)."""
     rng = case_rng(f"radix-{vocab_size}")
     num_rows = 96
     scaled = rng.normal(size=(num_rows, vocab_size)).astype(np.float32) * 2
@@ -466,27 +476,42 @@ def test_other_cuts_keep_what_the_sort_keeps(vocab_size, monkeypatch):
     scaled[1, :3] = [np.inf, 1.0, -np.inf]
     scaled[2] = -np.inf
     scaled[2, vocab_size // 2] = 0.0
+    scaled[14, 1::2] = np.inf  # several +inf
+    scaled[15] = -np.inf  # nothing finite
     top_k = rng.integers(0, vocab_size + 2, num_rows).astype(np.int32)
     top_k[3:8] = [0, 1, vocab_size - 1, vocab_size, vocab_size + 5]
     top_p = rng.uniform(0.05, 1.0, num_rows).astype(np.float32)
-    top_p[8:12] = [1.0, 1e-6, 0.999, 0.5]
     top_p[rng.random(num_rows) < 0.2] = 1.0
     min_p = np.where(rng.random(num_rows) < 0.3, rng.uniform(0, 0.2, num_rows), 0).astype(np.float32)
     top_p[3:8], min_p[3:8] = 1.0, 0.0  # top_k alone
+    top_p[8:12] = [1.0, 1e-6, 0.999, 0.0]
     scaled[12:14, vocab_size // 3] = np.nan
-    top_p[12:14] = [1.0, 0.5]  # a NaN poisons the nucleus' sums: the sort then keeps its first token alone
-    masks = {}
-    for way in ("sort", "keys", "radix"):
-        monkeypatch.setattr(tuning, "SAMPLING_FILTER", way)
-        masks[way] = np.asarray(jax.jit(functools.partial(sampling._filter_mask))(scaled, top_k, top_p, min_p))
-    posed = [row for row in range(num_rows) if row != 13 and (top_p[row] >= 1 or row == 1
-             or _nucleus_margin(scaled[row], masks["sort"][row], top_p[row]) > 1e-5)]
-    assert len(posed) >= 0.8 * num_rows
+    top_p[12:16] = [1.0, 0.5, 0.5, 0.5]
+    masks = _masks(monkeypatch, scaled, top_k, top_p, min_p)
     np.testing.assert_array_equal(masks["keys"], masks["sort"])
+    before = _masks(monkeypatch, scaled, top_k, np.ones_like(top_p), min_p, ways=("sort",))["sort"]
+    posed = [row for row in range(num_rows) if row != 13 and (top_p[row] >= 1 or _nucleus_margin(
+        scaled[row], before[row], top_p[row]) > 1e-5)]
+    assert len(posed) >= 0.8 * num_rows
     np.testing.assert_array_equal(masks["radix"][posed], masks["sort"][posed])
     kept = masks["sort"].sum(axis=1)
     assert kept[3:8].tolist() == [vocab_size, 1, vocab_size - 1, vocab_size, vocab_size]
+    assert kept[9] == kept[11] == kept[14] == kept[15] == 1  # top_p tiny or 0; infinite largest: the first alone
     assert ((1 < kept) & (kept < vocab_size)).sum() > num_rows // 4  # the cuts fall inside the rows
+
+
+def test_keys_cut_where_float32_sums_dip(monkeypatch):
+    """Near top_p 1 a float32 cumulative sum over many tokens may dip; the nucleus is then still the counted
+    prefix, on the sort and on its keys alike (found by a review: the sort kept a set with a gap)."""
+    rng = np.random.default_rng(1)
+    scaled = (rng.normal(size=(64, 1000)) * 3).astype(np.float32)
+    masks = _masks(monkeypatch, scaled, np.zeros(64, np.int32), np.full(64, 0.99999994, np.float32),
+                   np.zeros(64, np.float32), ways=("sort", "keys"))
+    np.testing.assert_array_equal(masks["keys"], masks["sort"])
+    for row in range(64):  # a prefix of the ranking
+        order = np.lexsort((np.arange(1000), -scaled[row]))
+        kept = masks["sort"][row][order]
+        assert kept[: kept.sum()].all()
 
 
 def test_sample_traces_once_and_checks_shapes():
