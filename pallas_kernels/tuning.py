@@ -77,7 +77,7 @@ MOSAIC_PREFILL_PLAIN_ONLY = True
 # batch 1 and 8; against cuDNN 0.87-0.97x from batch 64, 0.70-1.02x at batch 1 and 8. Not ahead of Triton where
 # the engine spends its decode time (batch 1 with short contexts, 256 x 640), so Triton stays the default.
 DECODE_BACKEND = "triton"
-MOSAIC_DECODE = dict(block_kv=128, num_stages=2, p_in_registers=True)
+MOSAIC_DECODE = dict(block_kv=128, num_stages=2, p_in_registers=True, compute_wgs=1)
 MOSAIC_DECODE_CTAS = 132
 # MOSAIC_DECODE_MAX_CTAS: 0 launches a CTA per work item (tile, kv head, split); N > 0 a persistent grid of at most
 # N CTAs, each over every N-th item, loading the next item while computing this one (not yet timed on a GPU).
