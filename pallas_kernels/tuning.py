@@ -78,6 +78,9 @@ MOSAIC_PREFILL_PLAIN_ONLY = True
 # the engine spends its decode time (batch 1 with short contexts, 256 x 640), so Triton stays the default.
 DECODE_BACKEND = "triton"
 MOSAIC_DECODE = dict(block_kv=128, num_stages=2, p_in_registers=True, compute_wgs=1)
+# Under DECODE_BACKEND "mosaic", decode steps of fewer query rows (the step's width) than this keep Triton: the
+# Mosaic kernel can take the wide steps (batch 64-256) where it leads without the narrow ones where it trails.
+MOSAIC_DECODE_MIN_ROWS = 0
 MOSAIC_DECODE_CTAS = 132
 # MOSAIC_DECODE_MAX_CTAS: 0 launches a CTA per work item (tile, kv head, split); N > 0 a persistent grid of at most
 # N CTAs, each over every N-th item, loading the next item while computing this one (not yet timed on a GPU).

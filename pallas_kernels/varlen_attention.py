@@ -395,7 +395,7 @@ def _use_mosaic_decode(backend, *, q, k_pages, scaled, seq_info, ring_rows, wind
         return True
     decode = num_rows <= tuning.DECODE_ROWS_PER_SEGMENT * seq_info.shape[0]
     return (backend == "auto" and tuning.DECODE_BACKEND == "mosaic" and decode and runnable and not interpret
-            and varlen_attention_mgpu.is_hopper())
+            and num_rows >= tuning.MOSAIC_DECODE_MIN_ROWS and varlen_attention_mgpu.is_hopper())
 
 
 def _check_args(q, k_pages, v_pages, page_table, seq_info, k_scale, v_scale, ring_rows, window, softcap, num_splits,

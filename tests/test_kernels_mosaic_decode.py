@@ -252,8 +252,8 @@ def test_supports_and_refusals():
 
 
 def test_auto_dispatch(monkeypatch):
-    """On a Hopper GPU (stubbed) with DECODE_BACKEND "mosaic", "auto" takes the kernel for decode steps only, and
-    never for what it does not cover; elsewhere it never does."""
+    """On a Hopper GPU (stubbed) with DECODE_BACKEND "mosaic", "auto" takes the kernel for decode steps only (of at
+    least MOSAIC_DECODE_MIN_ROWS rows), and never for what it does not cover; elsewhere it never does."""
     va = importlib.import_module("glint.pallas_kernels.varlen_attention")
     monkeypatch.setattr(tuning, "DECODE_BACKEND", "mosaic")
     monkeypatch.setattr(varlen_attention_mgpu, "is_hopper", lambda: True)
@@ -276,6 +276,9 @@ def test_auto_dispatch(monkeypatch):
     assert not use(q=q.astype(jnp.float32))  # pools of another dtype
     assert use(ring_rows=40, window=33) and not use(ring_rows=40, window=0)
     assert not use(interpret=True)
+    monkeypatch.setattr(tuning, "MOSAIC_DECODE_MIN_ROWS", 8)  # steps of 8 rows and more
+    assert use() and not use(q=q[:7], num_segments=7)
+    monkeypatch.setattr(tuning, "MOSAIC_DECODE_MIN_ROWS", 0)
     monkeypatch.setattr(varlen_attention_mgpu, "is_hopper", lambda: False)
     assert not use()
     monkeypatch.setattr(varlen_attention_mgpu, "is_hopper", lambda: True)
