@@ -229,6 +229,8 @@ def _kernel(
     def _memory_wg():
         # The memory warpgroup reads the page table and issues the copies: each item's query tile, then its key
         # blocks, num_stages blocks ahead of the dots, counting slots over all of the CTA's items.
+        if compute_wgs > 1:  # three warpgroups: registers to the compute ones, as the prefill kernel does
+            plgpu.set_max_registers(40, action="decrease")
         def load_item(it, issued, queries):
             q_slot = lax.rem(queries, jnp.int32(q_slots))
 
@@ -262,6 +264,8 @@ def _kernel(
         p_smem = None if p_smems is None else p_smems.at[wg]
         k_wide = None if k_wides is None else k_wides.at[wg]
         v_wide = None if v_wides is None else v_wides.at[wg]
+        if compute_wgs > 1:
+            plgpu.set_max_registers(232, action="increase")
 
         def attend(it, done, q_tile):
             """The rows over this warpgroup's key blocks of the item: (acc, m, l) of the online softmax, in
@@ -471,6 +475,9 @@ def decode_attention_mgpu(
             f"{q.dtype}, pools {k_pages.shape} {k_pages.dtype}, scaled={scaled}, block_kv={block_kv}, "
             f"ring_rows={ring_rows}, window={window})"
         )
+    if compute_wgs > 1 and k_pages.dtype != q.dtype and block_kv > 64:
+        raise ValueError(f"decode_attention_mgpu: two compute warpgroups widen fp8 pools into tiles of their own, "
+                         f"which fit shared memory with block_kv <= 64 (block_kv={block_kv})")
     group = num_q_heads // num_kv_heads
     num_segments = seq_info.shape[0]
     num_tiles = num_tiles_for(num_rows, num_segments, group)

@@ -94,29 +94,45 @@ def test_two_compute_warpgroups(name, num_splits, block_kv, num_stages, max_ctas
     check_kernel(case, kernel, seed=5, **({"fp8": fp8} if fp8 else {}))
 
 
-def test_two_compute_warpgroups_need_even_stages():
+def test_two_compute_warpgroups_refusals():
     """Each compute warpgroup must wait at its own slots' barriers in every phase: an odd stage count would hand a
-    slot to both in turn."""
+    slot to both in turn. Over fp8 pools each widens into tiles of its own, which fit shared memory only with
+    64-key blocks."""
     args = device_inputs(CASES["one-row"])
     with pytest.raises(ValueError, match="compute_wgs=2 must be 1 or 2, and divide num_stages=3"):
         dm.decode_attention_mgpu(**args, scale=0.1, num_stages=3, compute_wgs=2, interpret=True)
     with pytest.raises(ValueError, match="compute_wgs=3"):
         dm.decode_attention_mgpu(**args, scale=0.1, num_stages=3, compute_wgs=3, interpret=True)
+    fp8 = as_fp8(args, scaled=False)
+    with pytest.raises(ValueError, match=r"block_kv <= 64 \(block_kv=128\)"):
+        dm.decode_attention_mgpu(**fp8, scale=0.1, block_kv=128, compute_wgs=2, interpret=True)
+
+
+@pytest.mark.parametrize("name", ["mixed-g4", "ring-chunks-softcap"])
+def test_two_compute_warpgroups_through_varlen_attention(monkeypatch, name):
+    """varlen_attention's decode dispatch with tuning.MOSAIC_DECODE set to two compute warpgroups (64 x 4)."""
+    monkeypatch.setattr(tuning, "MOSAIC_DECODE", {**tuning.MOSAIC_DECODE, "block_kv": 64, "num_stages": 4,
+                                                  "compute_wgs": 2})
+    check_kernel(CASES[name], functools.partial(varlen_attention, backend="mosaic_decode", interpret=INTERPRET),
+                 seed=7)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the GPU interpreter's race detector; compiled, the tests above run")
-@pytest.mark.parametrize("num_splits", [1, 2])
-def test_two_compute_warpgroups_have_no_races(monkeypatch, num_splits):
+@pytest.mark.parametrize("name,num_splits,num_stages,max_ctas,fp8,page_size", [
+    ("mixed-g4", 1, 4, 2, None, 16), ("mixed-g4", 2, 4, 2, None, 16), ("mixed-g4", 3, 2, 5, None, 16),
+    ("g4-p256", 2, 4, 1, "scaled", 256),
+])
+def test_two_compute_warpgroups_have_no_races(monkeypatch, name, num_splits, num_stages, max_ctas, fp8, page_size):
     """The race detector over two compute warpgroups on a persistent grid: the second's partial rewritten before
-    the first has read the last item's, or the query tile overwritten by the rows (one split) while the second's
-    dots still read it, would be a race."""
+    the first has read the last item's (in the float32 output tile while the last rows leave it, several splits),
+    or the query tile overwritten by the rows (one split) while the second's dots still read it, would be a race."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 
     params = plgpu.InterpretGPUParams
     monkeypatch.setattr(plgpu, "InterpretGPUParams", lambda **kw: params(detect_races=True, **kw))
-    kernel = functools.partial(dm.decode_attention_mgpu, num_splits=num_splits, block_kv=64, num_stages=4,
-                               max_ctas=2, compute_wgs=2, interpret=True)
-    check_kernel(CASES["mixed-g4"], kernel, seed=6)
+    kernel = functools.partial(dm.decode_attention_mgpu, num_splits=num_splits, block_kv=64, num_stages=num_stages,
+                               max_ctas=max_ctas, compute_wgs=2, interpret=True)
+    check_kernel(dataclasses.replace(CASES[name], page_size=page_size), kernel, seed=6, **({"fp8": fp8} if fp8 else {}))
     assert interpret_pallas_call.get_races().races_found is False
 
 
