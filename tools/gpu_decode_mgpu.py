@@ -113,27 +113,20 @@ def main():
                      f"{err:7.1e} | {tc[0] * 1e6:7.1f} {tc[1] * 1e6:7.1f} | {kv_bytes / tm[0] / 1e9:8.0f} "
                      f"{kv_bytes / tc[0] / 1e9:6.0f} | {tc[0] / tm[0]:5.2f} {tc[1] / tm[1]:5.2f} | "
                      f"{tt[0] / tm[0]:6.2f} {tt[1] / tm[1]:5.2f}")
-            for block_kv, stages in PERSISTENT:
+            arms = [(block_kv, stages, True, 1) for block_kv, stages in PERSISTENT] + [
+                (block_kv, stages, persistent, 2) for block_kv, stages, persistent in TWO_WGS]
+            for block_kv, stages, persistent, wgs in arms:
                 tile_splits = num_splits_for(batch, batch, HQ, HKV, cap, block_kv)
-                fn = mosaic(block_kv, stages, True, tile_splits, max_ctas=tuning.MOSAIC_DECODE_CTAS)
-                e = rel_err(np.asarray(jax.jit(fn)(*paged), np.float32), want)
-                errors.append(e)
-                t = both(fn, paged)
-                variants.append(f"  persistent {batch:>5} {ctx:>6} | block_kv {block_kv:>3} stages {stages} P regs "
-                                f"splits {tile_splits:>2} | {t[0] * 1e6:8.1f} / {t[1] * 1e6:8.1f} us, "
-                                f"{tm[0] / t[0]:5.2f} / {tm[1] / t[1]:5.2f}x default, {tc[0] / t[0]:5.2f} / "
-                                f"{tc[1] / t[1]:5.2f}x cuDNN | err {e:7.1e}")
-            for block_kv, stages, persistent in TWO_WGS:
-                tile_splits = num_splits_for(batch, batch, HQ, HKV, cap, block_kv)
-                fn = mosaic(block_kv, stages, True, tile_splits, compute_wgs=2,
+                fn = mosaic(block_kv, stages, True, tile_splits, compute_wgs=wgs,
                             max_ctas=tuning.MOSAIC_DECODE_CTAS if persistent else None)
                 e = rel_err(np.asarray(jax.jit(fn)(*paged), np.float32), want)
                 errors.append(e)
                 t = both(fn, paged)
-                variants.append(f"  two wgs{' persistent' if persistent else ''} {batch:>5} {ctx:>6} | block_kv "
-                                f"{block_kv:>3} stages {stages} splits {tile_splits:>2} | {t[0] * 1e6:8.1f} / "
-                                f"{t[1] * 1e6:8.1f} us, {tm[0] / t[0]:5.2f} / {tm[1] / t[1]:5.2f}x default, "
-                                f"{tc[0] / t[0]:5.2f} / {tc[1] / t[1]:5.2f}x cuDNN | err {e:7.1e}")
+                label = " ".join(["two wgs"] * (wgs > 1) + ["persistent"] * persistent)
+                variants.append(f"  {label} {batch:>5} {ctx:>6} | block_kv {block_kv:>3} stages {stages} P regs "
+                                f"splits {tile_splits:>2} | {t[0] * 1e6:8.1f} / {t[1] * 1e6:8.1f} us, "
+                                f"{tm[0] / t[0]:5.2f} / {tm[1] / t[1]:5.2f}x default, {tc[0] / t[0]:5.2f} / "
+                                f"{tc[1] / t[1]:5.2f}x cuDNN | err {e:7.1e}")
             for block_kv, stages, in_regs in tiles if cpu or (batch, ctx, cap) in VARIANT_SHAPES else ():
                 tile_splits = num_splits_for(batch, batch, HQ, HKV, cap, block_kv)
                 for s in sorted({max(1, tile_splits // 2), tile_splits, min(tuning.MAX_SPLITS, 2 * tile_splits)}):
