@@ -450,8 +450,7 @@ def decode_attention_mgpu(
     2 compute warpgroups taking turns at the K/V slots (one's dots and softmax overlap the other's; num_stages even,
     so that each has slots of its own), the second's (acc, m, l) merged into the first's through shared memory at
     the end of each item (with one split a float32 tile of its own, 32 KB at head_dim 128; with several the float32
-    output tile). interpret: run Pallas' GPU interpreter (CPU
-    tests)."""
+    output tile). interpret: run Pallas' GPU interpreter (CPU tests)."""
     num_rows, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     if num_stages < 1 or num_splits < 1 or num_rows < 1 or (max_ctas is not None and max_ctas < 1):
