@@ -203,20 +203,13 @@ def _kernel(
     q_slots = q_smem.shape[0]
     # This CTA's work items: cta, cta + num_ctas, ... (a persistent grid: one wave of CTAs, each over many items,
     # its memory warpgroup loading the next item's query and first blocks while the last blocks are computed).
-    my_items = lax.div(num_items - 1 - cta, jnp.int32(num_ctas)) + 1
     item = functools.partial(_item, tiles_ref, num_kv_heads=k_ref.shape[1], num_splits=num_splits,
                              block_kv=block_kv, group=group, causal=causal, ring_rows=ring_rows, window=window)
 
     def for_each_item(fn):
-        """fn(item, key blocks before it, queries before it) for each of this CTA's items with rows, in order; both
-        warpgroups count K/V and query slots this way. Returns those two counts over all the items."""
-        def step(i, counts):
-            blocks, queries = counts
-            it = item(cta + i * num_ctas)
-            pl.when(it.has_rows)(lambda: fn(it, blocks, queries))
-            return blocks + it.end - it.begin, queries + it.has_rows.astype(jnp.int32)
-
-        return lax.fori_loop(0, my_items, step, (jnp.int32(0), jnp.int32(0)))
+        """fn(item, key blocks before it, queries before it) for each of this CTA's items with rows, in order (both
+        counts are the K/V and query slots'); returns both counts over all of them."""
+        return mosaic_keys.for_each_item(item, cta, num_ctas, num_items, fn)
 
     def widened(pool_smem, scale_smem, wide, slot, seen=None):
         """Slot `slot` of an fp8 K or V buffer in q's dtype (a scaled cache: each row times its scale; rows where

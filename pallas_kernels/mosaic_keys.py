@@ -43,6 +43,21 @@ def copy_kv_block(page_table_ref, seq_slot, block, pools, kv_head, bufs, slot, b
                                     barrier.at[slot])
 
 
+def for_each_item(item, cta, num_ctas: int, num_items: int, fn):
+    """A CTA's work items cta, cta + num_ctas, ... below num_items (`item(index)`: an object with has_rows, begin
+    and end, its key blocks), in order: fn(it, blocks, items) for each with rows, `blocks` the key blocks and `items`
+    the items with rows before it, which every warpgroup counts its K/V and query slots by. Returns both counts over
+    all of them."""
+    def step(i, counts):
+        blocks, items = counts
+        it = item(cta + i * num_ctas)
+        pl.when(it.has_rows)(lambda: fn(it, blocks, items))
+        return blocks + jnp.where(it.has_rows, it.end - it.begin, 0), items + it.has_rows.astype(jnp.int32)
+
+    mine = lax.div(num_items - 1 - cta, jnp.int32(num_ctas)) + 1
+    return lax.fori_loop(0, mine, step, (jnp.int32(0), jnp.int32(0)))
+
+
 def stream_blocks(begin, end, streamed, num_stages: int, consumed, copy):
     """A memory warpgroup's loop over one work item's key blocks [begin, end), the CTA's `streamed` blocks before
     them, through a ring of `num_stages` slots: before refilling a slot it waits for every barrier in `consumed` to

@@ -121,6 +121,10 @@ class _Item(NamedTuple):
     begin: jax.Array | None  # the key blocks any row of the tile sees: [begin, end) of the walk
     end: jax.Array | None
 
+    @property
+    def has_rows(self):
+        return self.segment >= 0
+
 
 def stage_fits(*, head_dim: int, block_q: int, block_kv: int, num_stages: int) -> bool:
     """Whether shared memory holds the output stage (_write_rows) beside Q and the K/V stages: head_dim up to
@@ -206,8 +210,6 @@ def _kernel(
     # tiles) launched its CTAs: a head's tiles, longest (segment ends) first, then the next head's. With fewer CTAs
     # than items (a persistent grid) the memory warpgroup streams the next item's blocks while the last ones are
     # computed.
-    my_items = lax.div(num_items - 1 - cta, jnp.int32(num_ctas)) + 1
-
     def item(index):
         head = lax.div(index, jnp.int32(num_tiles))
         tile = num_tiles - 1 - lax.rem(index, jnp.int32(num_tiles))
@@ -235,12 +237,7 @@ def _kernel(
     def for_each_item(fn):
         """fn(item, key blocks streamed before it) for each of this CTA's items with rows, in order: every
         warpgroup counts K/V slots this way. Returns the blocks streamed over all of them."""
-        def step(i, streamed):
-            it = item(cta + i * num_ctas)
-            pl.when(it.segment >= 0)(lambda: fn(it, streamed))
-            return streamed + jnp.where(it.segment >= 0, it.end - it.begin, 0)
-
-        return lax.fori_loop(0, my_items, step, jnp.int32(0))
+        return mosaic_keys.for_each_item(item, cta, num_ctas, num_items, lambda it, blocks, _: fn(it, blocks))[0]
 
     def schedule_barrier_sync():
         plgpu.barrier_arrive(schedule_barrier)
