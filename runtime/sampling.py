@@ -386,8 +386,8 @@ def _ranked_at_or_above(keys: jax.Array, rids: jax.Array, key: jax.Array, rid: j
 def _rank_cut(keys: jax.Array, rids: jax.Array, among: jax.Array | None, weights: jax.Array | None,
               target: jax.Array, id_bits: int) -> tuple[jax.Array, jax.Array]:
     """Per row, the largest (key, rid) pair whose tokens at or above it weigh at least `target` (weights None:
-    one each, a count): the last token a cut at `target` keeps. A row that never reaches it (rounding) gets
-    (0, 0), which keeps every token. Digits go from the top of the key, then of the rid: each pass sums the
+    one each, a count): the last token a cut at `target` keeps. Where rounding leaves no bucket of a pass reaching
+    it, the pass takes digit 0 and the cut keeps more (every token, at the first pass). Digits go from the top of the key, then of the rid: each pass sums the
     weights of the tokens that share the pair's digits so far in each bucket of the next digit and takes the
     highest bucket where the weight ranked above it plus the bucket's own still reaches the target.
     keys, rids: u32[R, V]; among: bool[R, V], the tokens that may weigh anything (None: all); weights: f32[R, V]
@@ -396,9 +396,9 @@ def _rank_cut(keys: jax.Array, rids: jax.Array, among: jax.Array | None, weights
     above = jnp.zeros(num_rows, jnp.int32 if weights is None else jnp.float32)  # weight ranked above the prefix
     key = jnp.zeros(num_rows, jnp.uint32)
     for shift in range(32 - _DIGIT_BITS, -1, -_DIGIT_BITS):
-        shares = among if shift + _DIGIT_BITS == 32 else (keys >> (shift + _DIGIT_BITS)) == key[:, None]
+        shares = None if shift + _DIGIT_BITS == 32 else (keys >> (shift + _DIGIT_BITS)) == key[:, None]
         if among is not None:
-            shares &= among
+            shares = among if shares is None else shares & among
         digit, above = _next_digit(keys >> shift, shares, weights, above, target)
         key = (key << _DIGIT_BITS) | digit
     rid = jnp.zeros(num_rows, jnp.uint32)
