@@ -90,12 +90,13 @@ MOSAIC_DECODE_MAX_CTAS = 0
 # ran 1.5-1.7x Triton's TFLOP/s on whole tiles, so a Mosaic row costs about 0.6 of a Triton row.
 MOSAIC_ROW_COST = 0.6
 
-# How the sampler cuts a row's ranking for top-k / top-p (runtime/sampling.py): "sort" sorts each row's (logit, id)
-# pairs (top_k 50 / top_p 0.9 cost llama3-8b's decode step 4.0 ms at batch 256 on an H100, 2026-12-05); "keys" sorts
-# its logits' sort keys alone, 4 bytes an entry (the same tokens); "radix" sorts nothing, finding each cut by radix
-# select, 13 passes over the row at V = 128,256. "keys" and "radix": 2026-12-05, twenty-sixth session, CPU tests
-# only, not yet timed (tools/gpu_sampling_cost.py --filters times all three).
-SAMPLING_FILTER = "sort"
+# How the sampler cuts a row's ranking for top-k / top-p (runtime/sampling.py): "keys" sorts each row's logits'
+# sort keys alone, 4 bytes an entry (XLA sorts them with CUB's radix sort); "sort" sorts its (logit, id) pairs, 12
+# bytes an entry: the same tokens. Measured on an H100 (2026-12-06, llama3-8b, batch 256, vocabulary 128,256,
+# tools/gpu_sampling_cost.py): the sample program alone 1.72 ms against 3.82 (chained); the engine's decode step
+# with top_k 50 / top_p 0.9 on every row 17.06 ms against 19.10 (greedy 15.07), so a filtered step costs half as
+# much over greedy. A radix select without a sort (13 passes a cut) took 4.93 ms and 20.82 and was removed.
+SAMPLING_FILTER = "keys"
 
 # int4 weight-only linears on Hopper: steps of up to INT4_MOSAIC_MAX_ROWS token rows run the Mosaic GPU kernel
 # (quant_matmul_mgpu.int4_matmul_t) with the blocks below where it covers the shapes; wider steps and other GPUs

@@ -283,18 +283,16 @@ def _min_p_mask(scaled: jax.Array, largest: jax.Array, min_p: jax.Array) -> jax.
 def _filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
     """The tokens each row keeps: those at least min_p times as likely as its most likely token and among its
     top-k (both cut the ranking at a place, so their order does not matter), then of those its top-p nucleus.
-    tuning.SAMPLING_FILTER picks how the ranking is cut: "sort" sorts each row's (logit, id) pairs, "keys" only its
-    logits' sort keys (the same tokens), "radix" finds the cuts by radix select without a sort (the same tokens but
-    where float32 rounding of the nucleus' mass decides).
+    tuning.SAMPLING_FILTER picks how the ranking is cut: "keys" sorts only each row's logits' sort keys, "sort" its
+    (logit, id) pairs: the same tokens but where float32 rounding of the nucleus' mass decides (on a GPU the two
+    programs may sum it in other orders).
 
     scaled: f32[R, V] (temperature applied); top_k: i32[R]; top_p, min_p: f32[R] -> bool[R, V], by token id.
     """
-    if tuning.SAMPLING_FILTER not in ("sort", "keys", "radix"):
-        raise ValueError(f"tuning.SAMPLING_FILTER must be 'sort', 'keys' or 'radix', got {tuning.SAMPLING_FILTER!r}")
+    if tuning.SAMPLING_FILTER not in ("sort", "keys"):
+        raise ValueError(f"tuning.SAMPLING_FILTER must be 'sort' or 'keys', got {tuning.SAMPLING_FILTER!r}")
     vocab_size = scaled.shape[1]
     k = jnp.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)
-    if tuning.SAMPLING_FILTER == "radix":
-        return _radix_filter_mask(scaled, k, top_p, min_p)
     if tuning.SAMPLING_FILTER == "keys":
         return _keys_filter_mask(scaled, k, top_p, min_p)
     token_ids = lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
@@ -345,90 +343,11 @@ def _from_sort_keys(keys: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-_DIGIT_BITS = 4  # a radix pass splits a row's candidates into 2**4 buckets by one digit of their rank keys
-_BUCKETS = 1 << _DIGIT_BITS
-
-
-def _radix_filter_mask(scaled: jax.Array, k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
-    """`_filter_mask` without a sort, as FlashInfer's sampling cuts a ranking: each cut is the rank where the
-    count (top-k) or the mass (top-p) down the ranking first reaches its target, found a digit at a time, each
-    digit one pass over the row (`_rank_cut`). k: i32[R] in [1, V]."""
-    vocab_size = scaled.shape[1]
-    # The sort's order: rank keys are lax.sort's ascending order of -scaled, reversed (-0.0 as 0.0, NaN last),
-    # then ascending ids (reversed too, so a larger pair (key, rid) ranks higher).
-    keys = ~_sort_keys(-scaled)
-    id_bits = max(1, (vocab_size - 1).bit_length())
-    rids = (jnp.int32((1 << id_bits) - 1) - lax.broadcasted_iota(jnp.int32, scaled.shape, 1)).astype(jnp.uint32)
-    largest = jnp.max(jnp.where(jnp.isnan(scaled), -jnp.inf, scaled), axis=1, keepdims=True)  # the sort's first
-    keep = _min_p_mask(scaled, largest, min_p)
-    keep &= _ranked_at_or_above(keys, rids, *_rank_cut(keys, rids, None, None, k, id_bits))
-    # softmax over the kept tokens, unnormalised. Where the largest is infinite the sort's sums are NaN and its
-    # nucleus keeps the first token alone: tokens of that value weigh 1 each and the target is 1.
-    weights = jnp.where(keep, jnp.exp(jnp.where(scaled == largest, 0.0, scaled - largest)), 0.0)
-    target = jnp.where(jnp.isinf(largest[:, 0]), 1.0, top_p * jnp.sum(weights, axis=1))
-    nucleus = _ranked_at_or_above(keys, rids, *_rank_cut(keys, rids, keep, weights, target, id_bits))
-    return keep & (nucleus | (top_p[:, None] >= 1))
-
-
 def _sort_keys(x: jax.Array) -> jax.Array:
     """u32 keys in the order lax.sort gives float32 x: -0.0 equal to 0.0, every NaN after +inf."""
     x = jnp.where(jnp.isnan(x), jnp.float32(jnp.nan), jnp.where(x == 0, jnp.float32(0), x))
     bits = lax.bitcast_convert_type(x, jnp.uint32)
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
-
-
-def _ranked_at_or_above(keys: jax.Array, rids: jax.Array, key: jax.Array, rid: jax.Array) -> jax.Array:
-    """bool[R, V]: the tokens whose (key, rid) pair is at least the row's (key, rid)."""
-    key, rid = key[:, None], rid[:, None]
-    return (keys > key) | ((keys == key) & (rids >= rid))
-
-
-def _rank_cut(keys: jax.Array, rids: jax.Array, among: jax.Array | None, weights: jax.Array | None,
-              target: jax.Array, id_bits: int) -> tuple[jax.Array, jax.Array]:
-    """Per row, the largest (key, rid) pair whose tokens at or above it weigh at least `target` (weights None:
-    one each, a count): the last token a cut at `target` keeps. Where rounding leaves no bucket of a pass reaching
-    it, the pass takes digit 0 and the cut keeps more (every token, at the first pass). Digits go from the top of the key, then of the rid: each pass sums the
-    weights of the tokens that share the pair's digits so far in each bucket of the next digit and takes the
-    highest bucket where the weight ranked above it plus the bucket's own still reaches the target.
-    keys, rids: u32[R, V]; among: bool[R, V], the tokens that may weigh anything (None: all); weights: f32[R, V]
-    or None; target: [R] -> (u32[R], u32[R])."""
-    num_rows = keys.shape[0]
-    above = jnp.zeros(num_rows, jnp.int32 if weights is None else jnp.float32)  # weight ranked above the prefix
-    key = jnp.zeros(num_rows, jnp.uint32)
-    for shift in range(32 - _DIGIT_BITS, -1, -_DIGIT_BITS):
-        shares = None if shift + _DIGIT_BITS == 32 else (keys >> (shift + _DIGIT_BITS)) == key[:, None]
-        if among is not None:
-            shares = among if shares is None else shares & among
-        digit, above = _next_digit(keys >> shift, shares, weights, above, target)
-        key = (key << _DIGIT_BITS) | digit
-    rid = jnp.zeros(num_rows, jnp.uint32)
-    same_key = keys == key[:, None]
-    for shift in range(-(-id_bits // _DIGIT_BITS) * _DIGIT_BITS - _DIGIT_BITS, -1, -_DIGIT_BITS):
-        shares = same_key & ((rids >> (shift + _DIGIT_BITS)) == rid[:, None])
-        digit, above = _next_digit(rids >> shift, shares, weights, above, target)
-        rid = (rid << _DIGIT_BITS) | digit
-    return key, rid
-
-
-def _next_digit(shifted: jax.Array, shares: jax.Array | None, weights: jax.Array | None, above: jax.Array,
-                target: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One radix pass: the digit (shifted's low bits) of the highest bucket of the sharing tokens whose weight
-    with what ranks above it reaches target (else 0), and the weight ranked above that bucket."""
-    # Tokens outside `shares` go to bucket _BUCKETS, counted nowhere. The bucket is picked before it is compared
-    # with each bucket's number, so that XLA has no [R, V, buckets] mask that two cuts share to keep in memory.
-    bucket = (shifted & jnp.uint32(_BUCKETS - 1)).astype(jnp.uint8)
-    if shares is not None:
-        bucket = jnp.where(shares, bucket, jnp.uint8(_BUCKETS))
-    in_bucket = bucket[..., None] == lax.broadcasted_iota(jnp.uint8, (1, 1, _BUCKETS), 2)  # [R, V, buckets]
-    if weights is None:
-        sums = jnp.sum(in_bucket, axis=1, dtype=above.dtype)  # [R, buckets]
-    else:
-        sums = jnp.sum(jnp.where(in_bucket, weights[..., None], 0.0), axis=1)
-    higher = jnp.flip(jnp.pad(jnp.cumsum(jnp.flip(sums, 1), axis=1)[:, :-1], ((0, 0), (1, 0))), 1)  # of buckets > d
-    strictly_above = above[:, None] + higher
-    reaches = strictly_above + sums >= target[:, None]
-    digit = jnp.max(jnp.where(reaches, lax.broadcasted_iota(jnp.int32, sums.shape, 1), 0), axis=1)
-    return digit.astype(jnp.uint32), jnp.take_along_axis(strictly_above, digit[:, None], axis=1)[:, 0]
 
 
 def sample(logits: jax.Array, inputs: SamplerInputs, *, is_filtered: bool = True) -> jax.Array:

@@ -16,7 +16,7 @@ Each way's ms per step against greedy's from the same process.
 
 `--filters` times instead the `sample` program alone on random logits [batch, vocab] (llama3's vocabulary by
 default), top_k 50 / top_p 0.9 on every row, under each of tuning.SAMPLING_FILTER's ways to cut the ranking
-("sort", "keys", "radix") next to the draw without filters: chained (dependent calls in one jit) and separate (one
+("sort", "keys") next to the draw without filters: chained (dependent calls in one jit) and separate (one
 waited call each), and how often each draws the sort's tokens.
 
     python3 tools/gpu_sampling_cost.py                       # llama3-8b bf16, batch 256 at 576 keys
@@ -69,15 +69,14 @@ def time_filters(batch: int, vocab: int) -> list[dict]:
     inputs = SamplerInputs.from_params([SamplingParams(**FILTERS, seed=i) for i in range(batch)], range(batch),
                                        rows=batch)
     rows, tokens = [], {}
-    for way, filtered in (("no filter", False), ("sort", True), ("keys", True), ("radix", True)):
+    for way, filtered in (("no filter", False), ("sort", True), ("keys", True)):
         tuning.SAMPLING_FILTER = "sort" if way == "no filter" else way
         fn = functools.partial(lambda x, f, i: sample(x, i, is_filtered=f), f=filtered, i=inputs)
         tokens[way] = np.asarray(jax.jit(fn)(logits))
         chained, separate = bench(fn, (logits,)) * 1e3, bench_separate(fn, (logits,)) * 1e3
         rows.append({"way": way, "chained_ms": chained, "separate_ms": separate})
         print(f"{way:10s} chained {chained:7.3f} ms, separate {separate:7.3f} ms", flush=True)
-    for way in ("keys", "radix"):
-        print(f"{way} draws the sort's tokens in {float((tokens[way] == tokens['sort']).mean()):.1%} of {batch} rows")
+    print(f"keys draws the sort's tokens in {float((tokens['keys'] == tokens['sort']).mean()):.1%} of {batch} rows")
     print("| way | chained ms | separate ms |\n| --- | --- | --- |")
     for r in rows:
         print(f"| {r['way']} | {r['chained_ms']:.3f} | {r['separate_ms']:.3f} |")
@@ -91,7 +90,7 @@ def main():
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=576)
     p.add_argument("--ways", default="", help="comma-separated ways to time (default all)")
-    p.add_argument("--filters", action="store_true", help="time the sample program alone, sort against radix")
+    p.add_argument("--filters", action="store_true", help="time the sample program alone, per way")
     p.add_argument("--vocab", type=int, default=128256, help="--filters: the vocabulary")
     args = p.parse_args()
     if args.filters:
