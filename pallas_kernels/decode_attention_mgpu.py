@@ -191,11 +191,9 @@ def _kernel(
     ring_rows: int | None,
     window: int,
     softcap: float,
-    compute_wgs: int,
 ):
-    smem, (k_barriers, v_barriers, q_barriers), (consumed, q_consumed), partial_barriers = scoped
-    (q_smem, k_smem, v_smem, p_smems, o_smem, lse_smem, k_wides, v_wides, k_scales, v_scales,
-     partial_smem) = smem
+    smem, (k_barriers, v_barriers, q_barriers), (consumed, q_consumed) = scoped
+    q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, k_wide, v_wide, k_scales, v_scales = smem
     wg = lax.axis_index("wg")
     cta = lax.axis_index("ctas")
     head_dim = q_smem.shape[-1]
@@ -218,12 +216,10 @@ def _kernel(
         plgpu.commit_smem()
         return wide
 
-    @pl.when(wg == compute_wgs)
+    @pl.when(wg == 1)
     def _memory_wg():
         # The memory warpgroup reads the page table and issues the copies: each item's query tile, then its key
         # blocks, num_stages blocks ahead of the dots, counting slots over all of the CTA's items.
-        if compute_wgs > 1:  # three warpgroups: registers to the compute ones, as the prefill kernel does
-            plgpu.set_max_registers(40, action="decrease")
         def load_item(it, issued, queries):
             q_slot = lax.rem(queries, jnp.int32(q_slots))
 
@@ -248,21 +244,10 @@ def _kernel(
         def _drain_queries(n):
             plgpu.barrier_wait(q_consumed.at[lax.rem(n, jnp.int32(q_slots))])
 
-    def compute_wg(w: int):
-        """Compute warpgroup `w` of `compute_wgs`: of each item's key blocks it takes those of the CTA's block steps
-        (counted over its items, as the K/V slots are) that are w modulo compute_wgs, so the warpgroups take turns
-        at the slots. Warpgroup 0 merges the others' (acc, m, l) into its own and writes the rows."""
-        # Its own P and widened K/V tiles, indexed by the traced warpgroup index (a static one does not lower into
-        # a tiled, swizzled tile).
-        p_smem = None if p_smems is None else p_smems.at[wg]
-        k_wide = None if k_wides is None else k_wides.at[wg]
-        v_wide = None if v_wides is None else v_wides.at[wg]
-        if compute_wgs > 1:
-            plgpu.set_max_registers(232, action="increase")
-
+    @pl.when(wg == 0)
+    def _compute_wg():
         def attend(it, done, q_tile):
-            """The rows over this warpgroup's key blocks of the item: (acc, m, l) of the online softmax, in
-            registers."""
+            """The item's rows over its key blocks: (acc, m, l) of the online softmax, in registers."""
             def body(block, carry, *, masked: bool):
                 acc, m_i, l_i = carry
                 slot = lax.rem(done + block - it.begin, jnp.int32(num_stages))
@@ -318,52 +303,12 @@ def _kernel(
                     plgpu.barrier_arrive(consumed.at[slot])  # both dots have read the slot: refill it
                 return acc, m_ij, l_i
 
-            def blocks(lo, hi, carry, *, masked: bool):
-                """body over this warpgroup's blocks of [lo, hi): every compute_wgs-th, from the first whose step
-                (done + block - begin) is w modulo compute_wgs."""
-                if compute_wgs == 1:
-                    return lax.fori_loop(lo, hi, functools.partial(body, masked=masked), carry)
-                n = jnp.int32(compute_wgs)
-                first = lo + lax.rem(w + n - lax.rem(done + lo - it.begin, n), n)
-                count = lax.div(jnp.maximum(hi - first, 0) + n - 1, n)
-                return lax.fori_loop(0, count, lambda j, c: body(first + j * n, c, masked=masked), carry)
-
             acc = plgpu.layout_cast(jnp.full((_BLOCK_M, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
             m_i = plgpu.layout_cast(jnp.full((_BLOCK_M,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l_i = plgpu.layout_cast(jnp.full((_BLOCK_M,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            carry = blocks(it.begin, it.full_begin, (acc, m_i, l_i), masked=True)
-            carry = blocks(it.full_begin, it.full_end, carry, masked=False)
-            return blocks(it.full_end, it.end, carry, masked=True)
-
-        def merged(acc, m_i, l_i, items_before):
-            """Warpgroup 0's (acc, m, l) with warpgroup 1's (compute_wgs 2), which it leaves in shared memory: acc
-            in the float32 output tile (several splits: warpgroup 0 reads it back before writing its rows there) or
-            a tile of its own, m and l beside it. Warpgroup 0 frees them at its next item's start
-            (`release_partial`)."""
-            part_m, part_l = partial_smem[1:]
-            part_acc = partial_smem[0] if o_smem is None else o_smem
-            partial_ready, partial_free = partial_barriers
-            if w == 1:
-                @pl.when(items_before > 0)
-                def _():
-                    plgpu.barrier_wait(partial_free.at[0])
-
-                part_acc[...] = acc
-                part_m[...] = m_i
-                part_l[...] = l_i
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(partial_ready.at[0])
-                return None
-            plgpu.barrier_wait(partial_ready.at[0])
-            other_acc = plgpu.load(part_acc, (), layout=plgpu.Layout.WGMMA)
-            other_m = plgpu.load(part_m, (), layout=plgpu.Layout.WGMMA.reduce(1))
-            other_l = plgpu.load(part_l, (), layout=plgpu.Layout.WGMMA.reduce(1))
-            m = jnp.maximum(m_i, other_m)
-            base = jnp.where(m == -jnp.inf, 0.0, m)  # neither saw a key: both weights 0
-            mine, other = jnp.exp2(m_i - base), jnp.exp2(other_m - base)
-            acc = (acc * lax.broadcast_in_dim(mine, acc.shape, [0])
-                   + other_acc * lax.broadcast_in_dim(other, acc.shape, [0]))
-            return acc, m, l_i * mine + other_l * other
+            carry = lax.fori_loop(it.begin, it.full_begin, functools.partial(body, masked=True), (acc, m_i, l_i))
+            carry = lax.fori_loop(it.full_begin, it.full_end, functools.partial(body, masked=False), carry)
+            return lax.fori_loop(it.full_end, it.end, functools.partial(body, masked=True), carry)
 
         def write_rows(it, acc, m_i, l_i, out_smem):
             seen = l_i > 0
@@ -383,28 +328,11 @@ def _kernel(
             if lse_smem is not None:
                 plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[it.split, it.tile, it.kv_head])
 
-        def release_partial(items_before):
-            """Warpgroup 0, at an item's start: warpgroup 1 may leave its next partial (after the last item's rows
-            have left the float32 output tile that holds it)."""
-            @pl.when(items_before > 0)
-            def _():
-                if o_smem is not None:
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                plgpu.barrier_arrive(partial_barriers[1].at[0])
-
         def compute_item(it, done, queries):
-            if compute_wgs > 1 and w == 0:
-                release_partial(queries)
             q_slot = lax.rem(queries, jnp.int32(q_slots))
             q_tile = q_smem.at[q_slot]
             plgpu.barrier_wait(q_barriers.at[q_slot])
             acc, m_i, l_i = attend(it, done, q_tile)
-            if compute_wgs > 1:
-                if w > 0:  # its dots have read the query tile; warpgroup 0 writes the rows
-                    merged(acc, m_i, l_i, queries)
-                    plgpu.barrier_arrive(q_consumed.at[q_slot])
-                    return
-                acc, m_i, l_i = merged(acc, m_i, l_i, queries)
             if o_smem is None:  # one split: the rows go out through the query tile
                 write_rows(it, acc, m_i, l_i, q_tile)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -415,21 +343,17 @@ def _kernel(
                 write_rows(it, acc, m_i, l_i, o_smem)
 
         for_each_item(compute_item)
-        if w == 0:
-            plgpu.wait_smem_to_gmem(0)
-
-    for w in range(compute_wgs):
-        pl.when(wg == w)(functools.partial(compute_wg, w))
+        plgpu.wait_smem_to_gmem(0)
 
 
 @functools.partial(
     jax.jit, static_argnames=("ring_rows", "window", "causal", "softcap", "scale", "num_splits", "block_kv",
-                              "num_stages", "p_in_registers", "max_ctas", "compute_wgs", "interpret")
+                              "num_stages", "p_in_registers", "max_ctas", "interpret")
 )
 def decode_attention_mgpu(
     q, k_pages, v_pages, page_table, seq_info, *, k_scale=None, v_scale=None, ring_rows=None, window=0, causal=True,
     softcap=0.0, scale, num_splits=1, block_kv=128, num_stages=2, p_in_registers=False, max_ctas=None,
-    compute_wgs=1, interpret=False,
+    interpret=False,
 ):
     """Same contract as `varlen_attention` (see supports()). fp8 pools (scaled or not): each K and V block
     arrives as fp8 and is widened to q's dtype in shared memory (`_widen`) before the dots.
@@ -439,19 +363,13 @@ def decode_attention_mgpu(
     FlashAttention-3 does; otherwise, and always under interpret (the interpreter has no wgmma from registers), P goes
     through shared memory into a fresh accumulator. max_ctas: a persistent grid of at most this many CTAs, each
     over every max_ctas-th work item (tile, kv head, split), with a second query tile in shared memory (16 KB at
-    head_dim 128 in bf16: a tile near the limit may then not fit); None: a CTA per work item. compute_wgs: 1, or
-    2 compute warpgroups taking turns at the K/V slots (one's dots and softmax overlap the other's; num_stages even,
-    so that each has slots of its own), the second's (acc, m, l) merged into the first's through shared memory at
-    the end of each item (with one split a float32 tile of its own, 32 KB at head_dim 128; with several the float32
-    output tile). interpret: run Pallas' GPU interpreter (CPU tests)."""
+    head_dim 128 in bf16: a tile near the limit may then not fit); None: a CTA per work item. interpret: run Pallas'
+    GPU interpreter (CPU tests)."""
     num_rows, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     if num_stages < 1 or num_splits < 1 or num_rows < 1 or (max_ctas is not None and max_ctas < 1):
         raise ValueError(f"decode_attention_mgpu: num_stages={num_stages}, num_splits={num_splits}, max_ctas={max_ctas} "
                          f"and the query rows ({num_rows}) must be >= 1")
-    if compute_wgs not in (1, 2) or num_stages % compute_wgs:
-        raise ValueError(f"decode_attention_mgpu: compute_wgs={compute_wgs} must be 1 or 2, and divide num_stages="
-                         f"{num_stages} (each compute warpgroup waits at its own slots' barriers, in every phase)")
     if error := layer_error(page_table.shape[1] * page_size, ring_rows=ring_rows, window=window, softcap=softcap):
         raise ValueError(f"decode_attention_mgpu: {error}")
     if error := scales_error(k_pages, k_scale, v_scale):
@@ -467,9 +385,6 @@ def decode_attention_mgpu(
             f"{q.dtype}, pools {k_pages.shape} {k_pages.dtype}, scaled={scaled}, block_kv={block_kv}, "
             f"ring_rows={ring_rows}, window={window})"
         )
-    if compute_wgs > 1 and k_pages.dtype != q.dtype and block_kv > 64:
-        raise ValueError(f"decode_attention_mgpu: two compute warpgroups widen fp8 pools into tiles of their own, "
-                         f"which fit shared memory with block_kv <= 64 (block_kv={block_kv})")
     group = num_q_heads // num_kv_heads
     num_segments = seq_info.shape[0]
     num_tiles = num_tiles_for(num_rows, num_segments, group)
@@ -506,37 +421,29 @@ def decode_attention_mgpu(
                 tiles_ref, page_table_ref, q_ref, k_ref, v_ref, scale_refs, o_ref, lse_ref, scoped,
                 num_items=num_items, num_ctas=num_ctas, block_kv=block_kv, num_stages=num_stages,
                 page_size=page_size, group=group, causal=causal, scale=scale, num_splits=num_splits,
-                ring_rows=ring_rows, window=window, softcap=softcap, compute_wgs=compute_wgs,
+                ring_rows=ring_rows, window=window, softcap=softcap,
             ),
             (
                 plgpu.SMEM((q_slots, _BLOCK_M, head_dim), dtype, transforms=transforms),
                 plgpu.SMEM((num_stages, block_kv, head_dim), kv_dtype, transforms=_transforms(head_dim, kv_dtype)),
                 plgpu.SMEM((num_stages, block_kv, head_dim), kv_dtype, transforms=_transforms(head_dim, kv_dtype)),
-                None if p_in_registers else plgpu.SMEM((compute_wgs, _BLOCK_M, block_kv), dtype,
+                None if p_in_registers else plgpu.SMEM((_BLOCK_M, block_kv), dtype,
                                                        transforms=_transforms(block_kv, dtype)),
                 None if single else plgpu.SMEM((_BLOCK_M, head_dim), jnp.float32),
                 None if single else plgpu.SMEM((_BLOCK_M,), jnp.float32),
-                plgpu.SMEM((compute_wgs, block_kv, head_dim), dtype, transforms=transforms) if wide else None,
-                plgpu.SMEM((compute_wgs, block_kv, head_dim), dtype, transforms=transforms) if wide else None,
+                plgpu.SMEM((block_kv, head_dim), dtype, transforms=transforms) if wide else None,
+                plgpu.SMEM((block_kv, head_dim), dtype, transforms=transforms) if wide else None,
                 plgpu.SMEM((num_stages, block_kv), jnp.float32) if scaled else None,
                 plgpu.SMEM((num_stages, block_kv), jnp.float32) if scaled else None,
-                None if compute_wgs == 1 else (  # the second compute warpgroup's (acc, m, l) for the first; with
-                    # several splits acc goes through the float32 output tile
-                    plgpu.SMEM((_BLOCK_M, head_dim), jnp.float32) if single else None,
-                    plgpu.SMEM((_BLOCK_M,), jnp.float32), plgpu.SMEM((_BLOCK_M,), jnp.float32)),
             ),
             (
                 plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
                 plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=q_slots),
             ),
-            (  # the compute warpgroups' releases of K/V slots (each block's by the one that took it) and query slots
+            (  # the compute warpgroup's releases of K/V and query slots
                 plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),
-                plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=q_slots),
-            ),
-            None if compute_wgs == 1 else (  # the second compute warpgroup's partial: written, and read
-                plgpu.Barrier(num_arrivals=1, num_barriers=1),
-                plgpu.Barrier(num_arrivals=1, num_barriers=1),
+                plgpu.Barrier(num_arrivals=1, num_barriers=q_slots),
             ),
             collective_axes="wg",
         )
@@ -549,7 +456,7 @@ def decode_attention_mgpu(
         out_type=(o_type,) if single else (o_type, lse_type),
         grid=(num_ctas,),
         grid_names=("ctas",),
-        num_threads=compute_wgs + 1,  # compute warpgroups, then a memory warpgroup
+        num_threads=2,  # a compute and a memory warpgroup
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,

@@ -77,7 +77,7 @@ MOSAIC_PREFILL_PLAIN_ONLY = True
 # batch 1 and 8; against cuDNN 0.87-0.97x from batch 64, 0.70-1.02x at batch 1 and 8. Not ahead of Triton where
 # the engine spends its decode time (batch 1 with short contexts, 256 x 640), so Triton stays the default.
 DECODE_BACKEND = "triton"
-MOSAIC_DECODE = dict(block_kv=128, num_stages=2, p_in_registers=True, compute_wgs=1)
+MOSAIC_DECODE = dict(block_kv=128, num_stages=2, p_in_registers=True)
 # Under DECODE_BACKEND "mosaic", decode steps of fewer query rows (the step's width) than this keep Triton: the
 # Mosaic kernel can take the wide steps (batch 64-256) where it leads without the narrow ones where it trails.
 MOSAIC_DECODE_MIN_ROWS = 0

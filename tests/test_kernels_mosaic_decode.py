@@ -75,65 +75,6 @@ def test_persistent_grid(name, num_splits, max_ctas, fp8, page_size):
     assert items * num_splits > max_ctas  # some CTA took several items
 
 
-@pytest.mark.parametrize("name,num_splits,block_kv,num_stages,max_ctas,fp8,page_size", [
-    ("mixed-g4", 1, 64, 4, None, None, 16), ("window-flat-g4", 2, 64, 6, None, None, 16), ("ring-chunks-softcap", 2, 64, 2, None, None, 16),
-    ("ring-wide-wraps", 1, 128, 2, None, None, 16), ("one-row", 2, 64, 4, None, None, 16),
-    ("mixed-g4", 1, 64, 4, 3, None, 16), ("mixed-g4", 3, 64, 2, 5, None, 16),
-    ("g4-p256", 2, 64, 4, 1, "scaled", 256), ("decode-g4-d128", 1, 64, 2, None, "plain", 16),
-])
-def test_two_compute_warpgroups(name, num_splits, block_kv, num_stages, max_ctas, fp8, page_size):
-    """compute_wgs=2: the compute warpgroups take turns at the key blocks (by the CTA's block count, across items on
-    a persistent grid) and the second's (acc, m, l) joins the first's at each item's end (through the float32
-    output tile with several splits): items with one block (the second sees nothing), items of odd block counts
-    (the turns carried into the next item), splits, windows, rings, fp8 pools widened by each warpgroup into its
-    own tiles."""
-    case = dataclasses.replace(CASES[name], page_size=page_size)
-    kernel = functools.partial(dm.decode_attention_mgpu, num_splits=num_splits, block_kv=block_kv,
-                               num_stages=num_stages, max_ctas=max_ctas, compute_wgs=2, interpret=INTERPRET)
-    check_kernel(case, kernel, seed=5, **({"fp8": fp8} if fp8 else {}))
-
-
-def test_two_compute_warpgroups_refusals():
-    """Each compute warpgroup must wait at its own slots' barriers in every phase: an odd stage count would hand a
-    slot to both in turn. Over fp8 pools each widens into tiles of its own, which fit shared memory only with
-    64-key blocks."""
-    args = device_inputs(CASES["one-row"])
-    with pytest.raises(ValueError, match="compute_wgs=2 must be 1 or 2, and divide num_stages=3"):
-        dm.decode_attention_mgpu(**args, scale=0.1, num_stages=3, compute_wgs=2, interpret=True)
-    with pytest.raises(ValueError, match="compute_wgs=3"):
-        dm.decode_attention_mgpu(**args, scale=0.1, num_stages=3, compute_wgs=3, interpret=True)
-    fp8 = as_fp8(args, scaled=False)
-    with pytest.raises(ValueError, match=r"block_kv <= 64 \(block_kv=128\)"):
-        dm.decode_attention_mgpu(**fp8, scale=0.1, block_kv=128, compute_wgs=2, interpret=True)
-
-
-def test_two_compute_warpgroups_through_varlen_attention(monkeypatch):
-    """varlen_attention's decode dispatch with tuning.MOSAIC_DECODE set to two compute warpgroups (64 x 4)."""
-    monkeypatch.setattr(tuning, "MOSAIC_DECODE", {**tuning.MOSAIC_DECODE, "block_kv": 64, "num_stages": 4,
-                                                  "compute_wgs": 2})
-    check_kernel(CASES["ring-chunks-softcap"],
-                 functools.partial(varlen_attention, backend="mosaic_decode", interpret=INTERPRET), seed=7)
-
-
-@pytest.mark.skipif(not INTERPRET, reason="the GPU interpreter's race detector; compiled, the tests above run")
-@pytest.mark.parametrize("name,num_splits,num_stages,max_ctas,fp8,page_size", [
-    ("mixed-g4", 1, 4, 2, None, 16), ("mixed-g4", 2, 4, 2, None, 16), ("mixed-g4", 3, 2, 5, None, 16),
-    ("g4-p256", 2, 4, 1, "scaled", 256),
-])
-def test_two_compute_warpgroups_have_no_races(monkeypatch, name, num_splits, num_stages, max_ctas, fp8, page_size):
-    """The race detector over two compute warpgroups on a persistent grid: the second's partial rewritten before
-    the first has read the last item's (in the float32 output tile while the last rows leave it, several splits),
-    or the query tile overwritten by the rows (one split) while the second's dots still read it, would be a race."""
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-
-    params = plgpu.InterpretGPUParams
-    monkeypatch.setattr(plgpu, "InterpretGPUParams", lambda **kw: params(detect_races=True, **kw))
-    kernel = functools.partial(dm.decode_attention_mgpu, num_splits=num_splits, block_kv=64, num_stages=num_stages,
-                               max_ctas=max_ctas, compute_wgs=2, interpret=True)
-    check_kernel(dataclasses.replace(CASES[name], page_size=page_size), kernel, seed=6, **({"fp8": fp8} if fp8 else {}))
-    assert interpret_pallas_call.get_races().races_found is False
-
-
 @pytest.mark.skipif(not INTERPRET, reason="the GPU interpreter's race detector; compiled, the tests above run")
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_persistent_grid_has_no_races(monkeypatch, num_splits):
@@ -326,9 +267,6 @@ def test_split_count():
     (1, 16, 4, 64, 16, 1, dict(p_in_registers=True)),
     (64, 64, 8, 128, 64, 4, {}),  # group 8, page 64
     (37, 16, 16, 64, 16, 2, {}),  # group 1, d64
-    (256, 32, 8, 128, 16, 1, {"block_kv": 64, "num_stages": 4, "compute_wgs": 2}),  # two compute warpgroups
-    (256, 32, 8, 128, 16, 4, {"block_kv": 64, "num_stages": 4, "compute_wgs": 2, "max_ctas": 132}),
-    (1, 32, 8, 128, 16, 16, {"block_kv": 128, "num_stages": 2, "compute_wgs": 2}),
 ])
 def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, num_splits, tile):
     """Layout inference, TMA tiling and shared-memory checks run at lowering, at the engine's sizes (the default
@@ -355,8 +293,6 @@ def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, num_splits, tile):
     (64, 8, 128, 16, 2, False, {}),  # unscaled fp8 in pages of 16
     (16, 2, 64, 16, 1, False, dict(block_kv=64)),  # d64: 64-byte fp8 rows, 64-byte swizzle
     (16, 2, 64, 32, 2, True, dict(block_kv=64)),
-    (256, 8, 128, 32, 1, True, {"block_kv": 64, "num_stages": 4, "compute_wgs": 2}),  # two compute warpgroups
-    (64, 8, 128, 16, 2, False, {"block_kv": 64, "num_stages": 4, "compute_wgs": 2, "max_ctas": 132}),
 ])
 def test_fp8_lowers_for_cuda(num_rows, hkv, d, page_size, num_splits, scaled, tile):
     """fp8 pools (scaled or not): the fp8 K/V tiles' layouts, their widening into q's dtype and the scale copies

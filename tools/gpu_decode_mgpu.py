@@ -5,8 +5,7 @@ split-K), the Mosaic decode kernel at its default (tuning.MOSAIC_DECODE, split-K
 the same values laid out contiguously, each chained (`--iters` dependent calls in one jit, default 40) and as
 separate calls (one jit call each, waited for); then, on VARIANT_SHAPES, the Mosaic kernel at the other tiles
 (TILES: keys per block, stages, P in registers) and at half and twice the split count num_splits_for gives each,
-chained; on every shape, the kernel on a persistent grid (PERSISTENT) and with two compute warpgroups (TWO_WGS,
-one CTA per item and persistent), both timings.
+chained; on every shape, the kernel on a persistent grid (PERSISTENT), both timings.
 Every Mosaic output is checked against cuDNN's first (relative error). GB/s counts the K/V bytes of the context.
 
     python3 tools/gpu_decode_mgpu.py                       # every shape below
@@ -43,9 +42,6 @@ ERR_LIMIT = 1e-2  # relative error against cuDNN (bf16 kernels measured 8e-5 to 
 # A persistent grid (max_ctas): one wave of tuning.MOSAIC_DECODE_CTAS CTAs, each over every so-many-th work item,
 # at these tiles (block_kv, num_stages; P in registers), timed both ways on every shape.
 PERSISTENT = [(128, 2), (64, 4)]
-# compute_wgs=2 (two compute warpgroups taking turns at the key blocks: an even stage count), at these tiles
-# (block_kv, num_stages, persistent grid), timed both ways on every shape.
-TWO_WGS = [(64, 4, False), (64, 4, True), (128, 2, False)]
 VARIANT_SHAPES = {(1, 512, 768), (1, 4096, 4608), (1, 32768, 33024), (8, 1024, 1024), (8, 8192, 8192),
                   (256, 640, 640), (256, 4096, 4096)}
 
@@ -78,10 +74,10 @@ def main():
         splits = num_splits_for(batch, batch, HQ, HKV, cap, default[0])
 
         def mosaic(block_kv=default[0], num_stages=default[1], p_in_registers=default[2], num_splits=splits,
-                   max_ctas=None, compute_wgs=1):
+                   max_ctas=None):
             return lambda q_, *a: decode_attention_mgpu(q_, *a, scale=scale, block_kv=block_kv, num_stages=num_stages,
                                                         num_splits=num_splits, p_in_registers=p_in_registers,
-                                                        max_ctas=max_ctas, compute_wgs=compute_wgs, interpret=cpu)
+                                                        max_ctas=max_ctas, interpret=cpu)
 
         def triton(q_, *a):
             return varlen_attention(q_, *a, scale=scale, backend="triton", interpret=cpu)
@@ -113,17 +109,13 @@ def main():
                      f"{err:7.1e} | {tc[0] * 1e6:7.1f} {tc[1] * 1e6:7.1f} | {kv_bytes / tm[0] / 1e9:8.0f} "
                      f"{kv_bytes / tc[0] / 1e9:6.0f} | {tc[0] / tm[0]:5.2f} {tc[1] / tm[1]:5.2f} | "
                      f"{tt[0] / tm[0]:6.2f} {tt[1] / tm[1]:5.2f}")
-            arms = [(block_kv, stages, True, 1) for block_kv, stages in PERSISTENT] + [
-                (block_kv, stages, persistent, 2) for block_kv, stages, persistent in TWO_WGS]
-            for block_kv, stages, persistent, wgs in arms:
+            for block_kv, stages in PERSISTENT:
                 tile_splits = num_splits_for(batch, batch, HQ, HKV, cap, block_kv)
-                fn = mosaic(block_kv, stages, True, tile_splits, compute_wgs=wgs,
-                            max_ctas=tuning.MOSAIC_DECODE_CTAS if persistent else None)
+                fn = mosaic(block_kv, stages, True, tile_splits, max_ctas=tuning.MOSAIC_DECODE_CTAS)
                 e = rel_err(np.asarray(jax.jit(fn)(*paged), np.float32), want)
                 errors.append(e)
                 t = both(fn, paged)
-                label = " ".join(["two wgs"] * (wgs > 1) + ["persistent"] * persistent)
-                variants.append(f"  {label} {batch:>5} {ctx:>6} | block_kv {block_kv:>3} stages {stages} P regs "
+                variants.append(f"  persistent {batch:>5} {ctx:>6} | block_kv {block_kv:>3} stages {stages} P regs "
                                 f"splits {tile_splits:>2} | {t[0] * 1e6:8.1f} / {t[1] * 1e6:8.1f} us, "
                                 f"{tm[0] / t[0]:5.2f} / {tm[1] / t[1]:5.2f}x default, {tc[0] / t[0]:5.2f} / "
                                 f"{tc[1] / t[1]:5.2f}x cuDNN | err {e:7.1e}")

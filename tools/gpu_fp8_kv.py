@@ -26,9 +26,8 @@ from glint.pallas_kernels.reference import quantize_rows, scale_pool, to_pool_dt
 PEAK, REPS, PAGE, HKV, GROUP, D = 4.3e12, 20, 16, 8, 4, 128
 SWEEP = [BlockSizes(16, k, w, st) for k in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4)]
 # --mosaic: (keys per block, stages, persistent grid: tuning.MOSAIC_DECODE_CTAS CTAs over the work items, else one
-# CTA per item, compute warpgroups); the first is the default
-MOSAIC_TILES = [(128, 2, False, 1), (128, 3, False, 1), (128, 4, False, 1), (64, 4, False, 1), (128, 2, True, 1),
-                (64, 4, False, 2), (64, 4, True, 2), (64, 2, False, 2)]
+# CTA per item); the first is the default
+MOSAIC_TILES = [(128, 2, False), (128, 3, False), (128, 4, False), (64, 4, False), (128, 2, True)]
 
 
 def timed(fn, *args):
@@ -106,11 +105,10 @@ def main(batch: int, context: int, sweep: bool = False, mosaic: bool = False) ->
     # The default tile and deeper ones: an fp8 block has half a bf16 block's bytes, so the same stages keep half
     # the bytes in flight (the widened K and V tiles take the shared memory that bf16's wider slots would)
     try:
-        for block_kv, stages, persistent, wgs in MOSAIC_TILES if mosaic else ():
-            tuning.MOSAIC_DECODE = {**default_tile, "block_kv": block_kv, "num_stages": stages, "compute_wgs": wgs}
+        for block_kv, stages, persistent in MOSAIC_TILES if mosaic else ():
+            tuning.MOSAIC_DECODE = {**default_tile, "block_kv": block_kv, "num_stages": stages}
             tuning.MOSAIC_DECODE_MAX_CTAS = tuning.MOSAIC_DECODE_CTAS if persistent else 0
-            tile = (f"{block_kv}x{stages}" + (f" on {tuning.MOSAIC_DECODE_CTAS} CTAs" if persistent else "")
-                    + (f", {wgs} compute warpgroups" if wgs > 1 else ""))
+            tile = f"{block_kv}x{stages}" + (f" on {tuning.MOSAIC_DECODE_CTAS} CTAs" if persistent else "")
             attend_mosaic = attention(page_table, seq_info, backend="mosaic_decode")
             for name, _, tc, ts, nbytes in rows:
                 if name == "fp8-scaled" and PAGE % 32:

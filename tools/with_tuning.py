@@ -5,7 +5,7 @@ process each (the executables cache keys on tuning's values, so arms never share
     TUNING=TARGET_PROGRAMS=256 python3 tools/with_tuning.py -m glint.runtime.cli bench llama3-8b ...
 
 Each value takes the type of the one it replaces (booleans: 0/1 or false/true). A dict constant's entry is
-NAME.KEY (`TUNING=MOSAIC_DECODE.compute_wgs=2,MOSAIC_DECODE.num_stages=4`).
+NAME.KEY (`TUNING=MOSAIC_DECODE.block_kv=64,MOSAIC_DECODE.num_stages=4`).
 """
 import os
 import runpy
