@@ -229,13 +229,18 @@ def _kernel(
 
             plgpu.copy_gmem_to_smem(q_ref.at[it.kv_head, it.q_rows], q_smem.at[q_slot], q_barriers.at[q_slot])
 
-            def copy(block, slot):
-                mosaic_keys.copy_kv_block(page_table_ref, it.seq_slot, it.walk.storage(block), (k_ref, v_ref),
-                                          it.kv_head, (k_smem, v_smem), slot, (k_barriers, v_barriers),
-                                          page_size=page_size, scales=scale_refs,
-                                          scale_bufs=(k_scales, v_scales) if scale_refs else ())
+            def locate(block):
+                return mosaic_keys.block_chunks(page_table_ref, it.seq_slot, it.walk.storage(block),
+                                                block_kv=block_kv, page_size=page_size)
 
-            mosaic_keys.stream_blocks(it.begin, it.end, issued, num_stages, (consumed,), copy)
+            def copy(chunks, slot):  # K first (needed first), each pool with its scales if any
+                pools = ((k_ref, k_smem, k_barriers, k_scales), (v_ref, v_smem, v_barriers, v_scales))
+                for j, (pool, buf, barriers, scale_buf) in enumerate(pools):
+                    mosaic_keys.copy_pool_block(chunks, pool, it.kv_head, buf, slot, barriers, page_size=page_size,
+                                                scales=scale_refs[j] if scale_refs else None,
+                                                scale_buf=scale_buf if scale_refs else None)
+
+            mosaic_keys.stream_blocks(it.begin, it.end, issued, num_stages, locate, [((consumed,), copy)])
 
         issued, queries = for_each_item(load_item)
         mosaic_keys.drain_slots(issued, num_stages, (consumed,))

@@ -5,6 +5,7 @@ order, ring layers in storage order, windows), their logits, and the TMA copies 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -17,30 +18,33 @@ _LOG2E = math.log2(math.e)
 ALIGN = 8  # TMA row offsets into the tiled query / K / V views are multiples of this
 
 
-def copy_kv_block(page_table_ref, seq_slot, block, pools, kv_head, bufs, slot, barriers, *, page_size: int,
-                  scales=(), scale_bufs=()):
-    """Starts the TMA copies of key block `block` of sequence `seq_slot` (its rows of kv head `kv_head` in the flat
-    pools (k, v)) into slot `slot` of the shared-memory buffers (k, v), one copy per page chunk, K first (needed
-    first), each arriving at its buffer's barrier for the slot. A block past the table's last page reads that page.
-    A scaled fp8 cache's scale pools (k, v), flat [num_pages * Hkv, page_size] (one row per page and head), go
-    into `scale_bufs` [stages, block_kv] the same way, a copy per chunk arriving at the same barrier as its pool's."""
-    block_kv = bufs[0].shape[1]
+def block_chunks(page_table_ref, seq_slot, block, *, block_kv: int, page_size: int):
+    """Where key block `block` of sequence `seq_slot` lies in the flat pools: for each of its page chunks, the
+    chunk's page and its first row's offset in that page (a block past the table's last page reads that page). The
+    page table reads are global loads: a memory warpgroup issues them before it waits for a slot."""
     chunk = min(page_size, block_kv)
     last_page = page_table_ref.shape[1] - 1
-    rows, scale_rows = [], []
+    chunks = []
     for i in range(block_kv // chunk):
         key = block * block_kv + i * chunk
         page = page_table_ref[seq_slot, jnp.minimum(lax.div(key, jnp.int32(page_size)), last_page)]
-        offset = pl.multiple_of(lax.rem(key, jnp.int32(page_size)), ALIGN)
-        rows.append(pl.ds(pl.multiple_of(page * page_size + offset, ALIGN), chunk))
-        if scales:  # pools [rows, Hkv, D]: a page's row of scales for kv_head is page * Hkv + kv_head
-            scale_rows.append((page * pools[0].shape[1] + kv_head, pl.ds(offset, chunk)))
-    for j, (ref, buf, barrier) in enumerate(zip(pools, bufs, barriers)):
-        for i, src in enumerate(rows):
-            plgpu.copy_gmem_to_smem(ref.at[src, kv_head], buf.at[slot, pl.ds(i * chunk, chunk)], barrier.at[slot])
-        for i, (row, cols) in enumerate(scale_rows):
-            plgpu.copy_gmem_to_smem(scales[j].at[row, cols], scale_bufs[j].at[slot, pl.ds(i * chunk, chunk)],
-                                    barrier.at[slot])
+        chunks.append((page, pl.multiple_of(lax.rem(key, jnp.int32(page_size)), ALIGN)))
+    return chunks
+
+
+def copy_pool_block(chunks, pool, kv_head, buf, slot, barrier, *, page_size: int, scales=None, scale_buf=None):
+    """Starts the TMA copies of one pool's block (`chunks` from block_chunks; its rows of kv head `kv_head` in the
+    flat pool) into slot `slot` of `buf`, one copy per chunk, each arriving at `barrier` for the slot. A scaled fp8
+    cache's scale pool, flat [num_pages * Hkv, page_size] (one row per page and head), goes into `scale_buf`
+    [stages, block_kv] the same way, arriving at the same barrier."""
+    chunk = buf.shape[1] // len(chunks)
+    for i, (page, offset) in enumerate(chunks):
+        src = pl.ds(pl.multiple_of(page * page_size + offset, ALIGN), chunk)
+        plgpu.copy_gmem_to_smem(pool.at[src, kv_head], buf.at[slot, pl.ds(i * chunk, chunk)], barrier.at[slot])
+    if scales is not None:  # pools [rows, Hkv, D]: a page's row of scales for kv_head is page * Hkv + kv_head
+        for i, (page, offset) in enumerate(chunks):
+            plgpu.copy_gmem_to_smem(scales.at[page * pool.shape[1] + kv_head, pl.ds(offset, chunk)],
+                                    scale_buf.at[slot, pl.ds(i * chunk, chunk)], barrier.at[slot])
 
 
 def for_each_item(item, cta, num_ctas: int, num_items: int, fn):
@@ -58,21 +62,25 @@ def for_each_item(item, cta, num_ctas: int, num_items: int, fn):
     return lax.fori_loop(0, mine, step, (jnp.int32(0), jnp.int32(0)))
 
 
-def stream_blocks(begin, end, streamed, num_stages: int, consumed, copy):
+def stream_blocks(begin, end, streamed, num_stages: int, locate, stages):
     """A memory warpgroup's loop over one work item's key blocks [begin, end), the CTA's `streamed` blocks before
-    them, through a ring of `num_stages` slots: before refilling a slot it waits for every barrier in `consumed` to
-    say the slot's last block was read, then copy(block, slot) starts the block's copies."""
+    them, through a ring of `num_stages` slots. For each block, locate(block) first (its page table reads: global
+    loads whose latency then passes while the slot is still in use); then for each (consumed, copy) of `stages`, in
+    order, it waits for every barrier in `consumed` to say the slot's last block was read there and starts
+    copy(where, slot), `where` being what locate returned."""
     @pl.loop(begin, end)
     def _(block):
         step = streamed + block - begin
         slot = lax.rem(step, jnp.int32(num_stages))
+        where = locate(block)
+        for consumed, copy in stages:
+            pl.when(step >= num_stages)(functools.partial(_wait_all, consumed, slot))
+            copy(where, slot)
 
-        @pl.when(step >= num_stages)
-        def _():
-            for barrier in consumed:
-                plgpu.barrier_wait(barrier.at[slot])
 
-        copy(block, slot)
+def _wait_all(barriers, slot):
+    for barrier in barriers:
+        plgpu.barrier_wait(barrier.at[slot])
 
 
 def drain_slots(streamed, num_stages: int, consumed):

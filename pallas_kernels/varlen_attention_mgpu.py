@@ -378,12 +378,18 @@ def _kernel(
         plgpu.set_max_registers(40, action="decrease")
 
         def load_item(it, streamed):
-            def copy(block, slot):
-                mosaic_keys.copy_kv_block(page_table_ref, it.seq_slot, it.walk.storage(block), (k_ref, v_ref),
-                                          it.kv_head, (k_smem, v_smem), slot, (k_barriers, v_barriers),
-                                          page_size=page_size)
+            # A slot's K is refilled once both Q @ K^T read it, before their P @ V are done with its V.
+            def locate(block):
+                return mosaic_keys.block_chunks(page_table_ref, it.seq_slot, it.walk.storage(block),
+                                                block_kv=block_kv, page_size=page_size)
 
-            mosaic_keys.stream_blocks(it.begin, it.end, streamed, num_stages, (k_consumed, v_consumed), copy)
+            def copier(pool, buf, barriers):
+                def copy(chunks, slot):
+                    mosaic_keys.copy_pool_block(chunks, pool, it.kv_head, buf, slot, barriers, page_size=page_size)
+                return copy
+
+            mosaic_keys.stream_blocks(it.begin, it.end, streamed, num_stages, locate, [
+                ((k_consumed,), copier(k_ref, k_smem, k_barriers)), ((v_consumed,), copier(v_ref, v_smem, v_barriers))])
 
         mosaic_keys.drain_slots(for_each_item(load_item), num_stages, (k_consumed, v_consumed))
 
