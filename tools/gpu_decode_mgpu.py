@@ -12,6 +12,7 @@ Every Mosaic output is checked against cuDNN's first (relative error). GB/s coun
     python3 tools/gpu_decode_mgpu.py 1x512x768 256x640x640  # batch x context x capacity, these only
     python3 tools/gpu_decode_mgpu.py --iters 10 1x512x768   # 10 calls a chain
     python3 tools/gpu_decode_mgpu.py --iters 40 --no-tiles 256x640x640  # no TILES variants
+    python3 tools/gpu_decode_mgpu.py --page 64 --no-tiles 256x640x640   # pages of 64 rows (default 16)
 Chains of 10 put the same 15-60 us kernel up to 2-3x apart in two runs (2026-12-04, docs/perf.md); chains of 40
 (one run so far) still leave some variants of those shapes out of order, by up to ~2x.
 On a CPU machine: a dry run on tiny shapes (Pallas' GPU interpreter, no cuDNN, no timing worth reading).
@@ -49,9 +50,13 @@ VARIANT_SHAPES = {(1, 512, 768), (1, 4096, 4608), (1, 32768, 33024), (8, 1024, 1
 def main():
     cpu = jax.default_backend() == "cpu"
     argv = sys.argv[1:]
-    iters = 40
-    if argv[:1] == ["--iters"]:
-        iters, argv = int(argv[1]), argv[2:]
+    iters, page_size = 40, PS
+    while argv[:1] in (["--iters"], ["--page"]):
+        if argv[0] == "--iters":
+            iters = int(argv[1])
+        else:
+            page_size = int(argv[1])
+        argv = argv[2:]
     tiles = TILES
     if argv[:1] == ["--no-tiles"]:  # the default and the persistent grid only
         tiles, argv = [], argv[1:]
@@ -60,14 +65,15 @@ def main():
     scale = D ** -0.5
     key = jax.random.key(0)
     default = tuple(tuning.MOSAIC_DECODE[k] for k in ("block_kv", "num_stages", "p_in_registers"))
-    print(f"Mosaic default tile: block_kv {default[0]}, {default[1]} stages, P in registers {default[2]}; times in us "
-          "(chained / separate)")
+    print(f"Mosaic default tile: block_kv {default[0]}, {default[1]} stages, P in registers {default[2]}; pages of "
+          f"{page_size}; times in us (chained / separate)")
     print(f"{'batch':>5} {'ctx':>6} {'cap':>6} | {'triton':>15} | {'mosaic':>15} {'splits':>6} {'err':>7} | "
           f"{'cudnn':>15} | {'GB/s mos':>8} {'cudnn':>6} | {'x cuDNN c/s':>11} | {'x triton c/s':>12}")
     variants = []  # the Mosaic kernel's other tiles and splits on this shape, printed after its line
     errors = []  # every Mosaic output's relative error against cuDNN's (CPU: Triton's)
     for batch, ctx, cap in shapes:
-        q, k_pages, v_pages, page_table, seq_info = paged_setup(key, batch, cap, 1, HQ, HKV, D, PS, jnp.bfloat16)
+        q, k_pages, v_pages, page_table, seq_info = paged_setup(key, batch, cap, 1, HQ, HKV, D, page_size,
+                                                                jnp.bfloat16)
         seq_info = seq_info.at[:, 3].set(ctx)
         paged = (q, k_pages, v_pages, page_table, seq_info)
         kv_bytes = 2 * batch * ctx * HKV * D * 2
