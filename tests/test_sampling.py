@@ -493,10 +493,12 @@ def test_keys_keep_what_the_sort_keeps(vocab_size, monkeypatch):
         scaled[row], before[row], top_p[row]) > 1e-5)]
     assert len(posed) >= 0.8 * num_rows
     np.testing.assert_array_equal(masks["keys"][posed], masks["sort"][posed])
-    kept = masks["sort"].sum(axis=1)
-    assert kept[3:8].tolist() == [vocab_size, 1, vocab_size - 1, vocab_size, vocab_size]
-    assert kept[9] == kept[11] == kept[14] == kept[15] == 1  # top_p tiny or 0; infinite largest: the first alone
-    assert ((1 < kept) & (kept < vocab_size)).sum() > num_rows // 4  # the cuts fall inside the rows
+    for mask in masks.values():
+        kept = mask.sum(axis=1)
+        assert kept[3:8].tolist() == [vocab_size, 1, vocab_size - 1, vocab_size, vocab_size]
+        assert kept[9] == kept[11] == kept[14] == kept[15] == 1  # top_p tiny or 0; infinite largest: the first alone
+        assert mask[9, np.argmax(scaled[9])] and mask[11, np.argmax(scaled[11])]
+        assert ((1 < kept) & (kept < vocab_size)).sum() > num_rows // 4  # the cuts fall inside the rows
 
 
 def test_keys_cut_where_float32_sums_dip(monkeypatch):
@@ -507,11 +509,11 @@ def test_keys_cut_where_float32_sums_dip(monkeypatch):
     scaled = (rng.normal(size=(64, 1000)) * 3).astype(np.float32)
     masks = _masks(monkeypatch, scaled, np.zeros(64, np.int32), np.full(64, 0.99999994, np.float32),
                    np.zeros(64, np.float32), ways=("sort", "keys"))
-    for row in range(64):  # a prefix of the ranking, and more than top_p 0.9 would keep
+    for row in range(64):  # a prefix of the ranking, near what float64 sums keep (977 to 997 tokens of 1000)
         order = np.lexsort((np.arange(1000), -scaled[row]))
         for way in ("sort", "keys"):
             kept = masks[way][row][order]
-            assert kept[: kept.sum()].all() and kept.sum() > 10, (way, row)
+            assert kept[: kept.sum()].all() and kept.sum() > 900, (way, row)
 
 
 def test_sample_traces_once_and_checks_shapes():
