@@ -87,6 +87,11 @@ MOSAIC_DECODE_CTAS = 132
 # MOSAIC_DECODE_MAX_CTAS: 0 launches a CTA per work item (tile, kv head, split); N > 0 a persistent grid of at most
 # N CTAs, each over every N-th item, loading the next item while computing this one (not yet timed on a GPU).
 MOSAIC_DECODE_MAX_CTAS = 0
+# Both Mosaic kernels copy a key block page chunk by page chunk (TMA, 8 copies per pool for 128 keys in pages of
+# 16). With MOSAIC_COALESCE_PAGES a block whose pages lie back to back in the pool (allocated in a run, as a
+# prompt's are) goes as one copy. On an H100 (2026-12-06) the decode kernel took 269 us at 256 x 640 over bf16 and
+# fp8 pools alike, in pages of 16: bound by something per block or per copy, not by bytes. Not yet timed.
+MOSAIC_COALESCE_PAGES = False
 # "auto" sends a segment to Mosaic when its padded rows there x MOSAIC_ROW_COST < its padded rows on
 # Triton. 2026-12-01, H200, causal prefill 16x512 .. 2x4096 (GQA 32/8, D 128, bf16, page 16): Mosaic
 # ran 1.5-1.7x Triton's TFLOP/s on whole tiles, so a Mosaic row costs about 0.6 of a Triton row.
