@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-
 from glint.runtime import Engine, SamplingParams
 
 CENSUS_STEPS = (40, 100, 150)
