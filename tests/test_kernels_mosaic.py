@@ -134,7 +134,6 @@ def test_persistent_grid(name, max_ctas, num_stages):
     check_kernel(PREFILL_CASES[name], kernel, seed=3, shift=5)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="the GPU interpreter's race detector; compiled, the tests above run")
 @pytest.mark.parametrize("name,block_kv", [("prefill-g4-d128", 128), ("ring-prefill-softcap", 64)])
 def test_coalesced_pages(name, block_kv):
     """coalesce_pages: a key block whose pages run back to back in the pools goes as one copy per pool, then the
@@ -147,6 +146,7 @@ def test_coalesced_pages(name, block_kv):
     assert in_runs > 0 and broken > 0
 
 
+@pytest.mark.skipif(not INTERPRET, reason="the GPU interpreter's race detector; compiled, the tests above run")
 @pytest.mark.parametrize("name,max_ctas", [("window-warpgroups", 2), ("prefill-g4-d128", 3)])
 def test_persistent_grid_has_no_races(monkeypatch, name, max_ctas):
     """The interpreter's race detector over a persistent grid: the next item's query landing in the tile whose rows
