@@ -63,8 +63,8 @@ MOSAIC_PREFILL = dict(block_q=64, block_kv=128, num_stages=2)
 # MOSAIC_PREFILL_MAX_CTAS: 0 launches a CTA per work item (tile, query head); N > 0 a persistent grid of at most N
 # CTAs, each over every N-th item, its memory warpgroup streaming the next item's key blocks while this one's are
 # computed. On an H100 (2026-12-06, tools/gpu_prefill_probe.py --mosaic, causal, 132 CTAs) it ran 0.83-1.02x the
-# CTA-per-item grid from 16 x 512 to 4 x 2048 and 0.60 / 0.72x at 2 x 4096 / 1 x 8192, where a static round-robin
-# leaves the CTAs uneven work: off.
+# CTA-per-item grid from 16 x 512 to 4 x 2048 and 0.60 / 0.72x at 2 x 4096 / 1 x 8192: off. Not for an uneven
+# split: CTA c's items c, c + N, ... hold 1.08-1.21x the mean CTA's key blocks there (docs/perf.md); cause unknown.
 MOSAIC_PREFILL_MAX_CTAS = 0
 # Ring layers, sliding windows and soft-caps stay on Triton under "auto" while this is set: the Mosaic prefill
 # kernel covers them (2026-12-04, seventeenth session) but has so far run them only in the GPU interpreter.
