@@ -239,7 +239,7 @@ def _kernel(
                 for j, (pool, buf, barriers, scale_buf) in enumerate(pools):
                     mosaic_keys.copy_pool_block(chunks, pool, it.kv_head, buf, slot, barriers, page_size=page_size,
                                                 coalesce=coalesce_pages, scales=scale_refs[j] if scale_refs else None,
-                                                scale_buf=scale_buf if scale_refs else None)
+                                                scale_buf=scale_buf)
 
             mosaic_keys.stream_blocks(it.begin, it.end, issued, num_stages, locate, [((consumed,), copy)])
 

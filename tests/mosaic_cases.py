@@ -88,7 +88,7 @@ def in_runs(case, args):
     num_pages = args["k_pages"].shape[0]
     new_id = np.full(num_pages, -1)
     new_id[0], taken = 0, 1
-    for _, q_len, slot, kv_end in seq_info[seq_info[:, 1] > 0]:
+    for _, _, slot, kv_end in seq_info[seq_info[:, 1] > 0]:
         owned = page_table[slot, :-(-max(case.ring_rows or kv_end, 1) // case.page_size)]
         ids = np.arange(taken, taken + len(owned))
         middle = (len(ids) - 1) // 2
@@ -107,9 +107,10 @@ def blocks_in_runs(case, args, block_kv: int) -> tuple[int, int]:
     """(key blocks whose pages run back to back in the pools, blocks whose pages do not), over the sequences'
     whole blocks (block_kv keys of several pages)."""
     per_block = block_kv // case.page_size
+    page_table = np.asarray(args["page_table"])
     counts = [0, 0]
     for _, q_len, slot, kv_end in np.asarray(args["seq_info"]):
-        pages = np.asarray(args["page_table"])[slot, :(case.ring_rows or kv_end) // case.page_size]
+        pages = page_table[slot, :(case.ring_rows or kv_end) // case.page_size]
         for b in range(len(pages) // per_block if q_len and per_block > 1 else 0):
             counts[int((np.diff(pages[b * per_block:(b + 1) * per_block]) != 1).any())] += 1
     return counts[0], counts[1]
