@@ -21,6 +21,7 @@ On a CPU machine: a dry run on tiny shapes (Pallas' GPU interpreter, no cuDNN, n
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
 import jax
@@ -51,21 +52,16 @@ VARIANT_SHAPES = {(1, 512, 768), (1, 4096, 4608), (1, 32768, 33024), (8, 1024, 1
 
 def main():
     cpu = jax.default_backend() == "cpu"
-    argv = sys.argv[1:]
-    iters, page_size, runs = 40, PS, False
-    while argv[:1] in (["--iters"], ["--page"], ["--runs"]):
-        if argv[0] == "--runs":
-            runs, argv = True, argv[1:]
-            continue
-        if argv[0] == "--iters":
-            iters = int(argv[1])
-        else:
-            page_size = int(argv[1])
-        argv = argv[2:]
-    tiles = TILES
-    if argv[:1] == ["--no-tiles"]:  # the default and the persistent grid only
-        tiles, argv = [], argv[1:]
-    chosen = [_shape(a) for a in argv]
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("shapes", nargs="*", type=_shape, help="batch x context x capacity (default SHAPES)")
+    p.add_argument("--iters", type=int, default=40, help="dependent calls a chain")
+    p.add_argument("--page", type=int, default=PS, help="rows per page")
+    p.add_argument("--runs", action="store_true", help="each sequence's pages back to back, not shuffled")
+    p.add_argument("--no-tiles", action="store_true", help="the default tile and the persistent grid only")
+    args = p.parse_args()
+    iters, page_size, runs = args.iters, args.page, args.runs
+    tiles = [] if args.no_tiles else TILES
+    chosen = args.shapes
     shapes = [(1, 100, 128), (3, 70, 128)] if cpu else chosen or SHAPES
     scale = D ** -0.5
     key = jax.random.key(0)
