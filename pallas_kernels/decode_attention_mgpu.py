@@ -191,7 +191,6 @@ def _kernel(
     ring_rows: int | None,
     window: int,
     softcap: float,
-    coalesce_pages: bool,
 ):
     smem, (k_barriers, v_barriers, q_barriers), (consumed, q_consumed) = scoped
     q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, k_wide, v_wide, k_scales, v_scales = smem
@@ -238,7 +237,7 @@ def _kernel(
                 pools = ((k_ref, k_smem, k_barriers, k_scales), (v_ref, v_smem, v_barriers, v_scales))
                 for j, (pool, buf, barriers, scale_buf) in enumerate(pools):
                     mosaic_keys.copy_pool_block(chunks, pool, it.kv_head, buf, slot, barriers, page_size=page_size,
-                                                coalesce=coalesce_pages, scales=scale_refs[j] if scale_refs else None,
+                                                scales=scale_refs[j] if scale_refs else None,
                                                 scale_buf=scale_buf)
 
             mosaic_keys.stream_blocks(it.begin, it.end, issued, num_stages, locate, [((consumed,), copy)])
@@ -354,12 +353,12 @@ def _kernel(
 
 @functools.partial(
     jax.jit, static_argnames=("ring_rows", "window", "causal", "softcap", "scale", "num_splits", "block_kv",
-                              "num_stages", "p_in_registers", "max_ctas", "coalesce_pages", "interpret")
+                              "num_stages", "p_in_registers", "max_ctas", "interpret")
 )
 def decode_attention_mgpu(
     q, k_pages, v_pages, page_table, seq_info, *, k_scale=None, v_scale=None, ring_rows=None, window=0, causal=True,
     softcap=0.0, scale, num_splits=1, block_kv=128, num_stages=2, p_in_registers=False, max_ctas=None,
-    coalesce_pages=False, interpret=False,
+    interpret=False,
 ):
     """Same contract as `varlen_attention` (see supports()). fp8 pools (scaled or not): each K and V block
     arrives as fp8 and is widened to q's dtype in shared memory (`_widen`) before the dots.
@@ -369,14 +368,13 @@ def decode_attention_mgpu(
     FlashAttention-3 does; otherwise, and always under interpret (the interpreter has no wgmma from registers), P goes
     through shared memory into a fresh accumulator. max_ctas: a persistent grid of at most this many CTAs, each
     over every max_ctas-th work item (tile, kv head, split), with a second query tile in shared memory (16 KB at
-    head_dim 128 in bf16: a tile near the limit may then not fit); None: a CTA per work item. coalesce_pages: a
-    block whose page chunks lie back to back in the pools goes as one copy per pool (mosaic_keys.copy_pool_block).
-    interpret: run Pallas' GPU interpreter (CPU tests)."""
+    head_dim 128 in bf16: a tile near the limit may then not fit); None: a CTA per work item. interpret: run Pallas'
+    GPU interpreter (CPU tests)."""
     num_rows, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     if num_stages < 1 or num_splits < 1 or num_rows < 1 or (max_ctas is not None and max_ctas < 1):
-        raise ValueError(f"decode_attention_mgpu: num_stages={num_stages}, num_splits={num_splits}, max_ctas={max_ctas} "
-                         f"and the query rows ({num_rows}) must be >= 1")
+        raise ValueError(f"decode_attention_mgpu: num_stages={num_stages}, num_splits={num_splits}, "
+                         f"max_ctas={max_ctas} and the query rows ({num_rows}) must be >= 1")
     if error := layer_error(page_table.shape[1] * page_size, ring_rows=ring_rows, window=window, softcap=softcap):
         raise ValueError(f"decode_attention_mgpu: {error}")
     if error := scales_error(k_pages, k_scale, v_scale):
@@ -428,7 +426,7 @@ def decode_attention_mgpu(
                 tiles_ref, page_table_ref, q_ref, k_ref, v_ref, scale_refs, o_ref, lse_ref, scoped,
                 num_items=num_items, num_ctas=num_ctas, block_kv=block_kv, num_stages=num_stages,
                 page_size=page_size, group=group, causal=causal, scale=scale, num_splits=num_splits,
-                ring_rows=ring_rows, window=window, softcap=softcap, coalesce_pages=coalesce_pages,
+                ring_rows=ring_rows, window=window, softcap=softcap,
             ),
             (
                 plgpu.SMEM((q_slots, _BLOCK_M, head_dim), dtype, transforms=transforms),

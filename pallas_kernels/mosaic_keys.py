@@ -32,34 +32,15 @@ def block_chunks(page_table_ref, seq_slot, block, *, block_kv: int, page_size: i
     return chunks
 
 
-def copy_pool_block(chunks, pool, kv_head, buf, slot, barrier, *, page_size: int, scales=None, scale_buf=None,
-                    coalesce: bool = False):
+def copy_pool_block(chunks, pool, kv_head, buf, slot, barrier, *, page_size: int, scales=None, scale_buf=None):
     """Starts the TMA copies of one pool's block (`chunks` from block_chunks; its rows of kv head `kv_head` in the
-    flat pool) into slot `slot` of `buf`, one copy per chunk, each arriving at `barrier` for the slot. With
-    `coalesce`, a block whose chunks lie back to back in the pool (pages allocated in a run) goes as one copy,
-    followed by the arrivals the other chunks' copies would have made. A scaled fp8 cache's scale pool, flat
-    [num_pages * Hkv, page_size] (one row per page and head), goes into `scale_buf` [stages, block_kv] a copy per
-    chunk, arriving at the same barrier."""
+    flat pool) into slot `slot` of `buf`, one copy per chunk, each arriving at `barrier` for the slot. A scaled fp8
+    cache's scale pool, flat [num_pages * Hkv, page_size] (one row per page and head), goes into `scale_buf`
+    [stages, block_kv] a copy per chunk, arriving at the same barrier."""
     chunk = buf.shape[1] // len(chunks)
-    starts = [pl.multiple_of(page * page_size + offset, ALIGN) for page, offset in chunks]
-
-    def per_chunk():
-        for i, start in enumerate(starts):
-            plgpu.copy_gmem_to_smem(pool.at[pl.ds(start, chunk), kv_head], buf.at[slot, pl.ds(i * chunk, chunk)],
-                                    barrier.at[slot])
-
-    if coalesce and len(chunks) > 1:
-        runs = functools.reduce(jnp.logical_and, [start == starts[0] + i * chunk for i, start in enumerate(starts)])
-
-        @pl.when(runs)
-        def _():
-            plgpu.copy_gmem_to_smem(pool.at[pl.ds(starts[0], buf.shape[1]), kv_head], buf.at[slot], barrier.at[slot])
-            for _ in range(len(chunks) - 1):
-                plgpu.barrier_arrive(barrier.at[slot])
-
-        pl.when(jnp.logical_not(runs))(per_chunk)
-    else:
-        per_chunk()
+    for i, (page, offset) in enumerate(chunks):
+        src = pl.ds(pl.multiple_of(page * page_size + offset, ALIGN), chunk)
+        plgpu.copy_gmem_to_smem(pool.at[src, kv_head], buf.at[slot, pl.ds(i * chunk, chunk)], barrier.at[slot])
     if scales is not None:  # pools [rows, Hkv, D]: a page's row of scales for kv_head is page * Hkv + kv_head
         for i, (page, offset) in enumerate(chunks):
             plgpu.copy_gmem_to_smem(scales.at[page * pool.shape[1] + kv_head, pl.ds(offset, chunk)],

@@ -532,8 +532,7 @@ def varlen_attention(
                 q, k_pages, v_pages, page_table, seq_info, k_scale=k_scale, v_scale=v_scale, ring_rows=ring_rows,
                 window=window, causal=causal,
                 softcap=softcap, scale=float(scale), num_splits=num_splits, interpret=interpret,
-                max_ctas=tuning.MOSAIC_DECODE_MAX_CTAS or None, coalesce_pages=tuning.MOSAIC_COALESCE_PAGES,
-                **tuning.MOSAIC_DECODE,
+                max_ctas=tuning.MOSAIC_DECODE_MAX_CTAS or None, **tuning.MOSAIC_DECODE,
             )
         return run_triton(seq_info)
 
@@ -541,7 +540,7 @@ def varlen_attention(
         return varlen_attention_mgpu.varlen_attention_mgpu(
             q, k_pages, v_pages, page_table, info, out=out, ring_rows=ring_rows, window=window, causal=causal,
             softcap=softcap, scale=float(scale), interpret=interpret, max_ctas=tuning.MOSAIC_PREFILL_MAX_CTAS or None,
-            coalesce_pages=tuning.MOSAIC_COALESCE_PAGES, **tuning.MOSAIC_PREFILL
+            **tuning.MOSAIC_PREFILL
         )
 
     if backend == "mosaic":

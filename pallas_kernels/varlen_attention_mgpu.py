@@ -196,7 +196,6 @@ def _kernel(
     ring_rows: int | None,
     window: int,
     softcap: float,
-    coalesce_pages: bool,
 ):
     smem, kv_barriers, consumed_barriers, schedule_barrier = scoped
     qo_smem2, k_smem, v_smem, p_smem2, stage2 = smem
@@ -386,8 +385,7 @@ def _kernel(
 
             def copier(pool, buf, barriers):
                 def copy(chunks, slot):
-                    mosaic_keys.copy_pool_block(chunks, pool, it.kv_head, buf, slot, barriers, page_size=page_size,
-                                                coalesce=coalesce_pages)
+                    mosaic_keys.copy_pool_block(chunks, pool, it.kv_head, buf, slot, barriers, page_size=page_size)
                 return copy
 
             mosaic_keys.stream_blocks(it.begin, it.end, streamed, num_stages, locate, [
@@ -398,11 +396,11 @@ def _kernel(
 
 @functools.partial(
     jax.jit, static_argnames=("ring_rows", "window", "causal", "softcap", "scale", "block_q", "block_kv",
-                              "num_stages", "max_ctas", "coalesce_pages", "interpret")
+                              "num_stages", "max_ctas", "interpret")
 )
 def varlen_attention_mgpu(
     q, k_pages, v_pages, page_table, seq_info, *, out=None, ring_rows=None, window=0, causal=True, softcap=0.0,
-    scale, block_q=64, block_kv=128, num_stages=2, max_ctas=None, coalesce_pages=False, interpret=False,
+    scale, block_q=64, block_kv=128, num_stages=2, max_ctas=None, interpret=False,
 ):
     """Same contract as `varlen_attention` (unscaled pools of q's dtype; see supports()).
 
@@ -412,9 +410,8 @@ def varlen_attention_mgpu(
     rows into it in place where its output stage fits in shared memory (stage_fits), else into a padded buffer
     gathered back. max_ctas: a persistent grid of at most this many CTAs, each over every max_ctas-th work item
     (tile, query head), its memory warpgroup streaming the next item's key blocks while the last are computed; None:
-    a CTA per work item. coalesce_pages: a block whose page chunks lie back to back in the pools goes as one copy per
-    pool (mosaic_keys.copy_pool_block). interpret: run Pallas' GPU interpreter (CPU tests), P @ V then taking P
-    through shared memory."""
+    a CTA per work item. interpret: run Pallas' GPU interpreter (CPU tests), P @ V then taking P through shared
+    memory."""
     if num_stages < 2:
         # The memory warpgroup refills a slot's K, then its V, only after both compute warpgroups consumed them.
         raise ValueError(f"varlen_attention_mgpu: num_stages={num_stages} must be >= 2")
@@ -461,7 +458,6 @@ def varlen_attention_mgpu(
                 block_q=block_q, block_kv=block_kv, num_stages=num_stages, page_size=page_size,
                 group=num_q_heads // num_kv_heads, causal=causal, scale=scale, num_tiles=num_tiles,
                 num_items=num_items, num_ctas=num_ctas, ring_rows=ring_rows, window=window, softcap=softcap,
-                coalesce_pages=coalesce_pages,
             ),
             smem,
             (

@@ -81,48 +81,10 @@ def check_rows(got, want, seq_info, dtype):
     np.testing.assert_array_less(np.abs(got - want), tol + tol * np.abs(want))
 
 
-def in_runs(case, args):
-    """`args` with the pools' pages renumbered so that each sequence's pages run back to back, as pages allocated
-    together are, but for the two in the middle of each, swapped (what attention reads is unchanged)."""
-    page_table, seq_info = np.asarray(args["page_table"]), np.asarray(args["seq_info"])
-    num_pages = args["k_pages"].shape[0]
-    new_id = np.full(num_pages, -1)
-    new_id[0], taken = 0, 1
-    for _, _, slot, kv_end in seq_info[seq_info[:, 1] > 0]:
-        owned = page_table[slot, :-(-max(case.ring_rows or kv_end, 1) // case.page_size)]
-        ids = np.arange(taken, taken + len(owned))
-        middle = (len(ids) - 1) // 2
-        ids[middle:middle + 2] = ids[middle:middle + 2][::-1]
-        new_id[owned], taken = ids, taken + len(owned)
-    rest = new_id < 0
-    new_id[rest] = np.arange(taken, taken + rest.sum())
-    order = np.argsort(new_id)  # the old page that each new one holds
-    out = dict(args, page_table=jnp.asarray(new_id[page_table], jnp.int32))
-    for name in ("k_pages", "v_pages"):
-        out[name] = args[name][order]
-    return out
-
-
-def blocks_in_runs(case, args, block_kv: int) -> tuple[int, int]:
-    """(key blocks whose pages run back to back in the pools, blocks whose pages do not), over the sequences'
-    whole blocks (block_kv keys of several pages)."""
-    per_block = block_kv // case.page_size
-    page_table = np.asarray(args["page_table"])
-    counts = [0, 0]
-    for _, q_len, slot, kv_end in np.asarray(args["seq_info"]):
-        pages = page_table[slot, :(case.ring_rows or kv_end) // case.page_size]
-        for b in range(len(pages) // per_block if q_len and per_block > 1 else 0):
-            counts[int((np.diff(pages[b * per_block:(b + 1) * per_block]) != 1).any())] += 1
-    return counts[0], counts[1]
-
-
-def check_kernel(case, kernel, *, seed=0, shift=0, fp8=None, runs=False):
+def check_kernel(case, kernel, *, seed=0, shift=0, fp8=None):
     """`kernel(**inputs, scale=..., **layer_args(case))` on the case's device inputs against the reference on the
-    same inputs (check_rows); returns the inputs. fp8: "scaled" or "plain" pools (as_fp8). runs: pages renumbered
-    into runs (in_runs)."""
+    same inputs (check_rows); returns the inputs. fp8: "scaled" or "plain" pools (as_fp8)."""
     args = device_inputs(case, seed=seed, shift=shift)
-    if runs:
-        args = in_runs(case, args)
     if fp8:
         args = as_fp8(args, scaled=fp8 == "scaled")
     layer = layer_args(case)

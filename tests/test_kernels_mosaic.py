@@ -21,7 +21,7 @@ from glint.pallas_kernels import varlen_attention_mgpu as mg
 from glint.pallas_kernels.reference import varlen_attention_reference
 from glint.pallas_kernels.testing import AttentionCase as C
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from mosaic_cases import CASES, blocks_in_runs, check_kernel, check_rows, device_inputs
+from mosaic_cases import CASES, check_kernel, check_rows, device_inputs
 
 PREFILL_CASES = {
     # prefill chunks over several 128-row tiles among decode rows and short chunks, gaps and padding segments
@@ -132,18 +132,6 @@ def test_persistent_grid(name, max_ctas, num_stages):
     kernel = functools.partial(mg.varlen_attention_mgpu, max_ctas=max_ctas, num_stages=num_stages,
                                interpret=INTERPRET)
     check_kernel(PREFILL_CASES[name], kernel, seed=3, shift=5)
-
-
-@pytest.mark.parametrize("name,block_kv", [("prefill-g4-d128", 128), ("ring-prefill-softcap", 64)])
-def test_coalesced_pages(name, block_kv):
-    """coalesce_pages: a key block whose pages run back to back in the pools goes as one copy per pool, then the
-    arrivals of the copies it stands for; the other blocks chunk by chunk (both kinds in every case)."""
-    case = PREFILL_CASES[name]
-    kernel = functools.partial(mg.varlen_attention_mgpu, block_kv=block_kv, coalesce_pages=True,
-                               interpret=INTERPRET)
-    args = check_kernel(case, kernel, seed=4, runs=True)
-    in_runs, broken = blocks_in_runs(case, args, block_kv)
-    assert in_runs > 0 and broken > 0
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the GPU interpreter's race detector; compiled, the tests above run")
@@ -273,8 +261,6 @@ def test_mosaic_backend_refuses_what_it_cannot_run():
         (461, 8, 2, 128, 16, jnp.bfloat16, True, {"max_ctas": 132}),
         (197, 16, 2, 256, 32, jnp.bfloat16, True, {"max_ctas": 132}),
         (300, 8, 2, 192, 16, jnp.bfloat16, True, {}),
-        (461, 8, 2, 128, 16, jnp.bfloat16, True, {"coalesce_pages": True}),  # a block's pages in one copy
-        (197, 16, 2, 256, 32, jnp.bfloat16, True, {"coalesce_pages": True}),
     ],
 )
 def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, dtype, causal, layer):

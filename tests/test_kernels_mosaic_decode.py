@@ -22,7 +22,7 @@ from glint.pallas_kernels.reference import scale_pool_shape
 from glint.pallas_kernels.testing import AttentionCase as C
 from glint.pallas_kernels.testing import as_fp8, make_attention_inputs
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from mosaic_cases import CASES, blocks_in_runs, check_kernel, device_inputs
+from mosaic_cases import CASES, check_kernel, device_inputs
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -73,22 +73,6 @@ def test_persistent_grid(name, num_splits, max_ctas, fp8, page_size):
     num_kv_heads = args["k_pages"].shape[2]
     items = dm.num_tiles_for(num_rows, args["seq_info"].shape[0], num_q_heads // num_kv_heads) * num_kv_heads
     assert items * num_splits > max_ctas  # some CTA took several items
-
-
-@pytest.mark.parametrize("name,block_kv,num_splits,fp8", [
-    ("decode-g4-d128", 128, 1, None), ("mixed-g4", 64, 2, "plain"), ("g8-p32-d64", 128, 1, "scaled"),
-    ("ring-wide-wraps", 128, 2, None),
-])
-def test_coalesced_pages(name, block_kv, num_splits, fp8):
-    """coalesce_pages: a key block whose pages run back to back in the pools goes as one copy per pool, then the
-    arrivals of the copies it stands for; the other blocks chunk by chunk (both kinds in every case; a scaled
-    cache's scales always by chunk)."""
-    case = CASES[name]
-    kernel = functools.partial(dm.decode_attention_mgpu, block_kv=block_kv, num_splits=num_splits,
-                               coalesce_pages=True, interpret=INTERPRET)
-    args = check_kernel(case, kernel, seed=4, runs=True, **({"fp8": fp8} if fp8 else {}))
-    in_runs, broken = blocks_in_runs(case, args, block_kv)
-    assert in_runs > 0 and broken > 0
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the GPU interpreter's race detector; compiled, the tests above run")
@@ -286,8 +270,6 @@ def test_split_count():
     (1, 16, 4, 64, 16, 1, dict(p_in_registers=True)),
     (64, 64, 8, 128, 64, 4, {}),  # group 8, page 64
     (37, 16, 16, 64, 16, 2, {}),  # group 1, d64
-    (256, 32, 8, 128, 16, 1, {"coalesce_pages": True}),  # a block's pages in one copy
-    (1, 32, 8, 128, 32, 16, {"coalesce_pages": True, "block_kv": 64, "num_stages": 4}),
 ])
 def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, num_splits, tile):
     """Layout inference, TMA tiling and shared-memory checks run at lowering, at the engine's sizes (the default
@@ -314,8 +296,6 @@ def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, num_splits, tile):
     (64, 8, 128, 16, 2, False, {}),  # unscaled fp8 in pages of 16
     (16, 2, 64, 16, 1, False, dict(block_kv=64)),  # d64: 64-byte fp8 rows, 64-byte swizzle
     (16, 2, 64, 32, 2, True, dict(block_kv=64)),
-    (64, 8, 128, 16, 2, False, {"coalesce_pages": True}),  # a block's fp8 pages in one copy
-    (64, 8, 128, 32, 1, True, {"coalesce_pages": True}),  # and its scales by page
 ])
 def test_fp8_lowers_for_cuda(num_rows, hkv, d, page_size, num_splits, scaled, tile):
     """fp8 pools (scaled or not): the fp8 K/V tiles' layouts, their widening into q's dtype and the scale copies

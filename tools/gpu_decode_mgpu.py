@@ -13,8 +13,8 @@ Every Mosaic output is checked against cuDNN's first (relative error). GB/s coun
     python3 tools/gpu_decode_mgpu.py --iters 10 1x512x768   # 10 calls a chain
     python3 tools/gpu_decode_mgpu.py --iters 40 --no-tiles 256x640x640  # no TILES variants
     python3 tools/gpu_decode_mgpu.py --page 64 --no-tiles 256x640x640   # pages of 64 rows (default 16)
-    python3 tools/gpu_decode_mgpu.py --runs --no-tiles 256x640x640      # each sequence's pages back to back (not
-                                                                        # shuffled), also with coalesce_pages
+    python3 tools/gpu_decode_mgpu.py --runs --no-tiles 256x640x640      # each sequence's pages back to back (as a
+                                                                        # fresh prompt's are), not shuffled
 Chains of 10 put the same 15-60 us kernel up to 2-3x apart in two runs (2026-12-04, docs/perf.md); chains of 40
 (one run so far) still leave some variants of those shapes out of order, by up to ~2x.
 On a CPU machine: a dry run on tiny shapes (Pallas' GPU interpreter, no cuDNN, no timing worth reading).
@@ -83,11 +83,10 @@ def main():
         splits = num_splits_for(batch, batch, HQ, HKV, cap, default[0])
 
         def mosaic(block_kv=default[0], num_stages=default[1], p_in_registers=default[2], num_splits=splits,
-                   max_ctas=None, coalesce_pages=False):
+                   max_ctas=None):
             return lambda q_, *a: decode_attention_mgpu(q_, *a, scale=scale, block_kv=block_kv, num_stages=num_stages,
                                                         num_splits=num_splits, p_in_registers=p_in_registers,
-                                                        max_ctas=max_ctas, coalesce_pages=coalesce_pages,
-                                                        interpret=cpu)
+                                                        max_ctas=max_ctas, interpret=cpu)
 
         def triton(q_, *a):
             return varlen_attention(q_, *a, scale=scale, backend="triton", interpret=cpu)
@@ -129,14 +128,6 @@ def main():
                                 f"splits {tile_splits:>2} | {t[0] * 1e6:8.1f} / {t[1] * 1e6:8.1f} us, "
                                 f"{tm[0] / t[0]:5.2f} / {tm[1] / t[1]:5.2f}x default, {tc[0] / t[0]:5.2f} / "
                                 f"{tc[1] / t[1]:5.2f}x cuDNN | err {e:7.1e}")
-            if runs and page_size < default[0]:  # the default tile, each block one copy per pool
-                fn = mosaic(coalesce_pages=True)
-                e = rel_err(np.asarray(jax.jit(fn)(*paged), np.float32), want)
-                errors.append(e)
-                t = both(fn, paged)
-                variants.append(f"  coalesced {batch:>5} {ctx:>6} | pages in runs, one copy a block | "
-                                f"{t[0] * 1e6:8.1f} / {t[1] * 1e6:8.1f} us, {tm[0] / t[0]:5.2f} / {tm[1] / t[1]:5.2f}x "
-                                f"default, {tc[0] / t[0]:5.2f} / {tc[1] / t[1]:5.2f}x cuDNN | err {e:7.1e}")
             for block_kv, stages, in_regs in tiles if cpu or (batch, ctx, cap) in VARIANT_SHAPES else ():
                 tile_splits = num_splits_for(batch, batch, HQ, HKV, cap, block_kv)
                 for s in sorted({max(1, tile_splits // 2), tile_splits, min(tuning.MAX_SPLITS, 2 * tile_splits)}):
