@@ -86,12 +86,13 @@ MOSAIC_DECODE_MIN_ROWS = 0
 MOSAIC_DECODE_CTAS = 132
 # MOSAIC_DECODE_MAX_CTAS: 0 launches a CTA per work item (tile, kv head, split); N > 0 a persistent grid of at most
 # N CTAs, each over every N-th item, loading the next item while computing this one. 2026-12-06, H100, bf16, pages
-# of 16: 1.03x chained / 0.96x separate at 256 x 640, 1.00x at 64 x 4096; it stays off.
+# of 16: 1.00-1.03x chained / 0.98-1.02x separate at 256 x 640, 0.98 / 0.99x at 64 x 4096; it stays off.
 MOSAIC_DECODE_MAX_CTAS = 0
 # Both Mosaic kernels copy a key block page chunk by page chunk (TMA, 8 copies per pool for 128 keys in pages of
-# 16). Not what bounds them (2026-12-06, H100): one copy per block where the pages lie back to back ran 0.96-1.01x
+# 16). Not what bounds them (2026-12-06, H100): one copy per block where the pages lie back to back ran 0.96-1.02x
 # (prefill 16 x 512 .. 1 x 8192, decode 256 x 640 and 64 x 4096), and pages of 64 left the decode kernel's time at
-# 256 x 640 where it was, for bf16 and fp8 pools alike.
+# 256 x 640 where it was over bf16 pools (over fp8 ones 255 us against 269 the session before, far from the halved
+# bytes' time).
 # "auto" sends a segment to Mosaic when its padded rows there x MOSAIC_ROW_COST < its padded rows on
 # Triton. 2026-12-01, H200, causal prefill 16x512 .. 2x4096 (GQA 32/8, D 128, bf16, page 16): Mosaic
 # ran 1.5-1.7x Triton's TFLOP/s on whole tiles, so a Mosaic row costs about 0.6 of a Triton row.
