@@ -48,6 +48,7 @@ _BLOCK_M = 64  # packed rows per tile: one wgmma tile of one warpgroup
 _ALIGN = mosaic_keys.ALIGN
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 _SCALE_BYTES = 4  # a scale pool's float32
+_F16_MAX = float(jnp.finfo(jnp.float16).max)
 _TMA_SMEM_ALIGN = 128  # bytes: where a TMA copy may land in shared memory
 
 
@@ -71,13 +72,18 @@ def supports(*, dtype, kv_dtype, head_dim: int, page_size: int, block_kv: int, r
 
 def _widen(tile_ref, scale_ref, dtype, seen=None):
     """An fp8 tile [block_kv, D] of shared memory in `dtype`, in registers (WGMMA layout): e4m3 to float16 (one
-    conversion per two values on Hopper; to bfloat16 it takes more), float32 times each row's scale from
-    `scale_ref` [block_kv] (a scaled cache; None: unscaled), then `dtype`. Rows where `seen` (bool, WGMMA layout)
-    is false become zero: their pool rows and scales may hold anything (NaN)."""
+    conversion per two values on Hopper; to bfloat16 it takes more), then (a scaled cache, or bfloat16) float32,
+    times each row's scale from `scale_ref` [block_kv] (None: unscaled), clipped to float16's range when that is
+    `dtype`, then `dtype`. Rows where `seen` (bool, WGMMA layout) is false become zero: their pool rows and scales
+    may hold anything (NaN)."""
     x = plgpu.layout_cast(plgpu.load(tile_ref, layout=plgpu.Layout.WGMMA_UPCAST_2X), plgpu.Layout.WGMMA)
-    x = x.astype(jnp.float16).astype(jnp.float32)
+    x = x.astype(jnp.float16)
+    if scale_ref is not None or dtype != jnp.float16:
+        x = x.astype(jnp.float32)
     if scale_ref is not None:
         x = x * lax.broadcast_in_dim(plgpu.load(scale_ref, layout=plgpu.Layout.WGMMA.reduce(1)), x.shape, [0])
+        if dtype == jnp.float16:
+            x = jnp.clip(x, -_F16_MAX, _F16_MAX)
     if seen is not None:
         x = jnp.where(seen, x, 0.0)
     return x.astype(dtype)
@@ -353,15 +359,17 @@ def _kernel(
 
 @functools.partial(
     jax.jit, static_argnames=("ring_rows", "window", "causal", "softcap", "scale", "num_splits", "block_kv",
-                              "num_stages", "p_in_registers", "max_ctas", "interpret")
+                              "num_stages", "p_in_registers", "max_ctas", "f16_dots", "interpret")
 )
 def decode_attention_mgpu(
     q, k_pages, v_pages, page_table, seq_info, *, k_scale=None, v_scale=None, ring_rows=None, window=0, causal=True,
     softcap=0.0, scale, num_splits=1, block_kv=128, num_stages=2, p_in_registers=False, max_ctas=None,
-    interpret=False,
+    f16_dots=False, interpret=False,
 ):
     """Same contract as `varlen_attention` (see supports()). fp8 pools (scaled or not): each K and V block
-    arrives as fp8 and is widened to q's dtype in shared memory (`_widen`) before the dots.
+    arrives as fp8 and is widened to q's dtype in shared memory (`_widen`) before the dots; with f16_dots to
+    float16 (e4m3 to float16 directly, where bfloat16 takes a float32 round trip), the dots then running in
+    float16 on q clipped to its range, the output rounded to q's dtype (tuning.FP8_KV_F16_DOTS).
 
     num_splits: key slices per tile, merged after the kernel; block_kv keys per pipeline step; num_stages
     K/V shared-memory slots. p_in_registers: P @ V takes P from registers into the running accumulator, as
@@ -397,6 +405,11 @@ def decode_attention_mgpu(
     # Each tile's segment fields beside it: a CTA reads one row, not a row that names another.
     tile_info = jnp.concatenate([tiles, seq_info[jnp.maximum(tiles[:, 0], 0)]], axis=1)
     flat = (num_pages * page_size, num_kv_heads, head_dim)
+    out_dtype = q.dtype
+    kv_dtype = k_pages.dtype
+    wide = kv_dtype != q.dtype  # fp8 pools: widened into tiles of the dots' dtype
+    if wide and f16_dots and q.dtype != jnp.float16:
+        q = jnp.clip(q.astype(jnp.float32), -_F16_MAX, _F16_MAX).astype(jnp.float16)
     dtype = q.dtype
 
     # Each kv head's packed rows (at one query row a bitcast). A tile's TMA read past the last row is filled with
@@ -409,8 +422,6 @@ def decode_attention_mgpu(
 
     single = num_splits == 1  # no merge: the kernel writes final rows, and no float32 tile or lse
 
-    kv_dtype = k_pages.dtype
-    wide = kv_dtype != dtype  # fp8 pools: widened into tiles of q's dtype
     num_items = num_tiles * num_kv_heads * num_splits
     num_ctas = num_items if max_ctas is None else min(num_items, max_ctas)
     # A CTA over several items loads the next item's query tile while this one's rows are computed.
@@ -467,7 +478,7 @@ def decode_attention_mgpu(
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(tile_info, page_table, q_packed, k_pages.reshape(flat), v_pages.reshape(flat),
       *((k_scale.reshape(-1, page_size), v_scale.reshape(-1, page_size)) if scaled else ()))
-    return _merge(o, lse[0] if lse else None, seq_info, first_tile, group, num_rows).astype(dtype)
+    return _merge(o, lse[0] if lse else None, seq_info, first_tile, group, num_rows).astype(out_dtype)
 
 
 def _merge(o, lse, seq_info, first_tile, group: int, num_rows: int):

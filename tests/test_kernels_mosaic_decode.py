@@ -94,20 +94,22 @@ def test_persistent_grid_has_no_races(monkeypatch, name, num_splits, fp8, page_s
     assert interpret_pallas_call.get_races().races_found is False
 
 
-@pytest.mark.parametrize("name,fp8,page_size,num_splits", [
-    ("mixed-g4", "scaled", 32, 1), ("window-flat-g4", "scaled", 32, 3), ("ring-chunks-softcap", "scaled", 32, 2),
-    ("ring-g8-p32", "scaled", 32, 3), ("g4-p256", "scaled", 256, 2), ("decode-g4-d128", "scaled", 128, 2),
-    ("decode-g4-d128", "plain", 16, 1),
-    ("ring-wide-wraps", "plain", 16, 2), ("window-noncausal-softcap-f16", "plain", 16, 1),
+@pytest.mark.parametrize("name,fp8,page_size,num_splits,f16_dots", [
+    ("mixed-g4", "scaled", 32, 1, False), ("window-flat-g4", "scaled", 32, 3, False),
+    ("ring-chunks-softcap", "scaled", 32, 2, False), ("ring-g8-p32", "scaled", 32, 3, True),
+    ("g4-p256", "scaled", 256, 2, False), ("decode-g4-d128", "scaled", 128, 2, True),
+    ("decode-g4-d128", "plain", 16, 1, True), ("ring-wide-wraps", "plain", 16, 2, False),
+    ("ring-wide-wraps", "plain", 16, 2, True), ("window-noncausal-softcap-f16", "plain", 16, 1, False),
 ])
-def test_fp8_pools(name, fp8, page_size, num_splits):
+def test_fp8_pools(name, fp8, page_size, num_splits, f16_dots):
     """fp8 pools, a scaled cache (a float32 scale per row and head; its pages a multiple of 32 keys, see supports())
-    or plain e4m3, against the reference over the same pools: each block widened to q's dtype in shared memory,
-    scales applied to its rows, V rows of unseen keys zeroed as they widen (poisoned rows and scales are NaN). P
-    from registers, the default tile's, where compiled (the interpreter takes P through shared memory)."""
+    or plain e4m3, against the reference over the same pools: each block widened to q's dtype (f16_dots: to
+    float16, the dots in float16) in shared memory, scales applied to its rows, V rows of unseen keys zeroed as they
+    widen (poisoned rows and scales are NaN). P from registers, the default tile's, where compiled (the
+    interpreter takes P through shared memory)."""
     case = dataclasses.replace(CASES[name], page_size=page_size)
     kernel = functools.partial(dm.decode_attention_mgpu, num_splits=num_splits, block_kv=64, p_in_registers=True,
-                               interpret=INTERPRET)
+                               f16_dots=f16_dots, interpret=INTERPRET)
     check_kernel(case, kernel, seed=2, fp8=fp8)
 
 
@@ -296,10 +298,13 @@ def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, num_splits, tile):
     (64, 8, 128, 16, 2, False, {}),  # unscaled fp8 in pages of 16
     (16, 2, 64, 16, 1, False, dict(block_kv=64)),  # d64: 64-byte fp8 rows, 64-byte swizzle
     (16, 2, 64, 32, 2, True, dict(block_kv=64)),
+    (64, 8, 128, 16, 2, False, dict(f16_dots=True)),  # the dots in float16
+    (64, 8, 128, 32, 1, True, dict(f16_dots=True)),
+    (4, 8, 128, 64, 4, True, dict(ring_rows=1000, window=990, f16_dots=True)),
 ])
 def test_fp8_lowers_for_cuda(num_rows, hkv, d, page_size, num_splits, scaled, tile):
-    """fp8 pools (scaled or not): the fp8 K/V tiles' layouts, their widening into q's dtype and the scale copies
-    lower for CUDA (layout inference and TMA checks run at lowering)."""
+    """fp8 pools (scaled or not): the fp8 K/V tiles' layouts, their widening into q's dtype (or float16) and the
+    scale copies lower for CUDA (layout inference and TMA checks run at lowering)."""
     fp8, f32 = jnp.float8_e4m3fn, jnp.float32
     args = (
         jax.ShapeDtypeStruct((num_rows, 4 * hkv, d), jnp.bfloat16),
