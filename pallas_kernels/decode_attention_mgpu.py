@@ -197,8 +197,9 @@ def _kernel(
     ring_rows: int | None,
     window: int,
     softcap: float,
+    widen_wg: bool,
 ):
-    smem, (k_barriers, v_barriers, q_barriers), (consumed, q_consumed) = scoped
+    smem, (k_barriers, v_barriers, q_barriers), (consumed, q_consumed), wide_barriers = scoped
     q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, k_wide, v_wide, k_scales, v_scales = smem
     wg = lax.axis_index("wg")
     cta = lax.axis_index("ctas")
@@ -222,8 +223,49 @@ def _kernel(
         plgpu.commit_smem()
         return wide
 
+    def walk_blocks(it, body, carry):
+        """body(block, carry, masked=...) over the item's key blocks in order: masked ones before and after the
+        blocks every row sees whole."""
+        carry = lax.fori_loop(it.begin, it.full_begin, functools.partial(body, masked=True), carry)
+        carry = lax.fori_loop(it.full_begin, it.full_end, functools.partial(body, masked=False), carry)
+        return lax.fori_loop(it.full_end, it.end, functools.partial(body, masked=True), carry)
+
+    if widen_wg:
+        # A third warpgroup widens each fp8 block into one of `wide_slots` K and V tiles while the compute
+        # warpgroup runs the last block's dots and softmax: it frees the fp8 slot once both are widened, and the
+        # compute warpgroup frees a wide tile once its dot has read it.
+        k_ready, v_ready, k_free, v_free = wide_barriers
+        wide_slots = k_wide.shape[0]
+
+        @pl.when(wg == 2)
+        def _widen_wg():
+            def widen_item(it, done, queries):
+                del queries
+
+                def body(block, carry, *, masked: bool):
+                    step = done + block - it.begin
+                    slot, w = lax.rem(step, jnp.int32(num_stages)), lax.rem(step, jnp.int32(wide_slots))
+                    plgpu.barrier_wait(k_barriers.at[slot])
+                    pl.when(step >= wide_slots)(lambda: plgpu.barrier_wait(k_free.at[w]))
+                    widened(k_smem, k_scales, k_wide.at[w], slot)
+                    plgpu.barrier_arrive(k_ready.at[w])
+                    plgpu.barrier_wait(v_barriers.at[slot])
+                    pl.when(step >= wide_slots)(lambda: plgpu.barrier_wait(v_free.at[w]))
+                    seen = it.walk.seen_rows(block, v_wide.shape[-2:]) if masked else None
+                    widened(v_smem, v_scales, v_wide.at[w], slot, seen)
+                    plgpu.barrier_arrive(v_ready.at[w])
+                    plgpu.barrier_arrive(consumed.at[slot])  # both widened: the fp8 slot can be refilled
+                    return carry
+
+                walk_blocks(it, body, ())
+
+            steps, _ = for_each_item(widen_item)
+            mosaic_keys.drain_slots(steps, wide_slots, (k_free, v_free))
+
     @pl.when(wg == 1)
     def _memory_wg():
+        if widen_wg:
+            plgpu.set_max_registers(40, action="decrease")
         # The memory warpgroup reads the page table and issues the copies: each item's query tile, then its key
         # blocks, num_stages blocks ahead of the dots, counting slots over all of the CTA's items.
         def load_item(it, issued, queries):
@@ -257,19 +299,29 @@ def _kernel(
 
     @pl.when(wg == 0)
     def _compute_wg():
+        if widen_wg:
+            plgpu.set_max_registers(232, action="increase")
+
         def attend(it, done, q_tile):
             """The item's rows over its key blocks: (acc, m, l) of the online softmax, in registers."""
             def body(block, carry, *, masked: bool):
                 acc, m_i, l_i = carry
                 slot = lax.rem(done + block - it.begin, jnp.int32(num_stages))
-                plgpu.barrier_wait(k_barriers.at[slot])
-                k_tile = k_smem.at[slot] if k_wide is None else widened(k_smem, k_scales, k_wide, slot)
+                if widen_wg:
+                    w = lax.rem(done + block - it.begin, jnp.int32(wide_slots))
+                    plgpu.barrier_wait(k_ready.at[w])
+                    k_tile = k_wide.at[w]
+                else:
+                    plgpu.barrier_wait(k_barriers.at[slot])
+                    k_tile = k_smem.at[slot] if k_wide is None else widened(k_smem, k_scales, k_wide, slot)
 
                 def qk_dot(acc_ref):
                     plgpu.wgmma(acc_ref, q_tile, k_tile.transpose((1, 0)))
                     return acc_ref[...]
 
                 qk = pl.run_scoped(qk_dot, plgpu.ACC((_BLOCK_M, block_kv), jnp.float32))
+                if widen_wg:
+                    plgpu.barrier_arrive(k_free.at[w])
                 qk, c = mosaic_keys.log2_logits(qk, scale=scale, softcap=softcap)
                 if masked:
                     rows = plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA) + it.first
@@ -284,12 +336,16 @@ def _kernel(
                 p = jnp.exp2(qk * c - lax.broadcast_in_dim(base, qk.shape, [0]))
                 l_i = l_i * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                plgpu.barrier_wait(v_barriers.at[slot])
-                if v_wide is not None:  # V rows of keys no row sees are zeroed as they widen
-                    seen = it.walk.seen_rows(block, v_wide.shape) if masked else None
+                if widen_wg:  # widened, unseen rows zeroed
+                    plgpu.barrier_wait(v_ready.at[w])
+                    v_tile = v_wide.at[w]
+                elif v_wide is not None:  # V rows of keys no row sees are zeroed as they widen
+                    plgpu.barrier_wait(v_barriers.at[slot])
+                    seen = it.walk.seen_rows(block, v_wide.shape[-2:]) if masked else None
                     v_tile = widened(v_smem, v_scales, v_wide, slot, seen)
                     plgpu.barrier_arrive(consumed.at[slot])  # the dots read the widened tiles: refill the slot now
                 else:
+                    plgpu.barrier_wait(v_barriers.at[slot])
                     if masked:
                         it.walk.zero_unseen(v_smem.at[slot], block, dtype)
                     v_tile = v_smem.at[slot]
@@ -310,16 +366,16 @@ def _kernel(
                         return acc_ref[...]
 
                     acc = acc + pl.run_scoped(pv_dot, plgpu.ACC((_BLOCK_M, head_dim), jnp.float32))
-                if v_wide is None:
+                if widen_wg:
+                    plgpu.barrier_arrive(v_free.at[w])
+                elif v_wide is None:
                     plgpu.barrier_arrive(consumed.at[slot])  # both dots have read the slot: refill it
                 return acc, m_ij, l_i
 
             acc = plgpu.layout_cast(jnp.full((_BLOCK_M, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
             m_i = plgpu.layout_cast(jnp.full((_BLOCK_M,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l_i = plgpu.layout_cast(jnp.full((_BLOCK_M,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            carry = lax.fori_loop(it.begin, it.full_begin, functools.partial(body, masked=True), (acc, m_i, l_i))
-            carry = lax.fori_loop(it.full_begin, it.full_end, functools.partial(body, masked=False), carry)
-            return lax.fori_loop(it.full_end, it.end, functools.partial(body, masked=True), carry)
+            return walk_blocks(it, body, (acc, m_i, l_i))
 
         def write_rows(it, acc, m_i, l_i, out_smem):
             seen = l_i > 0
@@ -359,17 +415,20 @@ def _kernel(
 
 @functools.partial(
     jax.jit, static_argnames=("ring_rows", "window", "causal", "softcap", "scale", "num_splits", "block_kv",
-                              "num_stages", "p_in_registers", "max_ctas", "f16_dots", "interpret")
+                              "num_stages", "p_in_registers", "max_ctas", "f16_dots",
+                              "widen_warpgroup", "interpret")
 )
 def decode_attention_mgpu(
     q, k_pages, v_pages, page_table, seq_info, *, k_scale=None, v_scale=None, ring_rows=None, window=0, causal=True,
     softcap=0.0, scale, num_splits=1, block_kv=128, num_stages=2, p_in_registers=False, max_ctas=None,
-    f16_dots=False, interpret=False,
+    f16_dots=False, widen_warpgroup=False, interpret=False,
 ):
     """Same contract as `varlen_attention` (see supports()). fp8 pools (scaled or not): each K and V block
     arrives as fp8 and is widened to q's dtype in shared memory (`_widen`) before the dots; with f16_dots to
     float16 (e4m3 to float16 directly, where bfloat16 takes a float32 round trip), the dots then running in
-    float16 on q clipped to its range, the output rounded to q's dtype (tuning.FP8_KV_F16_DOTS).
+    float16 on q clipped to its range, the output rounded to q's dtype (tuning.FP8_KV_F16_DOTS). With
+    widen_warpgroup a third warpgroup widens them, into two K and two V tiles, while the compute warpgroup runs
+    the dots of the block before (fp8 pools only; 64 KB more shared memory at 128 keys, head_dim 128).
 
     num_splits: key slices per tile, merged after the kernel; block_kv keys per pipeline step; num_stages
     K/V shared-memory slots. p_in_registers: P @ V takes P from registers into the running accumulator, as
@@ -422,6 +481,8 @@ def decode_attention_mgpu(
 
     single = num_splits == 1  # no merge: the kernel writes final rows, and no float32 tile or lse
 
+    widen_wg = wide and widen_warpgroup
+    wide_slots = 2  # under widen_wg
     num_items = num_tiles * num_kv_heads * num_splits
     num_ctas = num_items if max_ctas is None else min(num_items, max_ctas)
     # A CTA over several items loads the next item's query tile while this one's rows are computed.
@@ -437,7 +498,7 @@ def decode_attention_mgpu(
                 tiles_ref, page_table_ref, q_ref, k_ref, v_ref, scale_refs, o_ref, lse_ref, scoped,
                 num_items=num_items, num_ctas=num_ctas, block_kv=block_kv, num_stages=num_stages,
                 page_size=page_size, group=group, causal=causal, scale=scale, num_splits=num_splits,
-                ring_rows=ring_rows, window=window, softcap=softcap,
+                ring_rows=ring_rows, window=window, softcap=softcap, widen_wg=widen_wg,
             ),
             (
                 plgpu.SMEM((q_slots, _BLOCK_M, head_dim), dtype, transforms=transforms),
@@ -447,8 +508,8 @@ def decode_attention_mgpu(
                                                        transforms=_transforms(block_kv, dtype)),
                 None if single else plgpu.SMEM((_BLOCK_M, head_dim), jnp.float32),
                 None if single else plgpu.SMEM((_BLOCK_M,), jnp.float32),
-                plgpu.SMEM((block_kv, head_dim), dtype, transforms=transforms) if wide else None,
-                plgpu.SMEM((block_kv, head_dim), dtype, transforms=transforms) if wide else None,
+                *(plgpu.SMEM((*(wide_slots,) * widen_wg, block_kv, head_dim), dtype, transforms=transforms)
+                  if wide else None for _ in "kv"),
                 plgpu.SMEM((num_stages, block_kv), jnp.float32) if scaled else None,
                 plgpu.SMEM((num_stages, block_kv), jnp.float32) if scaled else None,
             ),
@@ -457,10 +518,12 @@ def decode_attention_mgpu(
                 plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
                 plgpu.Barrier(num_barriers=q_slots),
             ),
-            (  # the compute warpgroup's releases of K/V and query slots
+            (  # the compute (or widening) warpgroup's releases of K/V and query slots
                 plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),
                 plgpu.Barrier(num_arrivals=1, num_barriers=q_slots),
             ),
+            # widen_wg: K and V widened (ready) and read by the dots (free), per wide tile
+            tuple(plgpu.Barrier(num_arrivals=1, num_barriers=wide_slots) for _ in range(4 * widen_wg)),
             collective_axes="wg",
         )
 
@@ -472,7 +535,7 @@ def decode_attention_mgpu(
         out_type=(o_type,) if single else (o_type, lse_type),
         grid=(num_ctas,),
         grid_names=("ctas",),
-        num_threads=2,  # a compute and a memory warpgroup
+        num_threads=3 if widen_wg else 2,  # a compute and a memory warpgroup (and one widening fp8 blocks)
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,

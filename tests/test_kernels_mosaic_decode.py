@@ -94,22 +94,27 @@ def test_persistent_grid_has_no_races(monkeypatch, name, num_splits, fp8, page_s
     assert interpret_pallas_call.get_races().races_found is False
 
 
-@pytest.mark.parametrize("name,fp8,page_size,num_splits,f16_dots", [
-    ("mixed-g4", "scaled", 32, 1, False), ("window-flat-g4", "scaled", 32, 3, False),
-    ("ring-chunks-softcap", "scaled", 32, 2, False), ("ring-g8-p32", "scaled", 32, 3, True),
-    ("g4-p256", "scaled", 256, 2, False), ("decode-g4-d128", "scaled", 128, 2, True),
-    ("decode-g4-d128", "plain", 16, 1, True), ("ring-wide-wraps", "plain", 16, 2, False),
-    ("ring-wide-wraps", "plain", 16, 2, True), ("window-noncausal-softcap-f16", "plain", 16, 1, False),
+_F16, _WIDEN_WG = {"f16_dots": True}, {"widen_warpgroup": True}
+
+
+@pytest.mark.parametrize("name,fp8,page_size,num_splits,opts", [
+    ("mixed-g4", "scaled", 32, 1, {}), ("window-flat-g4", "scaled", 32, 3, {}),
+    ("ring-chunks-softcap", "scaled", 32, 2, {}), ("ring-g8-p32", "scaled", 32, 3, _F16),
+    ("g4-p256", "scaled", 256, 2, {}), ("decode-g4-d128", "scaled", 128, 2, _F16),
+    ("decode-g4-d128", "plain", 16, 1, _F16), ("ring-wide-wraps", "plain", 16, 2, {}),
+    ("ring-wide-wraps", "plain", 16, 2, _F16 | _WIDEN_WG), ("window-noncausal-softcap-f16", "plain", 16, 1, {}),
+    ("mixed-g4", "scaled", 32, 1, _WIDEN_WG), ("window-flat-g4", "scaled", 32, 3, _WIDEN_WG | {"max_ctas": 3}),
 ])
-def test_fp8_pools(name, fp8, page_size, num_splits, f16_dots):
+def test_fp8_pools(name, fp8, page_size, num_splits, opts):
     """fp8 pools, a scaled cache (a float32 scale per row and head; its pages a multiple of 32 keys, see supports())
     or plain e4m3, against the reference over the same pools: each block widened to q's dtype (f16_dots: to
-    float16, the dots in float16) in shared memory, scales applied to its rows, V rows of unseen keys zeroed as they
-    widen (poisoned rows and scales are NaN). P from registers, the default tile's, where compiled (the
+    float16, the dots in float16; widen_warpgroup: by a third warpgroup, into two tiles each, a persistent grid's
+    CTA counting them over its items) in shared memory, scales applied to its rows, V rows of unseen keys zeroed as
+    they widen (poisoned rows and scales are NaN). P from registers, the default tile's, where compiled (the
     interpreter takes P through shared memory)."""
     case = dataclasses.replace(CASES[name], page_size=page_size)
     kernel = functools.partial(dm.decode_attention_mgpu, num_splits=num_splits, block_kv=64, p_in_registers=True,
-                               f16_dots=f16_dots, interpret=INTERPRET)
+                               interpret=INTERPRET, **opts)
     check_kernel(case, kernel, seed=2, fp8=fp8)
 
 
@@ -301,6 +306,9 @@ def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, num_splits, tile):
     (64, 8, 128, 16, 2, False, dict(f16_dots=True)),  # the dots in float16
     (64, 8, 128, 32, 1, True, dict(f16_dots=True)),
     (4, 8, 128, 64, 4, True, dict(ring_rows=1000, window=990, f16_dots=True)),
+    (256, 8, 128, 16, 1, False, dict(f16_dots=True, widen_warpgroup=True)),  # a warpgroup widening the blocks
+    (64, 8, 128, 32, 1, True, dict(widen_warpgroup=True)),
+    (64, 8, 128, 32, 4, True, dict(f16_dots=True, widen_warpgroup=True, max_ctas=132, block_kv=64)),
 ])
 def test_fp8_lowers_for_cuda(num_rows, hkv, d, page_size, num_splits, scaled, tile):
     """fp8 pools (scaled or not): the fp8 K/V tiles' layouts, their widening into q's dtype (or float16) and the
