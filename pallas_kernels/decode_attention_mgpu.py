@@ -245,14 +245,20 @@ def _kernel(
                 def body(block, carry, *, masked: bool):
                     step = done + block - it.begin
                     slot, w = lax.rem(step, jnp.int32(num_stages)), lax.rem(step, jnp.int32(wide_slots))
-                    plgpu.barrier_wait(k_barriers.at[slot])
-                    pl.when(step >= wide_slots)(lambda: plgpu.barrier_wait(k_free.at[w]))
-                    widened(k_smem, k_scales, k_wide.at[w], slot)
+                    with jax.named_scope("k8"):
+                        plgpu.barrier_wait(k_barriers.at[slot])
+                    with jax.named_scope("k_free"):
+                        pl.when(step >= wide_slots)(lambda: plgpu.barrier_wait(k_free.at[w]))
+                    with jax.named_scope("widen_k"):
+                        widened(k_smem, k_scales, k_wide.at[w], slot)
                     plgpu.barrier_arrive(k_ready.at[w])
-                    plgpu.barrier_wait(v_barriers.at[slot])
-                    pl.when(step >= wide_slots)(lambda: plgpu.barrier_wait(v_free.at[w]))
+                    with jax.named_scope("v8"):
+                        plgpu.barrier_wait(v_barriers.at[slot])
+                    with jax.named_scope("v_free"):
+                        pl.when(step >= wide_slots)(lambda: plgpu.barrier_wait(v_free.at[w]))
                     seen = it.walk.seen_rows(block, v_wide.shape[-2:]) if masked else None
-                    widened(v_smem, v_scales, v_wide.at[w], slot, seen)
+                    with jax.named_scope("widen_v"):
+                        widened(v_smem, v_scales, v_wide.at[w], slot, seen)
                     plgpu.barrier_arrive(v_ready.at[w])
                     plgpu.barrier_arrive(consumed.at[slot])  # both widened: the fp8 slot can be refilled
                     return carry
@@ -307,19 +313,21 @@ def _kernel(
             def body(block, carry, *, masked: bool):
                 acc, m_i, l_i = carry
                 slot = lax.rem(done + block - it.begin, jnp.int32(num_stages))
-                if widen_wg:
-                    w = lax.rem(done + block - it.begin, jnp.int32(wide_slots))
-                    plgpu.barrier_wait(k_ready.at[w])
-                    k_tile = k_wide.at[w]
-                else:
-                    plgpu.barrier_wait(k_barriers.at[slot])
-                    k_tile = k_smem.at[slot] if k_wide is None else widened(k_smem, k_scales, k_wide, slot)
+                w = lax.rem(done + block - it.begin, jnp.int32(wide_slots)) if widen_wg else None
+                with jax.named_scope("k"):  # (named scopes: ranges of mosaic_keys.compiler_params' profiles)
+                    if widen_wg:
+                        plgpu.barrier_wait(k_ready.at[w])
+                        k_tile = k_wide.at[w]
+                    else:
+                        plgpu.barrier_wait(k_barriers.at[slot])
+                        k_tile = k_smem.at[slot] if k_wide is None else widened(k_smem, k_scales, k_wide, slot)
 
                 def qk_dot(acc_ref):
                     plgpu.wgmma(acc_ref, q_tile, k_tile.transpose((1, 0)))
                     return acc_ref[...]
 
-                qk = pl.run_scoped(qk_dot, plgpu.ACC((_BLOCK_M, block_kv), jnp.float32))
+                with jax.named_scope("qk"):
+                    qk = pl.run_scoped(qk_dot, plgpu.ACC((_BLOCK_M, block_kv), jnp.float32))
                 if widen_wg:
                     plgpu.barrier_arrive(k_free.at[w])
                 qk, c = mosaic_keys.log2_logits(qk, scale=scale, softcap=softcap)
@@ -336,25 +344,27 @@ def _kernel(
                 p = jnp.exp2(qk * c - lax.broadcast_in_dim(base, qk.shape, [0]))
                 l_i = l_i * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                if widen_wg:  # widened, unseen rows zeroed
-                    plgpu.barrier_wait(v_ready.at[w])
-                    v_tile = v_wide.at[w]
-                elif v_wide is not None:  # V rows of keys no row sees are zeroed as they widen
-                    plgpu.barrier_wait(v_barriers.at[slot])
-                    seen = it.walk.seen_rows(block, v_wide.shape[-2:]) if masked else None
-                    v_tile = widened(v_smem, v_scales, v_wide, slot, seen)
-                    plgpu.barrier_arrive(consumed.at[slot])  # the dots read the widened tiles: refill the slot now
-                else:
-                    plgpu.barrier_wait(v_barriers.at[slot])
-                    if masked:
-                        it.walk.zero_unseen(v_smem.at[slot], block, dtype)
-                    v_tile = v_smem.at[slot]
+                with jax.named_scope("v"):
+                    if widen_wg:  # widened, unseen rows zeroed
+                        plgpu.barrier_wait(v_ready.at[w])
+                        v_tile = v_wide.at[w]
+                    elif v_wide is not None:  # V rows of keys no row sees are zeroed as they widen
+                        plgpu.barrier_wait(v_barriers.at[slot])
+                        seen = it.walk.seen_rows(block, v_wide.shape[-2:]) if masked else None
+                        v_tile = widened(v_smem, v_scales, v_wide, slot, seen)
+                        plgpu.barrier_arrive(consumed.at[slot])  # the dots read the widened tiles: refill now
+                    else:
+                        plgpu.barrier_wait(v_barriers.at[slot])
+                        if masked:
+                            it.walk.zero_unseen(v_smem.at[slot], block, dtype)
+                        v_tile = v_smem.at[slot]
 
                 if p_smem is None:  # P from registers, accumulated in place (compiled only)
                     def pv_dot(acc_ref):
                         plgpu.wgmma(acc_ref, p.astype(dtype), v_tile)
 
-                    acc = pl.run_state(pv_dot)(plgpu.ACC.init(acc))
+                    with jax.named_scope("pv"):
+                        acc = pl.run_state(pv_dot)(plgpu.ACC.init(acc))
                 else:
                     # P through shared memory, into a fresh accumulator: the GPU interpreter takes wgmma operands
                     # from refs only and does not run pl.run_state.
@@ -398,7 +408,8 @@ def _kernel(
         def compute_item(it, done, queries):
             q_slot = lax.rem(queries, jnp.int32(q_slots))
             q_tile = q_smem.at[q_slot]
-            plgpu.barrier_wait(q_barriers.at[q_slot])
+            with jax.named_scope("q"):
+                plgpu.barrier_wait(q_barriers.at[q_slot])
             acc, m_i, l_i = attend(it, done, q_tile)
             if o_smem is None:  # one split: the rows go out through the query tile
                 write_rows(it, acc, m_i, l_i, q_tile)
@@ -537,7 +548,7 @@ def decode_attention_mgpu(
         grid_names=("ctas",),
         num_threads=3 if widen_wg else 2,  # a compute and a memory warpgroup (and one widening fp8 blocks)
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=mosaic_keys.compiler_params(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(tile_info, page_table, q_packed, k_pages.reshape(flat), v_pages.reshape(flat),
       *((k_scale.reshape(-1, page_size), v_scale.reshape(-1, page_size)) if scaled else ()))

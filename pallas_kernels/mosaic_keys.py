@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 _LOG2E = math.log2(math.e)
 ALIGN = 8  # TMA row offsets into the tiled query / K / V views are multiples of this
+
+
+def compiler_params(**params) -> plgpu.CompilerParams:
+    """The kernels' compiler parameters; with GLINT_MOSAIC_PROFILE=DIR set, each call also writes a trace of its
+    warpgroups' named scopes into DIR (Mosaic GPU's profiler: room for 512 ranges a warpgroup; a JSON file per call,
+    see tools/mosaic_trace.py), at some cost in time."""
+    if where := os.environ.get("GLINT_MOSAIC_PROFILE"):
+        params.update(profile_space=512, profile_dir=where, profile_bounds_check=True)
+    return plgpu.CompilerParams(**params)
 
 
 def block_chunks(page_table_ref, seq_slot, block, *, block_kv: int, page_size: int):
@@ -72,10 +82,13 @@ def stream_blocks(begin, end, streamed, num_stages: int, locate, stages):
     def _(block):
         step = streamed + block - begin
         slot = lax.rem(step, jnp.int32(num_stages))
-        where = locate(block)
+        with jax.named_scope("locate"):
+            where = locate(block)
         for consumed, copy in stages:
-            pl.when(step >= num_stages)(functools.partial(_wait_all, consumed, slot))
-            copy(where, slot)
+            with jax.named_scope("slot_wait"):
+                pl.when(step >= num_stages)(functools.partial(_wait_all, consumed, slot))
+            with jax.named_scope("copy"):
+                copy(where, slot)
 
 
 def _wait_all(barriers, slot):

@@ -481,7 +481,7 @@ def varlen_attention_mgpu(
         grid_names=("ctas",),
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=mosaic_keys.compiler_params(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     args = (tiles, seq_info, page_table, q, k_pages.reshape(flat), v_pages.reshape(flat))

@@ -10,6 +10,7 @@ lowers for CUDA at the engine's sizes.
 import dataclasses
 import functools
 import importlib
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -326,3 +327,26 @@ def test_fp8_lowers_for_cuda(num_rows, hkv, d, page_size, num_splits, scaled, ti
         q, k, v, table, info, **dict(zip(("k_scale", "v_scale"), scales)), scale=d**-0.5, num_splits=num_splits,
         **{**tuning.MOSAIC_DECODE, **tile}))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_trace_summary(tmp_path):
+    """tools/mosaic_trace.py on a hand-written profiler trace (two CTAs on one SM, two warpgroups each): scope
+    times a CTA, lifetimes and the gap between the CTAs."""
+    import json
+    import sys
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
+    import mosaic_trace
+
+    def rng(name, b, e, pid, tid):
+        return [dict(name=name, ph="B", ts=b, pid=pid, tid=tid), dict(name=name, ph="E", ts=e, pid=pid, tid=tid)]
+
+    events = (rng("k", 0, 2, 1, 1) + rng("qk", 2, 3, 1, 1) + rng("copy", 0, 4, 1, 2)
+              + rng("k", 5, 6, 1, 3) + rng("qk", 6, 9, 1, 3) + rng("copy", 5, 6, 1, 4))
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    text = mosaic_trace.summarize(str(path), 2)
+    assert "2 CTAs on 1 SMs" in text
+    assert "warpgroup 0: lifetime 3.50 us" in text  # (3 + 4) / 2
+    assert "k                1.50 us a CTA" in text and "qk               2.00 us a CTA" in text
+    assert "warpgroup 1: lifetime 2.50 us" in text and "copy             2.50 us a CTA (100.0 %)" in text
+    assert "mean 2.00 us" in text  # CTA 1 starts at 5, CTA 0 ended at 3
