@@ -11,7 +11,8 @@ rows of few tokens: the Triton and Mosaic prefill kernels serve prefill steps.
 
 Scope: flat and ring layers (a ring with a window that fits it), sliding windows and soft-caps; bf16/f16 q with
 pools of its dtype or float8_e4m3fn (plain, or a scaled cache in pages of a multiple of 32 keys: `supports`), each
-fp8 block widened to q's dtype in shared memory before the dots (`_widen`), head_dim 64 or 128, page sizes a
+fp8 block widened to q's dtype (or float16, `f16_dots`) in shared memory before the dots (`_widen`; by the compute
+warpgroup, or by a third one, `widen_warpgroup`), head_dim 64 or 128, page sizes a
 multiple of 16 that divide or are divided by `block_kv` (a multiple of 64). A windowed flat layer's blocks start
 at the block of the tile's first visible key; a ring layer's walk its storage blocks from the one holding that
 key's row, wrapping past the last, each row standing for the latest key it holds (mosaic_keys.KeyWalk).

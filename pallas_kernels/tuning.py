@@ -135,6 +135,9 @@ FP8_GEMM_OUT = "float32"
 # fp8 KV pools in varlen_attention (Triton): widen the K/V tiles to float16 and run both dots in float16 (1), or
 # widen to q's dtype (0). 2026-12-03 (tenth session, tools/gpu_fp8_kv.py 64 4096, H200, the decode tile, chained):
 # unscaled fp8 323 us against 370, scaled 363 against 375; the output's error against the reference halves.
+# The Mosaic decode kernel takes it over unscaled pools only: 2026-12-06 (H100, gpu_fp8_kv.py 256 640 --mosaic
+# --page=32, chained) it ran unscaled fp8 in 259.5 us against 269.1, a scaled cache in 344.8 against 295.6 (its
+# float32 product clipped and rounded to float16); Triton 180.2 against 217.4 and 197.1 against 235.8 (perf.md).
 FP8_KV_F16_DOTS = 1
 # fp8 MLPs on Hopper: gate_up's product to down's fp8 input in one Triton kernel (gated_fp8.py) when
 # FP8_GATED_KERNEL, one program per GATED_FP8_ROWS token rows, GATED_FP8_BLOCK hidden columns at a time (a row that

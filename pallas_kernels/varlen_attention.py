@@ -532,8 +532,8 @@ def varlen_attention(
                 q, k_pages, v_pages, page_table, seq_info, k_scale=k_scale, v_scale=v_scale, ring_rows=ring_rows,
                 window=window, causal=causal,
                 softcap=softcap, scale=float(scale), num_splits=num_splits, interpret=interpret,
-                max_ctas=tuning.MOSAIC_DECODE_MAX_CTAS or None, f16_dots=bool(tuning.FP8_KV_F16_DOTS),
-                **tuning.MOSAIC_DECODE,
+                max_ctas=tuning.MOSAIC_DECODE_MAX_CTAS or None,
+                f16_dots=bool(tuning.FP8_KV_F16_DOTS) and k_scale is None, **tuning.MOSAIC_DECODE,
             )
         return run_triton(seq_info)
 

@@ -7,6 +7,7 @@ the same multiprocessor.
     python3 tools/mosaic_trace.py /tmp/prof/*.json
 """
 import collections
+import itertools
 import json
 import statistics
 import sys
@@ -41,7 +42,7 @@ def summarize(path: str, warpgroups: int) -> str:
     gaps = []
     for sm_spans in spans.values():
         sm_spans.sort()
-        gaps += [b[0] - a[1] for a, b in zip(sm_spans, sm_spans[1:]) if b[0] > a[1]]
+        gaps += [b[0] - a[1] for a, b in itertools.pairwise(sm_spans) if b[0] > a[1]]
     lines = [f"{path}: {ctas[0]} CTAs on {len(spans)} SMs"]
     for wg in sorted(ctas):
         life = statistics.mean(lifetimes[wg])
