@@ -50,6 +50,9 @@ _ALIGN = mosaic_keys.ALIGN
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 _SCALE_BYTES = 4  # a scale pool's float32
 _F16_MAX = float(jnp.finfo(jnp.float16).max)
+# Of the 232,448 bytes of shared memory a Hopper CTA may take, what the tiles may: the barriers and alignment took
+# 2,192 more at 128 keys (an H100, 2026-12-06)
+_SMEM_BYTES = 232448 - 3 * 1024
 _TMA_SMEM_ALIGN = 128  # bytes: where a TMA copy may land in shared memory
 
 
@@ -440,7 +443,7 @@ def decode_attention_mgpu(
     float16 (e4m3 to float16 directly, where bfloat16 takes a float32 round trip), the dots then running in
     float16 on q clipped to its range, the output rounded to q's dtype (tuning.FP8_KV_F16_DOTS). With
     widen_warpgroup a third warpgroup widens them, into two K and two V tiles, while the compute warpgroup runs
-    the dots of the block before (fp8 pools only; 64 KB more shared memory at 128 keys, head_dim 128).
+    the dots of the block before (fp8 pools, where the 64 KB more shared memory at 128 keys and head_dim 128 fit).
 
     num_splits: key slices per tile, merged after the kernel; block_kv keys per pipeline step; num_stages
     K/V shared-memory slots. p_in_registers: P @ V takes P from registers into the running accumulator, as
@@ -493,12 +496,18 @@ def decode_attention_mgpu(
 
     single = num_splits == 1  # no merge: the kernel writes final rows, and no float32 tile or lse
 
-    widen_wg = wide and widen_warpgroup
-    wide_slots = 2  # under widen_wg
     num_items = num_tiles * num_kv_heads * num_splits
     num_ctas = num_items if max_ctas is None else min(num_items, max_ctas)
     # A CTA over several items loads the next item's query tile while this one's rows are computed.
     q_slots = 1 if num_ctas == num_items else 2
+    wide_slots = 2  # under widen_wg
+    # The widening warpgroup's second K and V tiles where they fit beside the rest (a persistent grid's two query
+    # tiles with a scaled cache's scales, or the float32 output tile of split keys, at 128 keys and head_dim 128 do
+    # not): otherwise the compute warpgroup widens each block itself.
+    smem = (q_slots * _BLOCK_M * head_dim * 2 + 2 * num_stages * block_kv * head_dim * kv_dtype.itemsize
+            + 2 * wide_slots * block_kv * head_dim * 2 + (0 if p_in_registers else _BLOCK_M * block_kv * 2)
+            + (0 if single else _BLOCK_M * (head_dim + 1) * 4) + (2 * num_stages * block_kv * 4 if scaled else 0))
+    widen_wg = wide and widen_warpgroup and smem <= _SMEM_BYTES
 
     def entry(tiles_ref, page_table_ref, q_ref, k_ref, v_ref, *refs):
         scale_refs, (o_ref, lse_ref) = refs[:2 * scaled], (*refs[2 * scaled:], None)[:2]

@@ -79,7 +79,12 @@ MOSAIC_PREFILL_PLAIN_ONLY = True
 # batch 1 and 8; against cuDNN 0.87-0.97x from batch 64, 0.70-1.02x at batch 1 and 8. Not ahead of Triton where
 # the engine spends its decode time (batch 1 with short contexts, 256 x 640), so Triton stays the default.
 DECODE_BACKEND = "triton"
-MOSAIC_DECODE = dict(block_kv=128, num_stages=2, p_in_registers=True)
+# widen_warpgroup (fp8 pools): a third warpgroup widens each fp8 block while the compute warpgroup runs the one
+# before, where its tiles fit. 2026-12-06 (H100, 256 x 640, .gpu/ab_widen.py, chained us, Triton 158.7 / 160.7 in the
+# same processes): unscaled fp8 in pages of 16 230.9 without, 214.5 with float16 dots, 203.0 widened apart, 188.1
+# both, **151.6 / 151.1** both on a persistent grid of 132 CTAs (1.05-1.06x Triton; separate calls 0.99-1.00x); a
+# scaled cache in pages of 32 248.1 without, 219.5 with (Triton 174.9), 210.5 at 64 keys on 132 CTAs.
+MOSAIC_DECODE = dict(block_kv=128, num_stages=2, p_in_registers=True, widen_warpgroup=True)
 # Under DECODE_BACKEND "mosaic", decode steps of fewer query rows (the step's width) than this keep Triton: the
 # Mosaic kernel can take the wide steps (batch 64-256) where it leads without the narrow ones where it trails.
 MOSAIC_DECODE_MIN_ROWS = 0

@@ -310,6 +310,10 @@ def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, num_splits, tile):
     (256, 8, 128, 16, 1, False, dict(f16_dots=True, widen_warpgroup=True)),  # a warpgroup widening the blocks
     (64, 8, 128, 32, 1, True, dict(widen_warpgroup=True)),
     (64, 8, 128, 32, 4, True, dict(f16_dots=True, widen_warpgroup=True, max_ctas=132, block_kv=64)),
+    # two query tiles and a scaled cache's scales at 128 keys: no room for the second wide tiles, so the compute
+    # warpgroup widens (233,616 bytes of shared memory on an H100 with them, over its 232,448)
+    (64, 8, 128, 32, 1, True, dict(widen_warpgroup=True, max_ctas=132)),
+    (64, 8, 128, 32, 4, True, dict(widen_warpgroup=True)),  # the float32 output tile of split keys
 ])
 def test_fp8_lowers_for_cuda(num_rows, hkv, d, page_size, num_splits, scaled, tile):
     """fp8 pools (scaled or not): the fp8 K/V tiles' layouts, their widening into q's dtype (or float16) and the
