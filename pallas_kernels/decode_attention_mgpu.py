@@ -93,6 +93,19 @@ def _widen(tile_ref, scale_ref, dtype, seen=None):
     return x.astype(dtype)
 
 
+def widen_wg_fits(*, q_slots: int, head_dim: int, block_kv: int, num_stages: int, scaled: bool, num_splits: int,
+                  p_in_registers: bool) -> bool:
+    """Whether a widening warpgroup's second K and V tiles fit in shared memory beside the rest of a CTA over fp8
+    pools (a persistent grid's two query tiles with a scaled cache's scales, or the float32 output tile of split
+    keys, at 128 keys and head_dim 128 do not): otherwise the compute warpgroup widens each block itself."""
+    tiles = (q_slots * _BLOCK_M * head_dim * 2 + 2 * num_stages * block_kv * head_dim  # queries, fp8 K and V
+             + 2 * 2 * block_kv * head_dim * 2  # two wide K and V tiles
+             + (0 if p_in_registers else _BLOCK_M * block_kv * 2)
+             + (0 if num_splits == 1 else _BLOCK_M * (head_dim + 1) * 4)  # the float32 output tile and lse
+             + (2 * num_stages * block_kv * _SCALE_BYTES if scaled else 0))
+    return tiles + mosaic_keys.profile_smem_bytes(3) <= _SMEM_BYTES
+
+
 def _transforms(minor: int, dtype) -> tuple:
     """Tiling + swizzle of a shared-memory tile whose rows hold `minor` elements of `dtype` (at most 128 bytes
     swizzled)."""
@@ -185,7 +198,7 @@ def _kernel(
     k_ref,  # [num_pages * page_size, Hkv, D]: q's dtype, or float8_e4m3fn
     v_ref,
     scale_refs,  # a scaled fp8 cache's (k, v) scale pools f32[num_pages * Hkv, page_size], or ()
-    o_ref,  # [num_splits, num_tiles, Hkv, _BLOCK_M, D]: float32, or q's dtype with one split
+    o_ref,  # [num_splits, num_tiles, Hkv, _BLOCK_M, D]: float32, or the dots' dtype with one split
     lse_ref,  # f32[num_splits, num_tiles, Hkv, _BLOCK_M], or None with one split
     scoped,
     *,
@@ -221,8 +234,8 @@ def _kernel(
         return mosaic_keys.for_each_item(item, cta, num_ctas, num_items, fn)
 
     def widened(pool_smem, scale_smem, wide, slot, seen=None):
-        """Slot `slot` of an fp8 K or V buffer in q's dtype (a scaled cache: each row times its scale; rows where
-        `seen` is false zero), stored in `wide` for the dots."""
+        """Slot `slot` of an fp8 K or V buffer in the dots' dtype (a scaled cache: each row times its scale; rows
+        where `seen` is false zero), stored in `wide` for the dots."""
         wide[...] = _widen(pool_smem.at[slot], None if scale_smem is None else scale_smem.at[slot], dtype, seen)
         plgpu.commit_smem()
         return wide
@@ -441,7 +454,8 @@ def decode_attention_mgpu(
     """Same contract as `varlen_attention` (see supports()). fp8 pools (scaled or not): each K and V block
     arrives as fp8 and is widened to q's dtype in shared memory (`_widen`) before the dots; with f16_dots to
     float16 (e4m3 to float16 directly, where bfloat16 takes a float32 round trip), the dots then running in
-    float16 on q clipped to its range, the output rounded to q's dtype (tuning.FP8_KV_F16_DOTS). With
+    float16 on q clipped to its range, the output rounded to q's dtype (tuning.FP8_KV_F16_DOTS; with one split
+    through float16, whose subnormals below ~6e-5 keep less precision than bfloat16 would). With
     widen_warpgroup a third warpgroup widens them, into two K and two V tiles, while the compute warpgroup runs
     the dots of the block before (fp8 pools, where the 64 KB more shared memory at 128 keys and head_dim 128 fit).
 
@@ -501,13 +515,9 @@ def decode_attention_mgpu(
     # A CTA over several items loads the next item's query tile while this one's rows are computed.
     q_slots = 1 if num_ctas == num_items else 2
     wide_slots = 2  # under widen_wg
-    # The widening warpgroup's second K and V tiles where they fit beside the rest (a persistent grid's two query
-    # tiles with a scaled cache's scales, or the float32 output tile of split keys, at 128 keys and head_dim 128 do
-    # not): otherwise the compute warpgroup widens each block itself.
-    smem = (q_slots * _BLOCK_M * head_dim * 2 + 2 * num_stages * block_kv * head_dim * kv_dtype.itemsize
-            + 2 * wide_slots * block_kv * head_dim * 2 + (0 if p_in_registers else _BLOCK_M * block_kv * 2)
-            + (0 if single else _BLOCK_M * (head_dim + 1) * 4) + (2 * num_stages * block_kv * 4 if scaled else 0))
-    widen_wg = wide and widen_warpgroup and smem <= _SMEM_BYTES
+    widen_wg = wide and widen_warpgroup and widen_wg_fits(
+        q_slots=q_slots, head_dim=head_dim, block_kv=block_kv, num_stages=num_stages, scaled=scaled,
+        num_splits=num_splits, p_in_registers=p_in_registers)
 
     def entry(tiles_ref, page_table_ref, q_ref, k_ref, v_ref, *refs):
         scale_refs, (o_ref, lse_ref) = refs[:2 * scaled], (*refs[2 * scaled:], None)[:2]

@@ -19,13 +19,22 @@ _LOG2E = math.log2(math.e)
 ALIGN = 8  # TMA row offsets into the tiled query / K / V views are multiples of this
 
 
+_PROFILE_RANGES = 512  # a warpgroup's profiled ranges under GLINT_MOSAIC_PROFILE
+
+
 def compiler_params(**params) -> plgpu.CompilerParams:
     """The kernels' compiler parameters; with GLINT_MOSAIC_PROFILE=DIR set, each call also writes a trace of its
-    warpgroups' named scopes into DIR (Mosaic GPU's profiler: room for 512 ranges a warpgroup; a JSON file per call,
-    see tools/mosaic_trace.py), at some cost in time."""
+    warpgroups' named scopes into DIR (Mosaic GPU's profiler: room for _PROFILE_RANGES ranges a warpgroup, in shared
+    memory, see profile_smem_bytes; a JSON file per call, see tools/mosaic_trace.py), at some cost in time."""
     if where := os.environ.get("GLINT_MOSAIC_PROFILE"):
-        params.update(profile_space=512, profile_dir=where, profile_bounds_check=True)
+        params.update(profile_space=_PROFILE_RANGES, profile_dir=where, profile_bounds_check=True)
     return plgpu.CompilerParams(**params)
+
+
+def profile_smem_bytes(warpgroups: int) -> int:
+    """The shared memory compiler_params' profiler takes in a CTA of `warpgroups` warpgroups (0 when off): two
+    events a range, two 4-byte entries an event."""
+    return warpgroups * _PROFILE_RANGES * 2 * 2 * 4 if os.environ.get("GLINT_MOSAIC_PROFILE") else 0
 
 
 def block_chunks(page_table_ref, seq_slot, block, *, block_kv: int, page_size: int):

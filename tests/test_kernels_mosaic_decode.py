@@ -77,20 +77,21 @@ def test_persistent_grid(name, num_splits, max_ctas, fp8, page_size):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the GPU interpreter's race detector; compiled, the tests above run")
-@pytest.mark.parametrize("name,num_splits,fp8,page_size", [
-    ("mixed-g4", 1, None, 16), ("mixed-g4", 2, None, 16), ("g4-p256", 2, "scaled", 256),
+@pytest.mark.parametrize("name,num_splits,fp8,page_size,opts", [
+    ("mixed-g4", 1, None, 16, {}), ("mixed-g4", 2, None, 16, {}), ("g4-p256", 2, "scaled", 256, {}),
+    ("mixed-g4", 1, "plain", 16, {"widen_warpgroup": True, "f16_dots": True, "block_kv": 64}),
 ])
-def test_persistent_grid_has_no_races(monkeypatch, name, num_splits, fp8, page_size):
+def test_persistent_grid_has_no_races(monkeypatch, name, num_splits, fp8, page_size, opts):
     """The interpreter's race detector over a persistent grid: a query slot refilled while the last item's rows
     still leave through it (one split), or the float32 output tile rewritten while its rows leave (two splits),
-    or a scaled cache's scales refilled while read, would be a race between the warpgroups' shared-memory
-    accesses."""
+    or a scaled cache's scales refilled while read, or a wide tile rewritten by the widening warpgroup while a dot
+    reads it, would be a race between the warpgroups' shared-memory accesses."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 
     params = plgpu.InterpretGPUParams
     monkeypatch.setattr(plgpu, "InterpretGPUParams", lambda **kw: params(detect_races=True, **kw))
-    kernel = functools.partial(dm.decode_attention_mgpu, num_splits=num_splits, block_kv=128, max_ctas=2,
-                               interpret=True)
+    kernel = functools.partial(dm.decode_attention_mgpu, num_splits=num_splits, max_ctas=2, interpret=True,
+                               **{"block_kv": 128, **opts})
     check_kernel(dataclasses.replace(CASES[name], page_size=page_size), kernel, seed=4, **({"fp8": fp8} if fp8 else {}))
     assert interpret_pallas_call.get_races().races_found is False
 
@@ -123,6 +124,20 @@ def test_fp8_through_varlen_attention():
     """varlen_attention hands a scaled cache's scale pools to the kernel (backend "mosaic_decode")."""
     case = dataclasses.replace(CASES["g6-d64"], page_size=32)
     check_kernel(case, functools.partial(varlen_attention, backend="mosaic_decode", interpret=INTERPRET), fp8="scaled")
+
+
+@pytest.mark.parametrize("q_slots,scaled,num_splits,block_kv,fits", [
+    (1, False, 1, 128, True),
+    (2, False, 1, 128, True),  # a persistent grid: 231,568 bytes on an H100 with the barriers (2026-12-06)
+    (2, True, 1, 128, False),  # ... and a scaled cache's scales: 233,616, over the 232,448 a CTA may take
+    (1, False, 4, 128, False),  # the float32 output tile of split keys: 32 KB more
+    (2, True, 4, 64, True),
+])
+def test_widen_warpgroup_fits(q_slots, scaled, num_splits, block_kv, fits):
+    """Where the widening warpgroup's second K and V tiles fit (head_dim 128, 2 stages, P in registers); the
+    lowering test above compiles the tightest case that does and two that do not."""
+    assert dm.widen_wg_fits(q_slots=q_slots, head_dim=128, block_kv=block_kv, num_stages=2, scaled=scaled,
+                            num_splits=num_splits, p_in_registers=True) is fits
 
 
 def test_fp8_support_rules():
@@ -314,6 +329,7 @@ def test_lowers_for_cuda(num_rows, hq, hkv, d, page_size, num_splits, tile):
     # warpgroup widens (233,616 bytes of shared memory on an H100 with them, over its 232,448)
     (64, 8, 128, 32, 1, True, dict(widen_warpgroup=True, max_ctas=132)),
     (64, 8, 128, 32, 4, True, dict(widen_warpgroup=True)),  # the float32 output tile of split keys
+    (256, 8, 128, 16, 1, False, dict(f16_dots=True, widen_warpgroup=True, max_ctas=132)),  # the tightest that fits
 ])
 def test_fp8_lowers_for_cuda(num_rows, hkv, d, page_size, num_splits, scaled, tile):
     """fp8 pools (scaled or not): the fp8 K/V tiles' layouts, their widening into q's dtype (or float16) and the
@@ -348,9 +364,15 @@ def test_trace_summary(tmp_path):
               + rng("k", 5, 6, 1, 3) + rng("qk", 6, 9, 1, 3) + rng("copy", 5, 6, 1, 4))
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    text = mosaic_trace.summarize(str(path), 2)
+    text = mosaic_trace.summarize(str(path))
     assert "2 CTAs on 1 SMs" in text
     assert "warpgroup 0: lifetime 3.50 us" in text  # (3 + 4) / 2
     assert "k                1.50 us a CTA" in text and "qk               2.00 us a CTA" in text
     assert "warpgroup 1: lifetime 2.50 us" in text and "copy             2.50 us a CTA (100.0 %)" in text
     assert "mean 2.00 us" in text  # CTA 1 starts at 5, CTA 0 ended at 3
+    # A third (widening) warpgroup a CTA: its scope names tell the tool so.
+    events = (rng("k", 0, 2, 1, 1) + rng("copy", 0, 4, 1, 2) + rng("widen_k", 0, 1, 1, 3)
+              + rng("k", 5, 6, 1, 4) + rng("copy", 5, 6, 1, 5) + rng("widen_k", 5, 8, 1, 6))
+    path.write_text(json.dumps({"traceEvents": events}))
+    text = mosaic_trace.summarize(str(path))
+    assert "2 CTAs on 1 SMs" in text and "widen_k          2.00 us a CTA" in text and "warpgroup 3" not in text

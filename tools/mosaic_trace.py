@@ -4,7 +4,10 @@ CTA lifetime (a warpgroup's first event to its last) and the idle time between o
 the same multiprocessor.
 
     GLINT_MOSAIC_PROFILE=/tmp/prof python3 tools/gpu_fp8_kv.py 256 640   # then:
-    python3 tools/mosaic_trace.py /tmp/prof/*.json
+    python3 tools/mosaic_trace.py /tmp/prof/*.json [--warpgroups N]
+
+Traces number a CTA's warpgroups consecutively; how many a CTA has is read from the scopes (a decode kernel's
+widening warpgroup's "widen_k": three, else two) unless --warpgroups says.
 """
 import collections
 import itertools
@@ -13,10 +16,13 @@ import statistics
 import sys
 
 
-def summarize(path: str, warpgroups: int) -> str:
-    """The table for one trace; `warpgroups` traces per CTA (the kernel's warpgroups, in order)."""
+def summarize(path: str, warpgroups: int | None = None) -> str:
+    """The table for one trace; `warpgroups` traces per CTA (the kernel's warpgroups, in order; None: three if a
+    warpgroup widens, else two)."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
+    if warpgroups is None:
+        warpgroups = 3 if any(e["name"] == "widen_k" for e in events) else 2
     per_tid = collections.defaultdict(list)
     for e in events:
         per_tid[e["tid"]].append(e)
@@ -59,7 +65,7 @@ def summarize(path: str, warpgroups: int) -> str:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    wgs = int(args.pop(args.index("--warpgroups") + 1)) if "--warpgroups" in args else 2
+    wgs = int(args.pop(args.index("--warpgroups") + 1)) if "--warpgroups" in args else None
     args = [a for a in args if a != "--warpgroups"]
     for p in args:
         print(summarize(p, wgs))
