@@ -212,14 +212,17 @@ def quantize_activations_fp8(x, axis: str | None = None) -> tuple[jax.Array, jax
     return _to_fp8(x32, scale), scale
 
 
-def _fp8_product(xq, q):
-    """fp8 x fp8 (q [out, in]) accumulated in float32, written as tuning.FP8_GEMM_OUT."""
-    return jax.lax.dot_general(xq, q, _CONTRACT_IN, preferred_element_type=jnp.dtype(tuning.FP8_GEMM_OUT))
+def _fp8_product(xq, q, dtype):
+    """fp8 x fp8 (q [out, in]) accumulated in float32, written as tuning.FP8_GEMM_OUT for activations of `dtype`
+    bfloat16 and in float32 for others: never coarser than the activations (a float32 model rounded to bfloat16
+    here would part from itself over 2 devices at bfloat16's resolution, tests/test_tp.py)."""
+    out = tuning.FP8_GEMM_OUT if jnp.dtype(dtype) == jnp.bfloat16 else "float32"
+    return jax.lax.dot_general(xq, q, _CONTRACT_IN, preferred_element_type=jnp.dtype(out))
 
 
 def _fp8_scaled_product(xq, xscale, q, scale, dtype):
     """The fp8 product of per-token quantized xq (xscale [T, 1]) and q [out, in] (scale [out]), scaled, in dtype."""
-    return (_fp8_product(xq, q).astype(jnp.float32) * xscale * scale).astype(dtype)
+    return (_fp8_product(xq, q, dtype).astype(jnp.float32) * xscale * scale).astype(dtype)
 
 
 def fp8_matmul(x, q, scale, axis: str | None = None):
@@ -244,8 +247,8 @@ def fp8_gated_mlp(x, gate_up, down, *, interpret: bool = False):
     where the unfused path rounds it to the activations' dtype op by op, so the fp8 hidden may differ by an e4m3
     step where the two roundings disagree."""
     xq, xscale = quantize_activations_fp8(x)
-    hq, hscale = gated_fp8.gated_quantize_fp8(_fp8_product(xq, gate_up.qweight[...]), xscale, gate_up.scale[...],
-                                              interpret=interpret)
+    hq, hscale = gated_fp8.gated_quantize_fp8(_fp8_product(xq, gate_up.qweight[...], x.dtype), xscale,
+                                              gate_up.scale[...], interpret=interpret)
     return _fp8_scaled_product(hq, hscale, down.qweight[...], down.scale[...], x.dtype)
 
 

@@ -138,10 +138,10 @@ INT4_MOSAIC_BLOCKS = {16: {"block_m": 128, "block_k": 0, "stages": 4, "ctas": 13
 # writes and its scaling reads back (a width-4096 step's gate_up writes 470 MB of float32), at one more rounding.
 # 2026-12-06 (H100, llama3-8b fp8 + fp8 KV, 256 x 512 -> 128, two runs each, order reversed): bfloat16 8,522 and
 # 8,563 tok/s against float32 8,335 and 8,340; width-4096 steps 78.64 / 78.22 ms against 81.22 / 81.12, width-256
-# steps 11.16 / 11.18 against 11.29 / 11.28 (docs/perf.md, twenty-ninth session). Not the default: with it, fp8
-# over 2 devices no longer gives one device's greedy tokens (tests/test_tp.py::test_quantized_linears_split, on
-# the CPU), even with float32 kept for the row-split linears' partial products; why is not yet known.
-FP8_GEMM_OUT = "float32"
+# steps 11.16 / 11.18 against 11.29 / 11.28 (docs/perf.md, twenty-ninth session). It applies to bfloat16
+# activations only: a float32 model's GEMMs keep float32 (rounded to bfloat16, a float32 model run over 2 devices
+# parted from itself on one at bfloat16's resolution: tests/test_tp.py::test_quantized_linears_split).
+FP8_GEMM_OUT = "bfloat16"
 # fp8 KV pools in varlen_attention (Triton): widen the K/V tiles to float16 and run both dots in float16 (1), or
 # widen to q's dtype (0). 2026-12-03 (tenth session, tools/gpu_fp8_kv.py 64 4096, H200, the decode tile, chained):
 # unscaled fp8 323 us against 370, scaled 363 against 375; the output's error against the reference halves.

@@ -323,18 +323,25 @@ def test_fp8_format_matches_the_numpy_reference(shape):
 @pytest.mark.parametrize("m,k,n", [(1, 5, 1), (7, 130, 3), (33, 64, 257), (2, 17, 40)])
 def test_fp8_matmul_matches_w8a8_in_numpy(m, k, n, gemm_out, monkeypatch):
     """Both operands quantized (activations per token), products accumulated exactly, both scales applied; the
-    GEMM writing float32 or bfloat16 (tuning.FP8_GEMM_OUT) before the scales."""
+    GEMM writing float32 or bfloat16 (tuning.FP8_GEMM_OUT) before the scales, for bfloat16 activations; float32
+    activations keep float32 either way."""
     monkeypatch.setattr(tuning, "FP8_GEMM_OUT", gemm_out)
     rng = np.random.default_rng(m * k * n + 8)
     x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, size=(m, 1))).astype(np.float32)
     x[0, :] = 0.0  # an all-zero token
+    x = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)  # values that bfloat16 activations hold exactly
     wq, wscale = reference_fp8(rng.standard_normal((k, n)).astype(np.float32), 0)
     xq, xscale = reference_fp8(x, -1)
     want = (xq.astype(np.float64) @ wq.astype(np.float64)) * xscale * wscale
     exact = x.astype(np.float64) @ (wq.astype(np.float64) * wscale)
-    got = np.asarray(quant.fp8_matmul(jnp.asarray(x), jnp.asarray(wq.T), jnp.asarray(wscale[0])))
+    args = jnp.asarray(wq.T), jnp.asarray(wscale[0])
+    got = np.asarray(quant.fp8_matmul(jnp.asarray(x, jnp.bfloat16), *args), np.float32)
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
     assert np.abs(got - exact).max() <= 0.1 * np.abs(exact).max()  # activation rounding alone (e4m3)
+    got32 = np.asarray(quant.fp8_matmul(jnp.asarray(x), *args))
+    monkeypatch.setattr(tuning, "FP8_GEMM_OUT", "float32")
+    np.testing.assert_array_equal(got32, np.asarray(quant.fp8_matmul(jnp.asarray(x), *args)))
+    np.testing.assert_allclose(got32, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
 
 
 def _fp8_mlp_inputs(rows: int, d: int, hidden: int, seed: int):
@@ -374,7 +381,7 @@ def test_gated_fp8_kernel_matches_its_reference_and_the_model(rows, d, hidden, g
     monkeypatch.setattr(tuning, "GATED_FP8_ROWS", tile)
     x, gate_up, down = _fp8_mlp_inputs(rows, d, hidden, rows + d + hidden)
     xq, xscale = quant.quantize_activations_fp8(x)
-    y = quant._fp8_product(xq, gate_up.qweight[...])
+    y = quant._fp8_product(xq, gate_up.qweight[...], x.dtype)
     want_q, want_scale = gated_fp8.gated_quantize_fp8_reference(y, xscale, gate_up.scale[...])
 
     g, u = jnp.split(quant.fp8_matmul(x, gate_up.qweight[...], gate_up.scale[...]), 2, axis=-1)
@@ -401,7 +408,7 @@ def test_fused_fp8_mlp_is_as_accurate_as_the_unfused_one(monkeypatch):
     monkeypatch.setattr(tuning, "GATED_FP8_ROWS", 8)
     x, gate_up, down = _fp8_mlp_inputs(32, 64, 1000, 7)
     xq, xscale = quant.quantize_activations_fp8(x)
-    g32, u32 = jnp.split(quant._fp8_product(xq, gate_up.qweight[...]).astype(jnp.float32) * xscale
+    g32, u32 = jnp.split(quant._fp8_product(xq, gate_up.qweight[...], jnp.float32).astype(jnp.float32) * xscale
                          * gate_up.scale[...], 2, axis=-1)
     truth = (jax.nn.silu(g32) * u32) @ (down.qweight[...].astype(jnp.float32) * down.scale[...][:, None]).T
     g, u = jnp.split(quant.fp8_matmul(x, gate_up.qweight[...], gate_up.scale[...]), 2, axis=-1)
