@@ -53,6 +53,7 @@ _F16_MAX = float(jnp.finfo(jnp.float16).max)
 # Of the 232,448 bytes of shared memory a Hopper CTA may take, what the tiles may: the barriers and alignment took
 # 2,192 more at 128 keys (an H100, 2026-12-06)
 _SMEM_BYTES = 232448 - 3 * 1024
+_WIDE_SLOTS = 2  # K and V tiles each that a widening warpgroup fills in turn
 _TMA_SMEM_ALIGN = 128  # bytes: where a TMA copy may land in shared memory
 
 
@@ -99,7 +100,7 @@ def widen_wg_fits(*, q_slots: int, head_dim: int, block_kv: int, num_stages: int
     pools (a persistent grid's two query tiles with a scaled cache's scales, or the float32 output tile of split
     keys, at 128 keys and head_dim 128 do not): otherwise the compute warpgroup widens each block itself."""
     tiles = (q_slots * _BLOCK_M * head_dim * 2 + 2 * num_stages * block_kv * head_dim  # queries, fp8 K and V
-             + 2 * 2 * block_kv * head_dim * 2  # two wide K and V tiles
+             + 2 * _WIDE_SLOTS * block_kv * head_dim * 2  # the wide K and V tiles
              + (0 if p_in_registers else _BLOCK_M * block_kv * 2)
              + (0 if num_splits == 1 else _BLOCK_M * (head_dim + 1) * 4)  # the float32 output tile and lse
              + (2 * num_stages * block_kv * _SCALE_BYTES if scaled else 0))
@@ -248,11 +249,10 @@ def _kernel(
         return lax.fori_loop(it.full_end, it.end, functools.partial(body, masked=True), carry)
 
     if widen_wg:
-        # A third warpgroup widens each fp8 block into one of `wide_slots` K and V tiles while the compute
+        # A third warpgroup widens each fp8 block into one of _WIDE_SLOTS K and V tiles while the compute
         # warpgroup runs the last block's dots and softmax: it frees the fp8 slot once both are widened, and the
         # compute warpgroup frees a wide tile once its dot has read it.
         k_ready, v_ready, k_free, v_free = wide_barriers
-        wide_slots = k_wide.shape[0]
 
         @pl.when(wg == 2)
         def _widen_wg():
@@ -261,18 +261,18 @@ def _kernel(
 
                 def body(block, carry, *, masked: bool):
                     step = done + block - it.begin
-                    slot, w = lax.rem(step, jnp.int32(num_stages)), lax.rem(step, jnp.int32(wide_slots))
+                    slot, w = lax.rem(step, jnp.int32(num_stages)), lax.rem(step, jnp.int32(_WIDE_SLOTS))
                     with jax.named_scope("k8"):
                         plgpu.barrier_wait(k_barriers.at[slot])
                     with jax.named_scope("k_free"):
-                        pl.when(step >= wide_slots)(lambda: plgpu.barrier_wait(k_free.at[w]))
+                        pl.when(step >= _WIDE_SLOTS)(lambda: plgpu.barrier_wait(k_free.at[w]))
                     with jax.named_scope("widen_k"):
                         widened(k_smem, k_scales, k_wide.at[w], slot)
                     plgpu.barrier_arrive(k_ready.at[w])
                     with jax.named_scope("v8"):
                         plgpu.barrier_wait(v_barriers.at[slot])
                     with jax.named_scope("v_free"):
-                        pl.when(step >= wide_slots)(lambda: plgpu.barrier_wait(v_free.at[w]))
+                        pl.when(step >= _WIDE_SLOTS)(lambda: plgpu.barrier_wait(v_free.at[w]))
                     seen = it.walk.seen_rows(block, v_wide.shape[-2:]) if masked else None
                     with jax.named_scope("widen_v"):
                         widened(v_smem, v_scales, v_wide.at[w], slot, seen)
@@ -283,7 +283,7 @@ def _kernel(
                 walk_blocks(it, body, ())
 
             steps, _ = for_each_item(widen_item)
-            mosaic_keys.drain_slots(steps, wide_slots, (k_free, v_free))
+            mosaic_keys.drain_slots(steps, _WIDE_SLOTS, (k_free, v_free))
 
     @pl.when(wg == 1)
     def _memory_wg():
@@ -329,8 +329,9 @@ def _kernel(
             """The item's rows over its key blocks: (acc, m, l) of the online softmax, in registers."""
             def body(block, carry, *, masked: bool):
                 acc, m_i, l_i = carry
-                slot = lax.rem(done + block - it.begin, jnp.int32(num_stages))
-                w = lax.rem(done + block - it.begin, jnp.int32(wide_slots)) if widen_wg else None
+                step = done + block - it.begin
+                slot = lax.rem(step, jnp.int32(num_stages))
+                w = lax.rem(step, jnp.int32(_WIDE_SLOTS)) if widen_wg else None
                 with jax.named_scope("k"):  # (named scopes: ranges of mosaic_keys.compiler_params' profiles)
                     if widen_wg:
                         plgpu.barrier_wait(k_ready.at[w])
@@ -514,7 +515,6 @@ def decode_attention_mgpu(
     num_ctas = num_items if max_ctas is None else min(num_items, max_ctas)
     # A CTA over several items loads the next item's query tile while this one's rows are computed.
     q_slots = 1 if num_ctas == num_items else 2
-    wide_slots = 2  # under widen_wg
     widen_wg = wide and widen_warpgroup and widen_wg_fits(
         q_slots=q_slots, head_dim=head_dim, block_kv=block_kv, num_stages=num_stages, scaled=scaled,
         num_splits=num_splits, p_in_registers=p_in_registers)
@@ -539,7 +539,7 @@ def decode_attention_mgpu(
                                                        transforms=_transforms(block_kv, dtype)),
                 None if single else plgpu.SMEM((_BLOCK_M, head_dim), jnp.float32),
                 None if single else plgpu.SMEM((_BLOCK_M,), jnp.float32),
-                *(plgpu.SMEM((*(wide_slots,) * widen_wg, block_kv, head_dim), dtype, transforms=transforms)
+                *(plgpu.SMEM((*(_WIDE_SLOTS,) * widen_wg, block_kv, head_dim), dtype, transforms=transforms)
                   if wide else None for _ in "kv"),
                 plgpu.SMEM((num_stages, block_kv), jnp.float32) if scaled else None,
                 plgpu.SMEM((num_stages, block_kv), jnp.float32) if scaled else None,
@@ -554,7 +554,7 @@ def decode_attention_mgpu(
                 plgpu.Barrier(num_arrivals=1, num_barriers=q_slots),
             ),
             # widen_wg: K and V widened (ready) and read by the dots (free), per wide tile
-            tuple(plgpu.Barrier(num_arrivals=1, num_barriers=wide_slots) for _ in range(4 * widen_wg)),
+            tuple(plgpu.Barrier(num_arrivals=1, num_barriers=_WIDE_SLOTS) for _ in range(4 * widen_wg)),
             collective_axes="wg",
         )
 
